@@ -1,0 +1,40 @@
+# pdserve: set-up, tests, demo and benchmarks. Every target creates .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+export PDSERVE_HOME ?= $(CURDIR)/.venv/pdserve-home
+
+.PHONY: install demo test lint bench bench-engine redis
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch==2.13.0 first: the CPU wheel from local disk, never a CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m pdserve.demo
+
+# redis-server is needed by the integration tests; install it when missing.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
+
+# pytest's exit code 5 (no tests collected) is a failure like any other non-zero code.
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy engine pdserve
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy engine pdserve
+
+bench-engine: $(STAMP)
+	$(BIN)/python benchmarks/engine.py
+
+bench: bench-engine

@@ -1,0 +1,255 @@
+"""Model and engine configuration.
+
+`ModelConfig.from_hf` is the one place a HuggingFace ``config.json`` is read. Everything
+downstream (model, KV cache, block manager, workers) takes the frozen dataclass, never the
+raw dict, so a checkpoint quirk (old vs new key spellings) is handled here and only here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A checkpoint or engine setting pdserve cannot serve; the message names the key."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``rope_type`` is ``default``, ``linear`` or ``llama3``."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder, read once from HF ``config.json``."""
+
+    architecture: str  # "llama" | "mistral" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    # Per layer: attend only to the last `w` positions (key pos > query pos - w), or None.
+    sliding_windows: tuple[int | None, ...]
+    dtype: str  # checkpoint dtype name, one of DTYPE_NAMES
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self, include_embeddings: bool = True) -> int:
+        """Parameter count; FLOP estimates use the non-embedding count."""
+        d, i = self.hidden_size, self.intermediate_size
+        attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        per_layer = attn + 3 * d * i + 2 * d
+        body = self.num_layers * per_layer + d
+        lm_head = self.vocab_size * d
+        if not include_embeddings:
+            return body + lm_head  # lm_head is a real matmul per token
+        embed = 0 if self.tie_word_embeddings else self.vocab_size * d
+        return body + lm_head + embed
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> ModelConfig:
+        """Read ``config.json`` in a checkpoint directory (or the file itself)."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        with open(p) as f:
+            return cls.from_hf_dict(json.load(f))
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next(
+            (SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None
+        )
+        if arch is None:
+            model_type = raw.get("model_type")
+            if model_type in SUPPORTED_ARCHITECTURES.values():
+                arch = str(model_type)
+            else:
+                raise ConfigError(
+                    f"config.json: unsupported architectures={archs} model_type={model_type!r}; "
+                    f"pdserve serves {sorted(SUPPORTED_ARCHITECTURES)}"
+                )
+        for key in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "vocab_size",
+        ):
+            if key not in raw:
+                raise ConfigError(f"config.json: missing required key {key!r}")
+        num_heads = int(raw["num_attention_heads"])
+        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv_heads:
+            raise ConfigError(
+                f"config.json: num_attention_heads={num_heads} is not a multiple of "
+                f"num_key_value_heads={num_kv_heads}"
+            )
+        hidden = int(raw["hidden_size"])
+        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"config.json: hidden_act={raw.get('hidden_act')!r}; only silu")
+        rope_theta, scaling = _read_rope(raw)
+        num_layers = int(raw["num_hidden_layers"])
+        eos = raw.get("eos_token_id")
+        eos_ids = (
+            tuple(int(e) for e in eos)
+            if isinstance(eos, list)
+            else ((int(eos),) if eos is not None else ())
+        )
+        bos = raw.get("bos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            sliding_windows=_read_sliding_windows(raw, arch, num_layers),
+            dtype=_read_dtype(raw),
+            bos_token_id=int(bos) if bos is not None else None,
+            eos_token_ids=eos_ids,
+        )
+
+    def fingerprint(self) -> str:
+        """Stable digest of the architecture; `engine.weights` mixes in the weights."""
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _read_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
+    """Both spellings: old (`rope_theta`, `rope_scaling`) and transformers 5 (`rope_parameters`)."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
+        params = params["full_attention"]
+    scaling_raw = raw.get("rope_scaling")
+    if params is not None:
+        theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        scaling_raw = params
+    else:
+        theta = float(raw.get("rope_theta", 10000.0))
+    if not scaling_raw:
+        return theta, RopeScaling()
+    rope_type = str(scaling_raw.get("rope_type") or scaling_raw.get("type") or "default")
+    if rope_type == "default":
+        return theta, RopeScaling()
+    if rope_type not in ("linear", "llama3"):
+        raise ConfigError(
+            f"config.json: rope type {rope_type!r} is not supported "
+            "(supported: default, linear, llama3)"
+        )
+    return theta, RopeScaling(
+        rope_type=rope_type,
+        factor=float(scaling_raw.get("factor", 1.0)),
+        low_freq_factor=float(scaling_raw.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling_raw.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            scaling_raw.get("original_max_position_embeddings", 8192)
+        ),
+    )
+
+
+def _read_sliding_windows(
+    raw: dict[str, Any], arch: str, num_layers: int
+) -> tuple[int | None, ...]:
+    window = raw.get("sliding_window")
+    if window is None:
+        return (None,) * num_layers
+    if arch == "qwen2" and not raw.get("use_sliding_window", False):
+        return (None,) * num_layers
+    layer_types = raw.get("layer_types")
+    if isinstance(layer_types, list) and len(layer_types) == num_layers:
+        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    if arch == "qwen2":
+        first = int(raw.get("max_window_layers", num_layers))
+        return tuple(int(window) if i >= first else None for i in range(num_layers))
+    return (int(window),) * num_layers
+
+
+def _read_dtype(raw: dict[str, Any]) -> str:
+    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    name = str(name).removeprefix("torch.")
+    if name not in DTYPE_NAMES:
+        raise ConfigError(f"config.json: dtype {name!r} is not supported ({DTYPE_NAMES})")
+    return name
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing. A block holds `block_size` tokens of K and V for every layer."""
+
+    block_size: int = 16
+    num_blocks: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size={self.block_size} must be a positive power of two")
+        if self.num_blocks <= 0:
+            raise ConfigError(f"num_kv_blocks={self.num_blocks} must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How much work one engine step may take on."""
+
+    max_num_seqs: int = 64  # running requests decoded together
+    max_num_batched_tokens: int = 2048  # prompt tokens in one prefill step (chunk budget)
+    max_model_len: int = 4096  # prompt + output tokens per request
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,260 @@
+"""The engine loop: schedule, prepare, forward, postprocess.
+
+`LLMEngine` is what both worker pools and the colocated baseline run. It knows nothing about
+Ray, gRPC or where K/V comes from: a prefill worker adds requests with ``prefill_only=True``
+(they finish after their first token and keep their blocks for the transfer), a decode worker
+reserves blocks, lets a transport fill them, then calls `add_prefilled`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager, namespace_seed
+from engine.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig, ceil_div
+from engine.kv_cache import DTYPES, PagedKVCache
+from engine.model import LayerHook, LlamaModel
+from engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from engine.runner import ModelRunner
+from engine.sampling import InvalidParameterError, SamplingParams, sample
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.tokenizer import Tokenizer
+from engine.weights import load_weights
+
+
+class ContextLengthError(InvalidParameterError):
+    """The prompt (plus requested output) does not fit the context window."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # checkpoint directory
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (float16 -> float32 on CPU)
+    device: str = "cpu"
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str, device: str) -> torch.dtype:
+    if name == "auto":
+        name = checkpoint_dtype
+    if name not in DTYPES:
+        raise ConfigError(f"dtype={name!r}; expected auto, float32, bfloat16 or float16")
+    if name == "float16" and not device.startswith("cuda"):
+        name = "float32"
+    return DTYPES[name]
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        model: LlamaModel,
+        tokenizer: Tokenizer | None,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+    ) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.fingerprint = model.w.fingerprint or model_config.fingerprint()
+        self.cache = PagedKVCache(
+            model_config, cache_config, model.dtype, model.device, self.fingerprint
+        )
+        self.blocks = BlockManager(cache_config.num_blocks, cache_config.block_size)
+        self.scheduler = Scheduler(scheduler_config, self.blocks)
+        self.runner = ModelRunner(model, self.cache, self.blocks)
+        self.requests: dict[str, Request] = {}
+        self.layer_hook: LayerHook | None = None
+        self.eos_token_ids = tokenizer.eos_token_ids if tokenizer else model_config.eos_token_ids
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> LLMEngine:
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        mcfg = ModelConfig.from_hf(cfg.model)
+        dtype = resolve_dtype(cfg.dtype, mcfg.dtype, cfg.device)
+        weights = load_weights(cfg.model, mcfg, dtype, cfg.device)
+        max_len = min(cfg.scheduler.max_model_len, mcfg.max_position_embeddings)
+        sched = SchedulerConfig(
+            cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, max_len
+        )
+        tokenizer = (
+            Tokenizer.from_dir(cfg.model, mcfg)
+            if (Path(cfg.model) / "tokenizer.json").exists()
+            else None
+        )
+        return cls(mcfg, LlamaModel(mcfg, weights, max_len), tokenizer, cfg.cache, sched)
+
+    # ---- requests ------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Reject bad input with an error naming the field; nothing is allocated."""
+        params.validate(self.model_config.vocab_size)
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidParameterError("prompt", "must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidParameterError(
+                "prompt_token_ids", f"ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            )
+        max_len = self.scheduler_config.max_model_len
+        if n + params.max_tokens > max_len:
+            raise ContextLengthError(
+                "prompt",
+                (
+                    f"This model's maximum context length is {max_len} tokens. However, you "
+                    f"requested {n + params.max_tokens} tokens ({n} in the messages, "
+                    f"{params.max_tokens} in the completion). Please reduce the length of the "
+                    "messages or completion."
+                ),
+            )
+        blocks = ceil_div(n + 1, self.cache_config.block_size)
+        if blocks > self.cache_config.num_blocks:
+            raise ContextLengthError(
+                "prompt", f"needs {blocks} KV blocks; the cache has {self.cache_config.num_blocks}"
+            )
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str = "",
+        prefill_only: bool = False,
+    ) -> Request:
+        if request_id in self.requests:
+            raise InvalidParameterError("request_id", f"{request_id!r} is already running")
+        self.validate(prompt_token_ids, params)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            hash_seed=namespace_seed(self.fingerprint, cache_salt),
+            block_size=self.cache_config.block_size,
+            detokenizer=self.tokenizer.detokenizer() if self.tokenizer else None,
+            eos_token_ids=self.eos_token_ids,
+            prefill_only=prefill_only,
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str = "",
+        prefill_only: bool = False,
+    ) -> Request:
+        req = self.make_request(request_id, prompt_token_ids, params, cache_salt, prefill_only)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def add_prefilled(self, req: Request, first_token_id: int) -> RequestOutput:
+        """Admit a request whose prompt K/V already fills its blocks (see `reserve`)."""
+        assert self.blocks.has(req.request_id), f"{req.request_id}: reserve blocks first"
+        req.num_computed_tokens = len(req.prompt_token_ids)
+        self.blocks.commit(req.request_id, req.computed_hashes())
+        delta = req.append_token(first_token_id, None)
+        self.requests[req.request_id] = req
+        reason = req.check_stop(self.scheduler_config.max_model_len)
+        if reason is not None:
+            self._finish(req, reason)
+        else:
+            self.scheduler.add_running(req)
+        return RequestOutput(
+            req.request_id, (first_token_id,), delta, req.is_finished, req.finish_reason
+        )
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, FinishReason.ABORT)
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Free blocks a prefill-only request kept for its transfer."""
+        if self.blocks.has(request_id):
+            self.blocks.free(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        t0 = time.perf_counter()
+        if out.prefill:
+            logits = self.runner.prefill(out.prefill, self.layer_hook)
+            done = [c.request for c in out.prefill if c.completes_prompt]
+        else:
+            logits = self.runner.decode(out.decode)
+            done = list(out.decode)
+        return self._postprocess(out, done, logits, time.perf_counter() - t0)
+
+    def _postprocess(
+        self, out: SchedulerOutput, sampled: list[Request], logits: torch.Tensor, step_s: float
+    ) -> list[RequestOutput]:
+        for c in out.prefill:
+            c.request.num_computed_tokens = c.end
+            c.request.prefill_s += step_s
+        for r in out.decode:
+            r.num_computed_tokens = r.num_tokens
+        for r in [c.request for c in out.prefill] + list(out.decode):
+            self.blocks.commit(r.request_id, r.computed_hashes())
+        tokens, logprobs = sample(logits, [r.sampling_state() for r in sampled])
+        outputs = []
+        max_len = self.scheduler_config.max_model_len
+        for req, tok, lp in zip(sampled, tokens, logprobs, strict=True):
+            delta = req.append_token(tok, lp)
+            reason = req.check_stop(max_len)
+            if req.prefill_only:
+                # Done here either way; reason None means "continue on a decode worker".
+                self._finish(req, reason, keep_blocks=True)
+            elif reason is not None:
+                self._finish(req, reason)
+            elif req.status is RequestStatus.WAITING:
+                self.scheduler.waiting.remove(req)
+                self.scheduler.add_running(req)
+            outputs.append(
+                RequestOutput(
+                    req.request_id,
+                    (tok,),
+                    delta,
+                    req.is_finished,
+                    req.finish_reason,
+                    (lp,) if lp else (),
+                )
+            )
+        return outputs
+
+    def _finish(self, req: Request, reason: FinishReason | None, keep_blocks: bool = False) -> None:
+        self.scheduler.remove(req)
+        req.finish(reason)
+        self.requests.pop(req.request_id, None)
+        if not keep_blocks and self.blocks.has(req.request_id):
+            self.blocks.free(req.request_id)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Request]:
+        """Run prompts to completion in one batch (the colocated path); results in order."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        reqs = [
+            self.add_request(f"gen-{id(self)}-{i}-{time.monotonic_ns()}", p, sp)
+            for i, (p, sp) in enumerate(zip(prompts, plist, strict=True))
+        ]
+        while self.has_unfinished():
+            self.step()
+        return reqs

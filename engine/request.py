@@ -1,0 +1,147 @@
+"""A request's progress through the engine, and the output objects the engine hands back.
+
+Vocabulary (the same from proto to Redis keys): ``num_computed_tokens`` counts leading tokens
+whose K/V is in the cache; ``num_cached_tokens`` is how many of those came from the prefix
+cache at admission rather than from this request's own compute.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_manager import extend_block_hashes
+from engine.sampling import SamplingParams, SamplingState, TokenLogprob
+from engine.tokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # needs (more) prefill
+    RUNNING = "running"  # in the decode batch
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    hash_seed: bytes  # `block_manager.namespace_seed(fingerprint, cache_salt)`
+    block_size: int
+    detokenizer: IncrementalDetokenizer | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # Stop after the first token and keep the blocks (a prefill worker's request).
+    prefill_only: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    text: str = ""
+    block_hashes: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    prefill_s: float = 0.0  # wall time of prefill steps that included this request
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+        self.refresh_hashes()
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def refresh_hashes(self) -> None:
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.hash_seed)
+
+    def computed_hashes(self) -> list[int]:
+        """Hashes of blocks whose K/V is fully computed (safe to share)."""
+        return self.block_hashes[: self.num_computed_tokens // self.block_size]
+
+    def sampling_state(self) -> SamplingState:
+        banned = () if self.params.ignore_eos else self.eos_token_ids
+        return SamplingState(
+            self.params,
+            self.prompt_token_ids,
+            self.output_token_ids,
+            self.generator,
+            tuple(banned) + self.params.stop_token_ids,
+        )
+
+    def append_token(self, token_id: int, logprob: TokenLogprob | None) -> str:
+        """Record a sampled token; returns the text delta it completes (maybe empty)."""
+        if self.first_token_s is None:
+            self.first_token_s = time.perf_counter()
+        self.output_token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        self.refresh_hashes()
+        if self.detokenizer is None or self._is_stop_token(token_id):
+            return ""
+        delta = self.detokenizer.add(token_id)
+        self.text += delta
+        return delta
+
+    def _is_stop_token(self, token_id: int) -> bool:
+        return token_id in self.params.stop_token_ids or (
+            not self.params.ignore_eos and token_id in self.eos_token_ids
+        )
+
+    def check_stop(self, max_model_len: int) -> FinishReason | None:
+        """Decide whether the last appended token ends the request; trims stop strings."""
+        if not self.output_token_ids:
+            return None
+        last = self.output_token_ids[-1]
+        n_out = len(self.output_token_ids)
+        if n_out >= self.params.min_tokens and self._is_stop_token(last):
+            return FinishReason.STOP
+        if self.params.stop and n_out >= self.params.min_tokens:
+            hit = self._find_stop_string()
+            if hit is not None:
+                self.text = self.text[:hit]
+                return FinishReason.STOP
+        if n_out >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _find_stop_string(self) -> int | None:
+        positions = [i for s in self.params.stop if (i := self.text.find(s)) >= 0]
+        return min(positions) if positions else None
+
+    def finish(self, reason: FinishReason | None) -> None:
+        """End this request here; `reason` None marks a prefill-only request handed on."""
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    text_delta: str
+    finished: bool
+    finish_reason: FinishReason | None
+    new_logprobs: tuple[TokenLogprob, ...] = ()

@@ -1,0 +1,85 @@
+"""Turns a scheduled step into tensors, runs the model, and returns the logits that matter.
+
+The runner reads block tables from the block manager and writes nothing to it; the engine
+applies the step's results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.kv_cache import PagedKVCache
+from engine.model import AttentionMetadata, LayerHook, LlamaModel, PrefillSegment
+from engine.request import Request
+from engine.scheduler import PrefillChunk
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cache: PagedKVCache, blocks: BlockManager) -> None:
+        self.model = model
+        self.cache = cache
+        self.blocks = blocks
+        self.device = model.device
+        self.block_size = cache.block_size
+
+    def _slots(self, request_id: str, positions: torch.Tensor) -> torch.Tensor:
+        """Cache slot of each position: block_table[pos // bs] * bs + pos % bs."""
+        table = torch.tensor(self.blocks.block_table(request_id), dtype=torch.long)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def prefill(
+        self, chunks: Sequence[PrefillChunk], layer_hook: LayerHook | None = None
+    ) -> torch.Tensor:
+        """Run one packed prefill step; logits [n, V] for chunks that complete their prompt."""
+        ids, positions, slots, segments, logit_rows = [], [], [], [], []
+        q_start = 0
+        for c in chunks:
+            pos = torch.arange(c.start, c.end)
+            ids.append(torch.tensor(c.request.all_token_ids[c.start : c.end], dtype=torch.long))
+            positions.append(pos)
+            slots.append(self._slots(c.request.request_id, pos))
+            prefix = (
+                self._slots(c.request.request_id, torch.arange(c.start)).to(self.device)
+                if c.start
+                else None
+            )
+            segments.append(PrefillSegment(q_start, c.end - c.start, c.end, prefix))
+            q_start += c.end - c.start
+            if c.completes_prompt:
+                logit_rows.append(q_start - 1)
+        meta = AttentionMetadata(
+            positions=torch.cat(positions).to(self.device),
+            slot_mapping=torch.cat(slots).to(self.device),
+            prefill=segments,
+        )
+        return self.model.forward(
+            torch.cat(ids).to(self.device),
+            meta,
+            self.cache,
+            torch.tensor(logit_rows, dtype=torch.long, device=self.device),
+            layer_hook,
+        )
+
+    def decode(self, requests: Sequence[Request]) -> torch.Tensor:
+        """One token per request; logits [B, V]. Each request's last token is fed."""
+        lens = [r.num_tokens for r in requests]
+        s_max = max(lens)
+        grid = torch.zeros((len(requests), s_max), dtype=torch.long)  # [B, S_max]
+        for i, (r, n) in enumerate(zip(requests, lens, strict=True)):
+            grid[i, :n] = self._slots(r.request_id, torch.arange(n))
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        meta = AttentionMetadata(
+            positions=(lens_t - 1).to(self.device),
+            slot_mapping=grid[torch.arange(len(requests)), lens_t - 1].to(self.device),
+            decode_slots=grid.to(self.device),
+            decode_ctx_lens=lens_t.to(self.device),
+        )
+        ids = torch.tensor(
+            [r.all_token_ids[-1] for r in requests], dtype=torch.long, device=self.device
+        )
+        return self.model.forward(
+            ids, meta, self.cache, torch.arange(len(requests), device=self.device)
+        )

@@ -1,0 +1,223 @@
+"""Sampling parameters, their validation, and the sampler.
+
+The sampler turns a step's float32 logits ``[B, V]`` into one token per request. Greedy rows
+with no penalties take one batched argmax; anything else is processed per row (penalties,
+temperature, top-k, top-p, min-p) and drawn with the request's own `torch.Generator`, so a
+seeded request yields the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy
+MAX_LOGPROBS = 20
+
+
+class InvalidParameterError(ValueError):
+    """Bad user input; `field` names the offending parameter (mapped to INVALID_ARGUMENT)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. Defaults follow OpenAI/vLLM: temperature 1.0, top_p 1.0."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None  # None: no top-k cut
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF style, over prompt and output tokens
+    frequency_penalty: float = 0.0  # OpenAI style, over output tokens
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # top-N alternatives per sampled token (0: sampled only)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidParameterError naming the first bad field."""
+        checks: list[tuple[str, bool, str]] = [
+            (
+                "temperature",
+                math.isfinite(self.temperature) and self.temperature >= 0,
+                f"must be a finite number >= 0, got {self.temperature}",
+            ),
+            ("top_p", 0 < self.top_p <= 1, f"must be in (0, 1], got {self.top_p}"),
+            (
+                "top_k",
+                self.top_k is None or self.top_k >= 1,
+                f"must be >= 1 (or unset), got {self.top_k}",
+            ),
+            ("min_p", 0 <= self.min_p <= 1, f"must be in [0, 1], got {self.min_p}"),
+            (
+                "repetition_penalty",
+                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+                f"must be > 0, got {self.repetition_penalty}",
+            ),
+            (
+                "frequency_penalty",
+                -2 <= self.frequency_penalty <= 2,
+                f"must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                "presence_penalty",
+                -2 <= self.presence_penalty <= 2,
+                f"must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            ("max_tokens", self.max_tokens >= 1, f"must be >= 1, got {self.max_tokens}"),
+            (
+                "min_tokens",
+                0 <= self.min_tokens <= self.max_tokens,
+                f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+            ),
+            (
+                "logprobs",
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            ),
+            (
+                "stop",
+                all(isinstance(s, str) and s for s in self.stop),
+                "stop strings must be non-empty",
+            ),
+            (
+                "seed",
+                self.seed is None or 0 <= self.seed < 2**63,
+                f"must be in [0, 2^63), got {self.seed}",
+            ),
+        ]
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            checks.append(
+                (
+                    "stop_token_ids",
+                    not bad,
+                    f"ids {bad} are outside the vocabulary [0, {vocab_size})",
+                )
+            )
+        for name, ok, message in checks:
+            if not ok:
+                raise InvalidParameterError(name, message)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclass
+class SamplingState:
+    """What the sampler needs to know about one request at this step."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None
+    banned_until_min_tokens: tuple[int, ...] = field(default_factory=tuple)
+
+
+def sample(
+    logits: torch.Tensor, states: Sequence[SamplingState]
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits: [B, V] float32 -> one token id per row, plus logprobs where asked."""
+    assert logits.shape[0] == len(states), "one sampling state per logits row"
+    raw_logprobs = None
+    if any(s.params.logprobs is not None for s in states):
+        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+    tokens: list[int | None] = [None] * len(states)
+    simple = [i for i, s in enumerate(states) if _is_plain_greedy(s)]
+    if simple:
+        picked = logits[simple].argmax(dim=-1).tolist()
+        for i, t in zip(simple, picked, strict=True):
+            tokens[i] = t
+    for i, s in enumerate(states):
+        if tokens[i] is None:
+            tokens[i] = _sample_row(logits[i].clone(), s)
+    out = [int(t) for t in tokens if t is not None]
+    return out, [
+        _logprobs(raw_logprobs, i, out[i], s.params.logprobs) for i, s in enumerate(states)
+    ]
+
+
+def _is_plain_greedy(s: SamplingState) -> bool:
+    return (
+        s.params.greedy
+        and not s.params.needs_penalties
+        and not (s.banned_until_min_tokens and len(s.output_token_ids) < s.params.min_tokens)
+    )
+
+
+def _sample_row(row: torch.Tensor, s: SamplingState) -> int:
+    p = s.params
+    if p.needs_penalties:
+        _apply_penalties(row, s)
+    if s.banned_until_min_tokens and len(s.output_token_ids) < p.min_tokens:
+        row[list(s.banned_until_min_tokens)] = -math.inf
+    if p.greedy:
+        return int(row.argmax())
+    row = row / p.temperature
+    if p.top_k is not None and p.top_k < row.shape[0]:
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, -math.inf)
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest set whose mass reaches top_p (the first token always stays).
+        drop = (sorted_probs.cumsum(0) - sorted_probs) >= p.top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if p.min_p > 0.0:
+        probs[probs < p.min_p * probs.max()] = 0.0
+    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i.
+    noise = torch.empty_like(probs).exponential_(generator=s.generator)
+    return int((probs / noise).argmax())
+
+
+def _apply_penalties(row: torch.Tensor, s: SamplingState) -> None:
+    p = s.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(
+            sorted(set(s.prompt_token_ids) | set(s.output_token_ids)), dtype=torch.long
+        )
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if s.output_token_ids and (p.frequency_penalty or p.presence_penalty):
+        ids, counts = torch.tensor(list(s.output_token_ids), dtype=torch.long).unique(
+            return_counts=True
+        )
+        row[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+
+
+def _logprobs(raw: torch.Tensor | None, i: int, token: int, n: int | None) -> TokenLogprob | None:
+    if raw is None or n is None:
+        return None
+    top: tuple[tuple[int, float], ...] = ()
+    if n > 0:
+        vals, ids = raw[i].topk(n)
+        top = tuple(zip(ids.tolist(), vals.tolist(), strict=True))
+    return TokenLogprob(token, float(raw[i, token]), top)

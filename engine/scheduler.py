@@ -1,0 +1,134 @@
+"""Which requests run in the next step, and how much of each.
+
+A step is either a **prefill step** (chunks of waiting prompts, packed up to the token budget)
+or a **decode step** (one token for every running request). Prefill goes first when anything
+waits and fits (vLLM v0's policy): that is the colocated baseline whose decode stalls behind
+long prompts, which disaggregation removes.
+
+Admission allocates every block of the prompt at once (reusing its cached prefix), so a
+chunked prompt never finds the pool empty halfway. When decode needs a block and the pool is
+empty, the most recently admitted running request is preempted by recompute: its blocks are
+freed and it goes back to the front of the queue with its output so far as part of the prompt.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager, NoFreeBlocksError
+from engine.config import SchedulerConfig
+from engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    request: Request
+    start: int  # first token position computed in this step
+    end: int  # one past the last; == request.num_tokens means the prompt completes
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.end == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    prefill: tuple[PrefillChunk, ...] = ()
+    decode: tuple[Request, ...] = ()
+    preempted: tuple[Request, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager) -> None:
+        self.cfg = cfg
+        self.blocks = blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """Admit a request whose K/V is already in the cache (a decode worker's transfer)."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def schedule(self) -> SchedulerOutput:
+        chunks = self._schedule_prefill()
+        if chunks:
+            return SchedulerOutput(prefill=tuple(chunks))
+        preempted = self._reserve_decode_slots()
+        return SchedulerOutput(decode=tuple(self.running), preempted=tuple(preempted))
+
+    def _schedule_prefill(self) -> list[PrefillChunk]:
+        budget = self.cfg.max_num_batched_tokens
+        chunks: list[PrefillChunk] = []
+        for req in list(self.waiting):
+            if budget == 0:
+                break
+            if not self.blocks.has(req.request_id) and not self._admit(req):
+                break  # FIFO: later requests wait behind the one that does not fit
+            start = req.num_computed_tokens
+            end = min(req.num_tokens, start + budget)
+            chunks.append(PrefillChunk(req, start, end))
+            budget -= end - start
+        return chunks
+
+    def _admit(self, req: Request) -> bool:
+        if len(self.running) + self._num_prefilling() >= self.cfg.max_num_seqs:
+            return False
+        # Leave at least one token to compute: its logits give the next token.
+        usable = req.block_hashes[: (req.num_tokens - 1) // self.blocks.block_size]
+        try:
+            alloc = self.blocks.allocate(req.request_id, usable, req.num_tokens)
+        except NoFreeBlocksError:
+            return False
+        req.num_computed_tokens = alloc.num_cached_tokens
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = alloc.num_cached_tokens
+        return True
+
+    def _num_prefilling(self) -> int:
+        return sum(1 for r in self.waiting if self.blocks.has(r.request_id))
+
+    def _reserve_decode_slots(self) -> list[Request]:
+        """Make sure every running request has a slot for its next token."""
+        preempted: list[Request] = []
+        for req in list(self.running):
+            if req not in self.running:
+                continue  # preempted below for an earlier request
+            while True:
+                try:
+                    self.blocks.grow(req.request_id, req.num_tokens)
+                    break
+                except NoFreeBlocksError:
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is req:
+                        break
+        return preempted
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.free(req.request_id)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)

@@ -1,0 +1,142 @@
+"""The `pdserve` command line. Subcommands are thin: each parses flags and calls one module."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from engine.sampling import InvalidParameterError, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.engine import LLMEngine
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="checkpoint directory or preset name (tiny, small); default tiny",
+    )
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--seed-weights",
+        type=int,
+        default=0,
+        dest="weights_seed",
+        help="seed of a generated preset checkpoint",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="checkpoint tools").add_subparsers(
+        dest="model_command", required=True
+    )
+    init = model.add_parser("init", help="write a random-weight HF-format Llama checkpoint")
+    init.add_argument("--preset", required=True, choices=["tiny", "small"])
+    init.add_argument("--out", required=True)
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+    gen = sub.add_parser("generate", help="run the engine in process (colocated)")
+    _add_model_flags(gen)
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt (JSONL)")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+
+    trace = sub.add_parser("trace", help="anatomy of prefill and decode against the roofline")
+    _add_model_flags(trace)
+    trace.add_argument("--json", action="store_true")
+    trace.add_argument("prompt", metavar="PROMPT")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "model":
+            return _model_init(args)
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "trace":
+            from pdserve.trace import run_trace
+
+            return run_trace(args)
+    except (InvalidParameterError, ValueError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+def _model_init(args: argparse.Namespace) -> int:
+    from pdserve.checkpoint import write_checkpoint
+
+    path = write_checkpoint(args.preset, args.out, seed=args.seed, dtype=args.dtype)
+    print(f"pdserve: wrote {args.preset} checkpoint (seed {args.seed}, {args.dtype}) to {path}")
+    return 0
+
+
+def load_engine(model: str, dtype: str, weights_seed: int = 0) -> LLMEngine:
+    from engine.engine import EngineConfig, LLMEngine
+    from pdserve.checkpoint import resolve_model
+
+    path = resolve_model(model, seed=weights_seed)
+    return LLMEngine.from_config(EngineConfig(model=str(path), dtype=dtype))
+
+
+def _generate(args: argparse.Namespace) -> int:
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+    )
+    engine = load_engine(args.model, args.dtype, args.weights_seed)
+    assert engine.tokenizer is not None, "generate needs a checkpoint with tokenizer.json"
+    prompts = [engine.tokenizer.encode(p) for p in args.prompts]
+    for ids in prompts:
+        engine.validate(ids, params)
+    t0 = time.perf_counter()
+    reqs = engine.generate(prompts, params)
+    total_s = time.perf_counter() - t0
+    for prompt, req in zip(args.prompts, reqs, strict=True):
+        n_out = len(req.output_token_ids)
+        first = (req.first_token_s or req.arrival_s) - req.arrival_s
+        decode_ms = (total_s - first) * 1e3 / max(n_out - 1, 1)
+        record = {
+            "prompt": prompt,
+            "prompt_token_ids": req.prompt_token_ids,
+            "token_ids": req.output_token_ids,
+            "text": req.text,
+            "finish_reason": req.finish_reason.value if req.finish_reason else None,
+            "timings": {
+                "prefill_ms": round(req.prefill_s * 1e3, 3),
+                "ttft_ms": round(first * 1e3, 3),
+                "decode_ms_per_token": round(decode_ms, 3),
+            },
+        }
+        if args.json:
+            print(json.dumps(record))
+        else:
+            print(
+                f"{prompt!r} -> {req.text!r} [{record['finish_reason']}, "
+                f"{n_out} tokens, TTFT {first * 1e3:.1f} ms, {decode_ms:.1f} ms/token]"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
