@@ -30,11 +30,12 @@ def main() -> None:
         (req,) = engine.generate([ids], params)
         total = time.perf_counter() - t
         ttft = (req.first_token_s or t) - req.arrival_s
+        reason = req.finish_reason.value if req.finish_reason else None
         per_tok = (total - ttft) / max(len(req.output_token_ids) - 1, 1)
         print(
             f"\nprompt ({len(ids)} tokens, {req.num_cached_tokens} from the prefix cache): "
             f"{prompt!r}\n  output: {req.text!r}\n  TTFT {ttft * 1e3:.1f} ms, "
-            f"{per_tok * 1e3:.2f} ms/token, finish={req.finish_reason.value if req.finish_reason else None}"
+            f"{per_tok * 1e3:.2f} ms/token, finish={reason}"
         )
     engine.blocks.check_integrity()
     print(
