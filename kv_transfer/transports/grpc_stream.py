@@ -1,0 +1,264 @@
+"""gRPC transport: one client-streaming `KVTransfer.Push` call per transfer.
+
+For when NCCL/gloo cannot reach (across clusters, through firewalls). The stream carries the
+same headers as every transport; each header is followed by its payload in data chunks of at
+most 1 MiB. The receiver writes chunks straight into the validated destination pages as they
+arrive; a stream that ends mid-frame, overflows a frame, or breaks off fails the transfer and
+releases its blocks.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+from concurrent import futures
+
+import grpc
+import numpy as np
+import torch
+
+from kv_transfer.receiver import KVReceiver, Reservation, ack_of
+from kv_transfer.transports.base import Endpoint, SendChannel, Transport, register
+from kv_transfer.wire import TransferError, TransferRejected, as_bytes
+from protos.pdserve.v1 import kv_transfer_pb2 as pb
+from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+CHUNK_BYTES = 1 << 20
+MAX_MESSAGE_BYTES = 64 << 20
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+_SKIP_LIMIT_BYTES = 1 << 32
+
+
+class _FrameWriter:
+    """Copies a frame's incoming bytes into its destination regions, in wire order."""
+
+    def __init__(
+        self, res: Reservation, header: pb.KVFrameHeader, regions: list[torch.Tensor]
+    ) -> None:
+        self.res = res
+        self.header = header
+        self.regions = [as_bytes(r) for r in regions]
+        self.cpu = all(r.device.type == "cpu" for r in regions)
+        self.views = [r.numpy() for r in self.regions] if self.cpu else []
+        self.idx = 0
+        self.off = 0
+        self.remaining = int(header.payload_bytes)
+
+    def write(self, data: bytes) -> None:
+        if len(data) > self.remaining:
+            raise TransferRejected(
+                f"frame overflows its payload_bytes by {len(data) - self.remaining}"
+            )
+        mv = memoryview(data)
+        while mv:
+            size = self.regions[self.idx].numel()
+            n = min(len(mv), size - self.off)
+            if self.cpu:
+                self.views[self.idx][self.off : self.off + n] = np.frombuffer(mv[:n], np.uint8)
+            else:  # pragma: no cover - CUDA caches
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    src = torch.frombuffer(mv[:n], dtype=torch.uint8)
+                self.regions[self.idx][self.off : self.off + n].copy_(src)
+            mv = mv[n:]
+            self.off += n
+            self.remaining -= n
+            if self.off == size:
+                self.idx += 1
+                self.off = 0
+
+    @property
+    def done(self) -> bool:
+        return self.remaining == 0
+
+
+def consume_stream(receiver: KVReceiver, chunks: Iterator[pb.KVChunk]) -> pb.TransferAck:
+    """Land every frame of one Push stream; the servicer's whole job, testable without gRPC."""
+    writer: _FrameWriter | None = None
+    skip = 0
+    transfer_id = ""
+    ack: pb.TransferAck | None = None
+
+    def fail(tid: str, error: str) -> pb.TransferAck:
+        receiver.fail(tid, error)
+        return pb.TransferAck(transfer_id=tid, status=pb.TRANSFER_STATUS_REJECTED, error=error)
+
+    try:
+        for chunk in chunks:
+            if chunk.HasField("header"):
+                h = chunk.header
+                if writer is not None or skip:
+                    raise TransferRejected(
+                        "a header arrived before the previous frame's payload was complete"
+                    )
+                transfer_id = h.transfer_id
+                if h.abort:
+                    receiver.fail(h.transfer_id, f"aborted by sender: {h.abort_reason}")
+                    ack = pb.TransferAck(
+                        transfer_id=h.transfer_id,
+                        status=pb.TRANSFER_STATUS_ABORTED,
+                        error=f"aborted by sender: {h.abort_reason}",
+                    )
+                    continue
+                try:
+                    res, regions = receiver.begin_frame(h)
+                except TransferRejected as e:
+                    ack = pb.TransferAck(
+                        transfer_id=h.transfer_id, status=pb.TRANSFER_STATUS_REJECTED, error=str(e)
+                    )
+                    skip = int(h.payload_bytes)
+                    if skip > _SKIP_LIMIT_BYTES:
+                        return ack
+                    continue
+                writer = _FrameWriter(res, h, regions)
+                if writer.done:  # pragma: no cover - empty frames are rejected upstream
+                    receiver.end_frame(res, h)
+                    writer = None
+            elif chunk.HasField("data"):
+                if writer is not None:
+                    writer.write(chunk.data)
+                    if writer.done:
+                        receiver.end_frame(writer.res, writer.header)
+                        ack = ack_of(writer.res)  # before the engine may take the blocks
+                        writer = None
+                elif skip:
+                    skip = max(0, skip - len(chunk.data))
+                else:
+                    raise TransferRejected("data chunk without a frame header")
+    except TransferRejected as e:
+        if writer is not None:
+            receiver.end_frame(writer.res, writer.header, error=str(e))
+            return pb.TransferAck(
+                transfer_id=transfer_id, status=pb.TRANSFER_STATUS_REJECTED, error=str(e)
+            )
+        return ack if ack is not None else fail(transfer_id, str(e))
+    except Exception as e:
+        if writer is not None:
+            receiver.end_frame(writer.res, writer.header, error=f"stream broke off: {e}")
+        return pb.TransferAck(
+            transfer_id=transfer_id,
+            status=pb.TRANSFER_STATUS_ABORTED,
+            error=f"stream broke off: {e}",
+        )
+    if writer is not None:
+        receiver.end_frame(writer.res, writer.header, error="stream ended mid-frame")
+        return pb.TransferAck(
+            transfer_id=transfer_id,
+            status=pb.TRANSFER_STATUS_REJECTED,
+            error="stream ended mid-frame (truncated)",
+        )
+    if ack is not None:
+        return ack
+    return receiver.ack(transfer_id)
+
+
+class _Servicer(pb_grpc.KVTransferServicer):
+    def __init__(self, receiver: KVReceiver) -> None:
+        self.receiver = receiver
+
+    def Push(
+        self, request_iterator: Iterator[pb.KVChunk], context: grpc.ServicerContext
+    ) -> pb.TransferAck:
+        return consume_stream(self.receiver, request_iterator)
+
+
+class GrpcEndpoint(Endpoint):
+    def __init__(self, receiver: KVReceiver, host: str) -> None:
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kv-grpc"),
+            options=GRPC_OPTIONS,
+        )
+        pb_grpc.add_KVTransferServicer_to_server(_Servicer(receiver), self.server)
+        port = self.server.add_insecure_port(f"{host}:0")
+        self.server.start()
+        self.address = f"{host}:{port}"
+
+    def close(self) -> None:
+        self.server.stop(grace=None)
+
+
+def frame_chunks(header: pb.KVFrameHeader, regions: Sequence[torch.Tensor]) -> Iterator[pb.KVChunk]:
+    """A header chunk, then the regions' bytes in <= 1 MiB data chunks (one copy each)."""
+    yield pb.KVChunk(header=header)
+    for region in regions:
+        flat = as_bytes(region.cpu() if region.device.type != "cpu" else region).numpy()
+        for start in range(0, flat.shape[0], CHUNK_BYTES):
+            yield pb.KVChunk(data=flat[start : start + CHUNK_BYTES].tobytes())
+
+
+class _Call:
+    """One in-flight Push: frames are queued as layers finish and streamed by gRPC's thread."""
+
+    def __init__(self, stub: pb_grpc.KVTransferStub, timeout_s: float) -> None:
+        self.frames: queue.Queue[tuple[pb.KVFrameHeader, Sequence[torch.Tensor]] | None] = (
+            queue.Queue()
+        )
+        self.future = stub.Push.future(self._chunks(), timeout=timeout_s)
+
+    def _chunks(self) -> Iterator[pb.KVChunk]:
+        while (item := self.frames.get()) is not None:
+            yield from frame_chunks(*item)
+
+
+class GrpcChannel(SendChannel):
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = pb_grpc.KVTransferStub(self.channel)
+        self._calls: dict[str, _Call] = {}
+        self._lock = threading.Lock()
+
+    def _call(self, transfer_id: str) -> _Call:
+        with self._lock:
+            if transfer_id not in self._calls:
+                self._calls[transfer_id] = _Call(self.stub, self.timeout_s)
+            return self._calls[transfer_id]
+
+    def send_frame(self, header: pb.KVFrameHeader, regions: Sequence[torch.Tensor]) -> None:
+        self._call(header.transfer_id).frames.put((header, regions))
+
+    def finish(self, transfer_id: str, timeout_s: float) -> pb.TransferAck:
+        with self._lock:
+            call = self._calls.pop(transfer_id, None)
+        if call is None:
+            raise TransferError(f"transfer {transfer_id}: nothing was sent")
+        call.frames.put(None)
+        try:
+            ack: pb.TransferAck = call.future.result(timeout=timeout_s)
+        except (grpc.RpcError, grpc.FutureTimeoutError) as e:
+            call.future.cancel()
+            raise TransferError(
+                f"transfer {transfer_id}: push to {self.address} failed: {e}"
+            ) from e
+        if ack.status == pb.TRANSFER_STATUS_REJECTED:
+            raise TransferRejected(f"transfer {transfer_id}: {ack.error}")
+        if ack.status != pb.TRANSFER_STATUS_COMPLETE:
+            raise TransferError(f"transfer {transfer_id}: {ack.error or 'not complete'}")
+        return ack
+
+    def abort(self, header: pb.KVFrameHeader) -> None:
+        call = self._call(header.transfer_id)
+        call.frames.put((header, ()))
+        call.frames.put(None)
+        with self._lock:
+            self._calls.pop(header.transfer_id, None)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+@register
+class GrpcTransport(Transport):
+    name = "grpc"
+
+    def listen(self, receiver: KVReceiver, host: str = "127.0.0.1") -> Endpoint:
+        return GrpcEndpoint(receiver, host)
+
+    def connect(self, address: str, sender_id: str) -> SendChannel:
+        return GrpcChannel(address, self.timeout_s)

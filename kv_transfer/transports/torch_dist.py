@@ -1,0 +1,299 @@
+"""torch.distributed point-to-point transport: gloo for CPU caches, NCCL for CUDA caches.
+
+One two-rank process group per (prefill worker, decode worker) pair, created lazily, with
+no global world: the decode worker hosts a `TCPStore` (its ticket's `channel_address`); a
+sender registers pair number ``i`` under ``pair/<i>`` and both sides build a group on
+``PrefixStore("pg/<i>", store)``. Control and data take separate paths:
+
+* headers (and acks, and abort/close frames) go through the store under ``ctl/<i>/...``,
+  so an idle pair holds no posted receive and no collective timeout can fire while idle;
+* payload regions go over the group as raw uint8 sends, straight from the sender's pages
+  into the receiver's reserved pages, after the receiver validated the header.
+
+A pair that breaks (peer died, stalled past the timeout, undecodable frame) fails the
+transfers it carried and is dropped; other pairs are separate groups and carry on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from kv_transfer.receiver import KVReceiver, ack_of
+from kv_transfer.transports.base import Endpoint, SendChannel, Transport, register
+from kv_transfer.wire import (
+    TransferError,
+    TransferRejected,
+    as_bytes,
+    block_runs,
+)
+from protos.pdserve.v1 import kv_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+CLOSE_REASON = "pair closed"
+_ELEM_BYTES = {pb.KV_DTYPE_FLOAT32: 4, pb.KV_DTYPE_BFLOAT16: 2, pb.KV_DTYPE_FLOAT16: 2}
+_MAX_DRAIN_BYTES = 1 << 30
+_POLL_ACTIVE_S = 0.0005
+_POLL_IDLE_S = 0.005
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def make_pair_group(
+    store: dist.Store, rank: int, device: torch.device, timeout_s: float
+) -> dist.ProcessGroup:
+    """A two-rank group without init_process_group: NCCL on CUDA, gloo on CPU."""
+    if device.type == "cuda":  # pragma: no cover - needs two GPUs (NCCL cannot pair one)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _td(timeout_s)
+        return dist.ProcessGroupNCCL(store, rank, 2, opts)
+    return dist.ProcessGroupGloo(store, rank, 2, _td(timeout_s))
+
+
+def _ctl(pair: int, what: str) -> str:
+    return f"ctl/{pair}/{what}"
+
+
+class TorchDistEndpoint(Endpoint):
+    def __init__(self, receiver: KVReceiver, host: str, timeout_s: float) -> None:
+        self.receiver = receiver
+        self.timeout_s = timeout_s
+        self.store = dist.TCPStore(
+            host, 0, None, True, timeout=_td(max(timeout_s, 30.0)), wait_for_workers=False
+        )
+        self.address = f"{host}:{self.store.port}"
+        self._closed = threading.Event()
+        self.num_pairs = 0
+        self.broken_pairs = 0
+        threading.Thread(target=self._accept, name="kv-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        i = 0
+        while not self._closed.is_set():
+            if not self.store.check([f"pair/{i}"]):
+                time.sleep(_POLL_IDLE_S)
+                continue
+            sender = self.store.get(f"pair/{i}").decode()
+            threading.Thread(
+                target=self._serve_pair, args=(i, sender), name=f"kv-pair-{i}", daemon=True
+            ).start()
+            i += 1
+            self.num_pairs = i
+
+    def _serve_pair(self, pair: int, sender: str) -> None:
+        try:
+            group = make_pair_group(
+                dist.PrefixStore(f"pg/{pair}", self.store),
+                1,
+                self.receiver.cache.device,
+                self.timeout_s,
+            )
+        except Exception as e:
+            log.warning("kv pair %d from %s: rendezvous failed: %s", pair, sender, e)
+            return
+        active: dict[str, float] = {}  # transfer id -> time of its last frame
+        seq = 0
+        while not self._closed.is_set():
+            key = _ctl(pair, f"frame/{seq}")
+            if not self.store.check([key]):
+                self._expire_stalled(active, sender)
+                time.sleep(_POLL_ACTIVE_S if active else _POLL_IDLE_S)
+                continue
+            raw = self.store.get(key)
+            self.store.delete_key(key)
+            seq += 1
+            try:
+                header = pb.KVFrameHeader.FromString(raw)
+            except Exception:
+                self._break(pair, active, f"undecodable frame header from {sender}")
+                return
+            if header.abort:
+                if not header.transfer_id and header.abort_reason == CLOSE_REASON:
+                    return
+                self.receiver.fail(header.transfer_id, f"aborted by sender: {header.abort_reason}")
+                active.pop(header.transfer_id, None)
+                continue
+            if not self._receive(pair, group, header, active, sender):
+                return
+
+    def _receive(
+        self,
+        pair: int,
+        group: dist.ProcessGroup,
+        header: pb.KVFrameHeader,
+        active: dict[str, float],
+        sender: str,
+    ) -> bool:
+        """Land one frame; False when the pair is broken and must be dropped."""
+        try:
+            res, regions = self.receiver.begin_frame(header)
+        except TransferRejected as e:
+            self._send_ack(
+                pair,
+                pb.TransferAck(
+                    transfer_id=header.transfer_id, status=pb.TRANSFER_STATUS_REJECTED, error=str(e)
+                ),
+            )
+            if not self._drain(group, header):
+                self._break(pair, active, f"cannot drain rejected frame from {sender}")
+                return False
+            return True
+        active[header.transfer_id] = time.monotonic()
+        try:
+            works = [group.recv([as_bytes(r)], 0, 0) for r in regions]
+            for w in works:
+                w.wait(_td(self.timeout_s))
+        except Exception as e:
+            self.receiver.end_frame(res, header, error=f"peer {sender} broke off: {e}")
+            active.pop(header.transfer_id, None)
+            self._break(pair, active, f"peer {sender} broke off mid-frame")
+            return False
+        self.receiver.end_frame(res, header)
+        if res.done.is_set():
+            active.pop(header.transfer_id, None)
+            self._send_ack(pair, ack_of(res))
+        else:
+            active[header.transfer_id] = time.monotonic()
+        return True
+
+    def _drain(self, group: dist.ProcessGroup, header: pb.KVFrameHeader) -> bool:
+        """Receive and discard a rejected frame's payload, so the pair stays in step."""
+        sizes = _region_sizes(header)
+        if sizes is None:
+            return False
+        scratch = torch.empty(
+            max(sizes, default=0), dtype=torch.uint8, device=self.receiver.cache.device
+        )
+        try:
+            for n in sizes:
+                group.recv([scratch[:n]], 0, 0).wait(_td(self.timeout_s))
+        except Exception:
+            return False
+        return True
+
+    def _expire_stalled(self, active: dict[str, float], sender: str) -> None:
+        now = time.monotonic()
+        for tid, last in list(active.items()):
+            if now - last > self.timeout_s:
+                self.receiver.fail(tid, f"sender {sender} stalled for {self.timeout_s:.1f} s")
+                del active[tid]
+
+    def _break(self, pair: int, active: dict[str, float], why: str) -> None:
+        self.broken_pairs += 1
+        for tid in active:
+            self.receiver.fail(tid, why)
+        active.clear()
+        log.warning("kv pair %d: %s", pair, why)
+
+    def _send_ack(self, pair: int, ack: pb.TransferAck) -> None:
+        self.store.set(_ctl(pair, f"ack/{ack.transfer_id}"), ack.SerializeToString())
+
+    def close(self) -> None:
+        self._closed.set()
+
+
+def _region_sizes(h: pb.KVFrameHeader) -> list[int] | None:
+    """Byte sizes of a frame's regions as the *sender* laid them out, from its header."""
+    elem = _ELEM_BYTES.get(h.layout.dtype)
+    page = h.layout.block_size * h.layout.num_kv_heads * h.layout.head_dim
+    if elem is None or not h.src_block_ids or len(h.src_block_ids) != len(h.dst_block_ids):
+        return None
+    runs = block_runs(h.src_block_ids, h.dst_block_ids)
+    per_layer = [n for run in runs for n in (run.num_blocks * page * elem,) * 2]
+    sizes = per_layer * max(h.layer_end - h.layer_start, 0)
+    if sum(sizes) != h.payload_bytes or sum(sizes) > _MAX_DRAIN_BYTES:
+        return None
+    return sizes
+
+
+class TorchDistChannel(SendChannel):
+    def __init__(
+        self, address: str, sender_id: str, device: torch.device, timeout_s: float
+    ) -> None:
+        host, port = address.rsplit(":", 1)
+        self.address = address
+        self.timeout_s = timeout_s
+        self.store = dist.TCPStore(host, int(port), None, False, timeout=_td(timeout_s))
+        self.pair = int(self.store.add("next_pair", 1)) - 1
+        self.store.set(f"pair/{self.pair}", sender_id)
+        self.group = make_pair_group(
+            dist.PrefixStore(f"pg/{self.pair}", self.store), 0, device, timeout_s
+        )
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._works: dict[str, list[dist.Work]] = {}
+        self.broken = False
+
+    def _put_header(self, header: pb.KVFrameHeader) -> None:
+        self.store.set(_ctl(self.pair, f"frame/{self._seq}"), header.SerializeToString())
+        self._seq += 1
+
+    def send_frame(self, header: pb.KVFrameHeader, regions: Sequence[torch.Tensor]) -> None:
+        if self.broken:
+            raise TransferError(f"channel to {self.address} is broken")
+        with self._lock:
+            self._put_header(header)
+            works = [self.group.send([as_bytes(r)], 1, 0) for r in regions]
+            self._works.setdefault(header.transfer_id, []).extend(works)
+
+    def finish(self, transfer_id: str, timeout_s: float) -> pb.TransferAck:
+        try:
+            for w in self._works.pop(transfer_id, []):
+                w.wait(_td(timeout_s))
+        except Exception as e:
+            self.broken = True
+            raise TransferError(
+                f"transfer {transfer_id}: send to {self.address} failed: {e}"
+            ) from e
+        key = _ctl(self.pair, f"ack/{transfer_id}")
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise TransferError(
+                    f"transfer {transfer_id}: no acknowledgement from "
+                    f"{self.address} within {timeout_s:.1f} s"
+                )
+            time.sleep(_POLL_ACTIVE_S)
+        ack = pb.TransferAck.FromString(self.store.get(key))
+        self.store.delete_key(key)
+        if ack.status == pb.TRANSFER_STATUS_REJECTED:
+            raise TransferRejected(f"transfer {transfer_id}: {ack.error}")
+        if ack.status != pb.TRANSFER_STATUS_COMPLETE:
+            raise TransferError(f"transfer {transfer_id}: {ack.error or 'not complete'}")
+        return ack
+
+    def abort(self, header: pb.KVFrameHeader) -> None:
+        with self._lock:
+            self._works.pop(header.transfer_id, None)
+            self._put_header(header)
+
+    def close(self) -> None:
+        try:
+            with self._lock:
+                self._put_header(pb.KVFrameHeader(abort=True, abort_reason=CLOSE_REASON))
+        except Exception:
+            pass
+
+
+@register
+class TorchDistTransport(Transport):
+    name = "torch_dist"
+
+    def __init__(self, timeout_s: float = 10.0, device: str = "cpu") -> None:
+        super().__init__(timeout_s)
+        self.device = torch.device(device)
+
+    def listen(self, receiver: KVReceiver, host: str = "127.0.0.1") -> Endpoint:
+        return TorchDistEndpoint(receiver, host, self.timeout_s)
+
+    def connect(self, address: str, sender_id: str) -> SendChannel:
+        return TorchDistChannel(address, sender_id, self.device, self.timeout_s)
