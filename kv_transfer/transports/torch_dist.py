@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -48,15 +49,23 @@ def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+class PairGroup(Protocol):
+    """The point-to-point part of a backend process group (gloo or NCCL)."""
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> dist.Work: ...
+
+
 def make_pair_group(
     store: dist.Store, rank: int, device: torch.device, timeout_s: float
-) -> dist.ProcessGroup:
+) -> PairGroup:
     """A two-rank group without init_process_group: NCCL on CUDA, gloo on CPU."""
     if device.type == "cuda":  # pragma: no cover - needs two GPUs (NCCL cannot pair one)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = _td(timeout_s)
-        return dist.ProcessGroupNCCL(store, rank, 2, opts)
-    return dist.ProcessGroupGloo(store, rank, 2, _td(timeout_s))
+        return cast(PairGroup, dist.ProcessGroupNCCL(store, rank, 2, opts))
+    return cast(PairGroup, dist.ProcessGroupGloo(store, rank, 2, _td(timeout_s)))
 
 
 def _ctl(pair: int, what: str) -> str:
@@ -128,7 +137,7 @@ class TorchDistEndpoint(Endpoint):
     def _receive(
         self,
         pair: int,
-        group: dist.ProcessGroup,
+        group: PairGroup,
         header: pb.KVFrameHeader,
         active: dict[str, float],
         sender: str,
@@ -165,7 +174,7 @@ class TorchDistEndpoint(Endpoint):
             active[header.transfer_id] = time.monotonic()
         return True
 
-    def _drain(self, group: dist.ProcessGroup, header: pb.KVFrameHeader) -> bool:
+    def _drain(self, group: PairGroup, header: pb.KVFrameHeader) -> bool:
         """Receive and discard a rejected frame's payload, so the pair stays in step."""
         sizes = _region_sizes(header)
         if sizes is None:
