@@ -8,6 +8,7 @@ reserves blocks, lets a transport fill them, then calls `add_prefilled`.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -72,7 +73,11 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         self.runner = ModelRunner(model, self.cache, self.blocks)
         self.requests: dict[str, Request] = {}
+        # Called after each layer's K/V is written; `current_step` says what the step holds.
         self.layer_hook: LayerHook | None = None
+        self.current_step: SchedulerOutput | None = None
+        self.last_step_ran = False
+        self.lock = threading.RLock()
         self.eos_token_ids = tokenizer.eos_token_ids if tokenizer else model_config.eos_token_ids
 
     @classmethod
@@ -94,7 +99,9 @@ class LLMEngine:
         return cls(mcfg, LlamaModel(mcfg, weights, max_len), tokenizer, cfg.cache, sched)
 
     # ---- requests ------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def validate(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, prefill_only: bool = False
+    ) -> None:
         """Reject bad input with an error naming the field; nothing is allocated."""
         params.validate(self.model_config.vocab_size)
         n = len(prompt_token_ids)
@@ -117,10 +124,21 @@ class LLMEngine:
                     "messages or completion."
                 ),
             )
-        blocks = ceil_div(n + 1, self.cache_config.block_size)
-        if blocks > self.cache_config.num_blocks:
+        # A request must fit the pool on its own: preemption frees other requests' blocks but
+        # can never make room beyond the pool, and a request that outgrows it would wait
+        # forever. Its peak is every token but the last sampled one (prefill-only: the prompt).
+        bs, num_blocks = self.cache_config.block_size, self.cache_config.num_blocks
+        blocks = ceil_div(n + 1, bs)
+        if blocks > num_blocks:
             raise ContextLengthError(
-                "prompt", f"needs {blocks} KV blocks; the cache has {self.cache_config.num_blocks}"
+                "prompt", f"needs {blocks} KV blocks; the cache has {num_blocks}"
+            )
+        blocks = ceil_div(n + max(params.max_tokens - 1, 1), bs)
+        if not prefill_only and blocks > num_blocks:
+            raise ContextLengthError(
+                "max_tokens",
+                f"{n} prompt + {params.max_tokens} completion tokens need {blocks} KV blocks; "
+                f"the cache has {num_blocks}",
             )
 
     def make_request(
@@ -133,7 +151,7 @@ class LLMEngine:
     ) -> Request:
         if request_id in self.requests:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
-        self.validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params, prefill_only)
         return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -191,17 +209,24 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        t0 = time.perf_counter()
-        if out.prefill:
-            logits = self.runner.prefill(out.prefill, self.layer_hook)
-            done = [c.request for c in out.prefill if c.completes_prompt]
-        else:
-            logits = self.runner.decode(out.decode)
-            done = list(out.decode)
-        return self._postprocess(out, done, logits, time.perf_counter() - t0)
+        """One step. Holds `lock`, which guards the block manager against transport threads."""
+        with self.lock:
+            out = self.scheduler.schedule()
+            self.last_step_ran = not out.is_empty
+            if out.is_empty:
+                return []
+            self.current_step = out
+            t0 = time.perf_counter()
+            if out.prefill:
+                logits = self.runner.prefill(out.prefill, self.layer_hook)
+                done = [c.request for c in out.prefill if c.completes_prompt]
+            else:
+                logits = self.runner.decode(out.decode)
+                done = list(out.decode)
+            try:
+                return self._postprocess(out, done, logits, time.perf_counter() - t0)
+            finally:
+                self.current_step = None
 
     def _postprocess(
         self, out: SchedulerOutput, sampled: list[Request], logits: torch.Tensor, step_s: float

@@ -51,8 +51,9 @@ class Endpoint(ABC):
 class Transport(ABC):
     name: ClassVar[str]
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu") -> None:
         self.timeout_s = timeout_s
+        self.device = torch.device(device)  # where the caches live: picks NCCL vs gloo
 
     @abstractmethod
     def listen(self, receiver: KVReceiver, host: str = "127.0.0.1") -> Endpoint: ...
@@ -75,9 +76,10 @@ def register(cls: type[Transport]) -> type[Transport]:
     return cls
 
 
-def get_transport(name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Transport:
+def get_transport(name: str, timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu"
+                  ) -> Transport:
     """Instantiate a transport by name."""
     if name not in _MODULES:
         raise ValueError(f"transport {name!r}: choose from {sorted(_MODULES)}")
     importlib.import_module(_MODULES[name])
-    return TRANSPORTS[name](timeout_s=timeout_s)
+    return TRANSPORTS[name](timeout_s=timeout_s, device=device)

@@ -297,10 +297,6 @@ class TorchDistChannel(SendChannel):
 class TorchDistTransport(Transport):
     name = "torch_dist"
 
-    def __init__(self, timeout_s: float = 10.0, device: str = "cpu") -> None:
-        super().__init__(timeout_s)
-        self.device = torch.device(device)
-
     def listen(self, receiver: KVReceiver, host: str = "127.0.0.1") -> Endpoint:
         return TorchDistEndpoint(receiver, host, self.timeout_s)
 

@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -32,7 +30,7 @@ TRANSFER_STATUS_REJECTED: TransferStatus
 TRANSFER_STATUS_ABORTED: TransferStatus
 
 class KVCacheLayout(_message.Message):
-    __slots__ = ("block_size", "dtype", "head_dim", "model_fingerprint", "num_kv_heads", "num_layers")
+    __slots__ = ("model_fingerprint", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -45,10 +43,10 @@ class KVCacheLayout(_message.Message):
     block_size: int
     num_kv_heads: int
     head_dim: int
-    def __init__(self, model_fingerprint: str | None = ..., dtype: KVDType | str | None = ..., num_layers: int | None = ..., block_size: int | None = ..., num_kv_heads: int | None = ..., head_dim: int | None = ...) -> None: ...
+    def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[KVDType, str]] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class TransferTicket(_message.Message):
-    __slots__ = ("channel_address", "deadline_unix_ms", "dst_block_ids", "layout", "num_tokens", "request_id", "transfer_id", "transport")
+    __slots__ = ("request_id", "transfer_id", "dst_block_ids", "transport", "channel_address", "deadline_unix_ms", "layout", "num_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -65,10 +63,10 @@ class TransferTicket(_message.Message):
     deadline_unix_ms: int
     layout: KVCacheLayout
     num_tokens: int
-    def __init__(self, request_id: str | None = ..., transfer_id: str | None = ..., dst_block_ids: _Iterable[int] | None = ..., transport: str | None = ..., channel_address: str | None = ..., deadline_unix_ms: int | None = ..., layout: KVCacheLayout | _Mapping | None = ..., num_tokens: int | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ..., channel_address: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., layout: _Optional[_Union[KVCacheLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class KVFrameHeader(_message.Message):
-    __slots__ = ("abort", "abort_reason", "dst_block_ids", "layer_end", "layer_start", "layout", "payload_bytes", "request_id", "sender_id", "src_block_ids", "transfer_id")
+    __slots__ = ("request_id", "transfer_id", "layout", "layer_start", "layer_end", "src_block_ids", "dst_block_ids", "payload_bytes", "abort", "abort_reason", "sender_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -91,10 +89,10 @@ class KVFrameHeader(_message.Message):
     abort: bool
     abort_reason: str
     sender_id: str
-    def __init__(self, request_id: str | None = ..., transfer_id: str | None = ..., layout: KVCacheLayout | _Mapping | None = ..., layer_start: int | None = ..., layer_end: int | None = ..., src_block_ids: _Iterable[int] | None = ..., dst_block_ids: _Iterable[int] | None = ..., payload_bytes: int | None = ..., abort: bool | None = ..., abort_reason: str | None = ..., sender_id: str | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., layout: _Optional[_Union[KVCacheLayout, _Mapping]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., payload_bytes: _Optional[int] = ..., abort: _Optional[bool] = ..., abort_reason: _Optional[str] = ..., sender_id: _Optional[str] = ...) -> None: ...
 
 class TransferAck(_message.Message):
-    __slots__ = ("bytes_received", "error", "status", "transfer_id")
+    __slots__ = ("transfer_id", "status", "error", "bytes_received")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -103,12 +101,12 @@ class TransferAck(_message.Message):
     status: TransferStatus
     error: str
     bytes_received: int
-    def __init__(self, transfer_id: str | None = ..., status: TransferStatus | str | None = ..., error: str | None = ..., bytes_received: int | None = ...) -> None: ...
+    def __init__(self, transfer_id: _Optional[str] = ..., status: _Optional[_Union[TransferStatus, str]] = ..., error: _Optional[str] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("data", "header")
+    __slots__ = ("header", "data")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     header: KVFrameHeader
     data: bytes
-    def __init__(self, header: KVFrameHeader | _Mapping | None = ..., data: bytes | None = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[KVFrameHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...

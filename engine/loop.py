@@ -1,0 +1,87 @@
+"""Runs an `LLMEngine` on its own thread, so a worker's event loop never blocks on a forward.
+
+Other threads (a Ray actor's asyncio loop, transport threads) hand the loop closures with
+`call`; the loop runs them between steps, in order, on the engine thread. The engine itself
+is therefore only ever touched by one thread, except for the block manager, which transport
+threads reach under `engine.lock`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+from engine.engine import LLMEngine
+from engine.request import RequestOutput
+
+T = TypeVar("T")
+_Command = tuple[Callable[[], object], "concurrent.futures.Future[object]"]
+_IDLE_WAIT_S = 0.05
+_BLOCKED_WAIT_S = 0.002
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_outputs: Callable[[list[RequestOutput]], None] | None = None,
+        name: str = "engine",
+    ) -> None:
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self.num_steps = 0
+        self._cmds: queue.SimpleQueue[
+            tuple[Callable[[], object], concurrent.futures.Future[object]]
+        ] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run `fn` on the engine thread before the next step; its result resolves the future."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._cmds.put((fn, fut))  # type: ignore[arg-type]
+        self._wake.set()
+        return fut
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self.call(fn))
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                fn, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:
+                fut.set_exception(e)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain()
+            if not self.engine.has_unfinished():
+                self._wake.wait(_IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            outputs = self.engine.step()
+            if self.engine.last_step_ran:
+                self.num_steps += 1
+            else:  # work exists but none fits now (e.g. waiting on blocks): do not spin
+                self._wake.wait(_BLOCKED_WAIT_S)
+                self._wake.clear()
+            if outputs and self.on_outputs is not None:
+                self.on_outputs(outputs)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)

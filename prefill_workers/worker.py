@@ -1,0 +1,211 @@
+"""The prefill worker: prompt passes, first tokens, and KV pushed layer by layer.
+
+Plain class (tests build it without Ray); `prefill_workers.actor` is the Ray adapter. The
+engine runs on its own thread (`EngineLoop`); while a step computes, the per-layer hook pushes
+each finished layer of every prompt that completes in this step to its decode worker. After
+the step, a finisher thread waits for each transfer's acknowledgement and only then releases
+the source blocks (they stay in the prefix cache); the lease bounds how long that may take.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.loop import EngineLoop
+from engine.request import Request, RequestOutput
+from kv_transfer.config import TransferConfig
+from kv_transfer.messages import PrefillResult, PrefillTask, WorkerStats
+from kv_transfer.sender import KVSender, OutboundTransfer, SenderLeases
+from kv_transfer.transports.base import get_transport
+from kv_transfer.wire import TransferError
+from protos.pdserve.v1 import kv_transfer_pb2 as pb
+
+
+@dataclass
+class _Job:
+    task: PrefillTask
+    ticket: pb.TransferTicket
+    request: Request
+    future: concurrent.futures.Future[PrefillResult]
+    arrival_s: float
+    outbound: OutboundTransfer | None = None
+    started_s: float | None = None
+
+
+class PrefillWorker:
+    role = "prefill"
+
+    def __init__(
+        self,
+        name: str,
+        engine_cfg: EngineConfig,
+        transfer_cfg: TransferConfig,
+        engine: LLMEngine | None = None,
+    ) -> None:
+        self.name = name
+        self.engine = engine or LLMEngine.from_config(engine_cfg)
+        self.transfer_cfg = transfer_cfg
+        transport = get_transport(transfer_cfg.transport, transfer_cfg.timeout_s, engine_cfg.device)
+        self.sender = KVSender(
+            self.engine.cache,
+            name,
+            transport,
+            transfer_cfg.max_channels,
+            transfer_cfg.layers_per_frame,
+            transfer_cfg.timeout_s,
+        )
+        self.leases = SenderLeases(transfer_cfg.lease_s)
+        self.jobs: dict[str, _Job] = {}
+        self.num_requests_total = 0
+        self.num_transfer_failures = 0
+        self._finisher = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="kv-finish")
+        self.engine.layer_hook = self._on_layer
+        self.loop = EngineLoop(self.engine, self._on_outputs, name)
+
+    # ---- API (called from the actor's event loop) ----------------------------------------
+    async def prefill(self, task: PrefillTask) -> PrefillResult:
+        """Run the prompt pass, ship its KV per the ticket, return the first token."""
+        ticket = pb.TransferTicket.FromString(task.ticket)
+        fut: concurrent.futures.Future[PrefillResult] = concurrent.futures.Future()
+        arrival = time.perf_counter()
+        r = task.request
+
+        def admit() -> None:
+            req = self.engine.add_request(
+                r.request_id, r.prompt_token_ids, r.params, r.cache_salt, prefill_only=True
+            )
+            self.jobs[r.request_id] = _Job(task, ticket, req, fut, arrival)
+            self.num_requests_total += 1
+
+        await self.loop.run(admit)
+        return await asyncio.wrap_future(fut)
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a prompt pass (or its transfer) and release its blocks."""
+        return await self.loop.run(lambda: self._abort(request_id, "aborted by router"))
+
+    async def stats(self) -> WorkerStats:
+        return await self.loop.run(self._stats)
+
+    async def check_integrity(self) -> int:
+        """Run the block manager's integrity check; returns the number of held blocks."""
+
+        def check() -> int:
+            self.leases.expire()
+            self.engine.blocks.check_integrity()
+            return self.engine.blocks.num_used_blocks
+
+        return await self.loop.run(check)
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        self.sender.close()
+        self._finisher.shutdown(wait=False, cancel_futures=True)
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _on_layer(self, layer: int) -> None:
+        step = self.engine.current_step
+        if step is None:
+            return
+        for chunk in step.prefill:
+            job = self.jobs.get(chunk.request.request_id)
+            if job is None or not chunk.completes_prompt:
+                continue
+            if job.outbound is None:
+                src = self.engine.blocks.block_table(job.request.request_id)
+                job.outbound = self.sender.start(job.ticket, src[: len(job.ticket.dst_block_ids)])
+            self.sender.push(job.outbound, layer + 1)
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            job = self.jobs.get(out.request_id)
+            if job is None or not out.finished:
+                continue
+            rid = out.request_id
+            self.leases.hold(rid, self._releaser(rid))
+            self._finisher.submit(self._complete, job, out)
+
+    def _releaser(self, request_id: str) -> Callable[[], None]:
+        """A release callback safe to call from any thread (it runs on the engine thread)."""
+
+        def release() -> None:
+            self.loop.call(lambda: self._release(request_id))
+
+        return release
+
+    def _release(self, request_id: str) -> None:
+        self.engine.release(request_id)
+        self.jobs.pop(request_id, None)
+
+    def _abort(self, request_id: str, reason: str) -> bool:
+        job = self.jobs.pop(request_id, None)
+        if job is None:
+            return False
+        if job.outbound is not None:
+            self.sender.abort(job.outbound, reason)
+        self.engine.abort(request_id)  # still prefilling: frees its blocks
+        if not self.leases.release(request_id):
+            self.engine.release(request_id)
+        if not job.future.done():
+            job.future.set_exception(TransferError(f"{request_id}: {reason}"))
+        return True
+
+    def _stats(self) -> WorkerStats:
+        blocks = self.engine.blocks
+        sched = self.engine.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        return WorkerStats(
+            name=self.name,
+            role=self.role,
+            num_free_blocks=blocks.num_free_blocks,
+            num_total_blocks=blocks.num_blocks,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_reserved=len(self.leases),
+            queued_prefill_tokens=queued,
+            num_requests_total=self.num_requests_total,
+            num_preemptions_total=sched.num_preemptions,
+            extra={"transfer_failures_total": float(self.num_transfer_failures)},
+        )
+
+    # ---- finisher threads ----------------------------------------------------------------
+    def _complete(self, job: _Job, out: RequestOutput) -> None:
+        """Wait for the decode side's acknowledgement, then release and answer."""
+        req = job.request
+        done_s = time.perf_counter()
+        error = ""
+        finished = out.finish_reason is not None
+        try:
+            if job.outbound is None:
+                raise TransferError(f"{req.request_id}: no layer was pushed")
+            if finished:  # nothing to decode: tell the decode side to let go
+                self.sender.abort(job.outbound, "finished at the first token")
+            else:
+                self.sender.finish(job.outbound)
+        except TransferError as e:
+            error = str(e)
+            self.num_transfer_failures += 1
+        finally:
+            self.leases.release(req.request_id)
+        transfer_ms = (time.perf_counter() - done_s) * 1e3
+        queue_s = (req.first_token_s or done_s) - job.arrival_s - req.prefill_s
+        result = PrefillResult(
+            request_id=req.request_id,
+            first_token_id=out.new_token_ids[0],
+            text=out.text_delta,
+            logprob=out.new_logprobs[0] if out.new_logprobs else None,
+            finished=finished,
+            finish_reason=out.finish_reason.value if out.finish_reason else None,
+            num_cached_tokens=req.num_cached_tokens,
+            queue_ms=max(queue_s, 0.0) * 1e3,
+            prefill_ms=req.prefill_s * 1e3,
+            transfer_ms=transfer_ms,
+            error=error,
+        )
+        if not job.future.done():
+            job.future.set_result(result)
