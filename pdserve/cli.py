@@ -7,12 +7,13 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.sampling import InvalidParameterError, SamplingParams
 
 if TYPE_CHECKING:
     from engine.engine import LLMEngine
+    from pdserve.config import ServeConfig
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -59,7 +60,84 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(trace)
     trace.add_argument("--json", action="store_true")
     trace.add_argument("prompt", metavar="PROMPT")
+
+    serve = sub.add_parser("serve", help="run the disaggregated service (gRPC)")
+    _add_serve_flags(serve)
+
+    client = sub.add_parser("client", help="stream one request from a running server")
+    client.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT")
+    client.add_argument("--max-tokens", type=int, default=None)
+    client.add_argument("--temperature", type=float, default=None)
+    client.add_argument("--json", action="store_true", help="print the final message as JSON")
+    client.add_argument("prompt", metavar="PROMPT")
     return parser
+
+
+# flag -> (config section, key); the only place flags meet the config tree
+SERVE_FLAGS: dict[str, tuple[str, str]] = {
+    "model": ("model", "model"),
+    "served_model_name": ("model", "served_model_name"),
+    "dtype": ("model", "dtype"),
+    "max_model_len": ("scheduler", "max_model_len"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "block_size": ("cache", "block_size"),
+    "num_kv_blocks": ("cache", "num_blocks"),
+    "prefill_workers": ("prefill", "num_workers"),
+    "decode_workers": ("decode", "num_workers"),
+    "transport": ("transfer", "transport"),
+    "host": ("router", "host"),
+    "grpc_port": ("router", "grpc_port"),
+    "local_prefill_threshold": ("router", "local_prefill_threshold"),
+    "ray_address": ("ray", "address"),
+}
+
+
+def _add_serve_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="YAML file mapping onto the config tree")
+    p.add_argument("--model", default=None, help="checkpoint directory or preset (tiny, small)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--prefill-workers", type=int, default=None)
+    p.add_argument("--decode-workers", type=int, default=None)
+    p.add_argument("--transport", default=None, choices=["torch_dist", "grpc"])
+    p.add_argument("--host", default=None, help="router bind address (default 127.0.0.1)")
+    p.add_argument("--grpc-port", type=int, default=None, help="default 50051; 0 picks one")
+    p.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=None,
+        help="prompts with at most N uncached tokens prefill on the decode worker",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="auto or HOST:PORT of a cluster started with `ray start --head`",
+    )
+    p.add_argument(
+        "--colocated",
+        action="store_true",
+        default=None,
+        help="each decode worker runs both phases (the baseline)",
+    )
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    from pdserve.config import ServeConfig
+
+    overrides: dict[str, Any] = {}
+    for flag, (section, key) in SERVE_FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.setdefault(section, {})[key] = value
+    if args.colocated:
+        overrides["colocated"] = True
+    return ServeConfig.load(args.config, overrides)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -73,6 +151,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pdserve.trace import run_trace
 
             return run_trace(args)
+        if args.command == "serve":
+            from pdserve.serve import run
+
+            return run(serve_config(args))
+        if args.command == "client":
+            from pdserve.client import run_client
+
+            return run_client(
+                args.target, args.prompt, args.max_tokens, args.temperature, args.json
+            )
     except (InvalidParameterError, ValueError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2

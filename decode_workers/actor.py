@@ -1,0 +1,48 @@
+"""Ray adapter over `DecodeWorker`: an async actor whose methods only delegate."""
+
+from __future__ import annotations
+
+import torch
+
+from decode_workers.worker import DecodeWorker
+from engine.engine import EngineConfig
+from kv_transfer.config import TransferConfig
+from kv_transfer.messages import DecodeStart, ReserveResult, TokenBatch, WorkerRequest, WorkerStats
+
+
+class DecodeActor:
+    def __init__(
+        self, name: str, engine_cfg: EngineConfig, transfer_cfg: TransferConfig, num_threads: int
+    ) -> None:
+        torch.set_num_threads(num_threads)  # Ray starts actors with one thread
+        self.worker = DecodeWorker(name, engine_cfg, transfer_cfg)
+
+    async def ready(self) -> str:
+        return self.worker.name
+
+    async def reserve(self, request: WorkerRequest) -> ReserveResult:
+        return await self.worker.reserve(request)
+
+    async def start(self, start: DecodeStart) -> None:
+        await self.worker.start(start)
+
+    async def submit(self, request: WorkerRequest) -> None:
+        await self.worker.submit(request)
+
+    async def release_reservation(self, request_id: str, transfer_id: str) -> None:
+        await self.worker.release_reservation(request_id, transfer_id)
+
+    async def poll(self, request_id: str, timeout_s: float) -> TokenBatch:
+        return await self.worker.poll(request_id, timeout_s)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.worker.abort(request_id)
+
+    async def stats(self) -> WorkerStats:
+        return await self.worker.stats()
+
+    async def check_integrity(self) -> int:
+        return await self.worker.check_integrity()
+
+    async def shutdown(self) -> None:
+        self.worker.shutdown()

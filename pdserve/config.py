@@ -1,0 +1,123 @@
+"""The serve config tree: every component's own config dataclass, composed once.
+
+The YAML file (`--config`), the CLI flags and the Helm values all map onto this tree; none of
+them redefines a setting. Precedence: defaults < YAML < flags. docs/config.md documents it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from engine.config import CacheConfig, SchedulerConfig
+from kv_transfer.config import TransferConfig
+from router.config import RouterConfig
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    model: str = "tiny"  # checkpoint directory, or a preset generated under $PDSERVE_HOME
+    served_model_name: str | None = None  # default: the preset name or directory name
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (float16 -> float32 on CPU)
+    weights_seed: int = 0  # seed of a generated preset
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One worker pool's size and Ray actor options."""
+
+    num_workers: int = 1
+    num_cpus: float = 0.5  # fractional on CPU: router + 1 prefill + 1 decode fit on 2 cores
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources
+    max_restarts: int = 0
+    max_concurrency: int = 1000
+    num_threads: int = 1  # torch intra-op threads per worker (Ray sets 1)
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0 or self.num_threads < 1:
+            raise ValueError("num_workers must be >= 0 and num_threads >= 1")
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str | None = None  # None: start a local Ray; "auto" or HOST:PORT: join one
+    namespace: str = "pdserve"
+    detached: bool = False  # keep worker actors alive after `pdserve serve` exits
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    colocated: bool = False  # decode workers run both phases (the comparison baseline)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path | None = None,
+        overrides: dict[str, dict[str, Any] | Any] | None = None,
+    ) -> ServeConfig:
+        """Defaults, then the YAML file, then `overrides` ({section: {key: value}})."""
+        data: dict[str, Any] = {}
+        if path is not None:
+            with open(path) as f:
+                loaded = yaml.safe_load(f) or {}
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path}: top level must be a mapping")
+            data = loaded
+        for key, value in (overrides or {}).items():
+            if isinstance(value, dict):
+                data.setdefault(key, {}).update(value)
+            else:
+                data[key] = value
+        return from_dict(cls, data, "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str) -> T:
+    """Build a (nested) frozen dataclass, rejecting unknown keys with their dotted path."""
+    assert is_dataclass(cls)
+    hints = get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"config: unknown key(s) {sorted(f'{where}{k}' for k in unknown)}")
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        hint = hints[name]
+        target = _dataclass_in(hint)
+        if target is not None and isinstance(value, dict):
+            kwargs[name] = from_dict(target, value, f"{where}{name}.")
+        else:
+            kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config {where or '<root>'}: {e}") from e
+
+
+def _dataclass_in(hint: Any) -> type | None:
+    if is_dataclass(hint) and isinstance(hint, type):
+        return hint
+    if get_origin(hint) in (Union, types.UnionType):
+        for arg in get_args(hint):
+            if is_dataclass(arg) and isinstance(arg, type):
+                return arg
+    return None

@@ -1,0 +1,160 @@
+"""Standing up a deployment: Ray, the two pools as named actors, and the router in front.
+
+Workers are named actors in the `pdserve` namespace (``pdserve-prefill-<i>``,
+``pdserve-decode-<i>``), created with `get_if_exists`, so a restarted router finds pools that
+are already running. The router loads only the checkpoint's config and tokenizer, never its
+weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from engine.config import ModelConfig
+from engine.engine import EngineConfig
+from engine.tokenizer import Tokenizer
+from engine.weights import checkpoint_files, checkpoint_fingerprint
+from pdserve.checkpoint import PRESETS, resolve_model
+from pdserve.config import PoolConfig, ServeConfig
+from protos.pdserve.v1 import generation_pb2 as gen
+from router.pools import Pool, RayHandle, WorkerHandle
+from router.service import Router
+from router.validation import ModelLimits
+
+log = logging.getLogger(__name__)
+
+
+def engine_config(cfg: ServeConfig, model_path: Path) -> EngineConfig:
+    return EngineConfig(
+        model=str(model_path),
+        dtype=cfg.model.dtype,
+        device=cfg.model.device,
+        cache=cfg.cache,
+        scheduler=cfg.scheduler,
+    )
+
+
+def served_name(cfg: ServeConfig) -> str:
+    if cfg.model.served_model_name:
+        return cfg.model.served_model_name
+    return cfg.model.model if cfg.model.model in PRESETS else Path(cfg.model.model).name
+
+
+def build_router(
+    cfg: ServeConfig, model_path: Path, prefill: list[WorkerHandle], decode: list[WorkerHandle]
+) -> Router:
+    """The router for these pools, with the model's limits read from the checkpoint."""
+    mcfg = ModelConfig.from_hf(model_path)
+    tokenizer = (
+        Tokenizer.from_dir(model_path, mcfg) if (model_path / "tokenizer.json").exists() else None
+    )
+    max_len = min(cfg.scheduler.max_model_len, mcfg.max_position_embeddings)
+    name = served_name(cfg)
+    info = gen.ModelInfo(
+        served_model_name=name,
+        max_context_length=max_len,
+        vocab_size=mcfg.vocab_size,
+        eos_token_ids=list(tokenizer.eos_token_ids if tokenizer else mcfg.eos_token_ids),
+        block_size=cfg.cache.block_size,
+        dtype=cfg.model.dtype if cfg.model.dtype != "auto" else mcfg.dtype,
+        model_fingerprint=checkpoint_fingerprint(mcfg, checkpoint_files(model_path)),
+    )
+    return Router(
+        cfg.router,
+        ModelLimits(name, mcfg.vocab_size, max_len),
+        tokenizer,
+        info,
+        Pool("prefill", prefill),
+        Pool("decode", decode),
+        cfg.transfer.transport,
+        colocated=cfg.colocated,
+    )
+
+
+@dataclass
+class Deployment:
+    """Ray plus both pools. `start` blocks until every worker answered `ready`."""
+
+    cfg: ServeConfig
+    model_path: Path | None = None
+    prefill_actors: list[Any] = field(default_factory=list)
+    decode_actors: list[Any] = field(default_factory=list)
+    started_ray: bool = False
+
+    def start(self) -> Router:
+        import ray
+
+        from decode_workers.actor import DecodeActor
+        from prefill_workers.actor import PrefillActor
+
+        cfg = self.cfg
+        self.model_path = resolve_model(cfg.model.model, seed=cfg.model.weights_seed)
+        if not ray.is_initialized():
+            ray.init(
+                address=cfg.ray.address,
+                namespace=cfg.ray.namespace,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                log_to_driver=False,
+            )
+            self.started_ray = cfg.ray.address is None
+        ecfg = engine_config(cfg, self.model_path)
+        transfer = cfg.transfer
+        if transfer.host == "auto":
+            transfer = replace(transfer, host=ray.util.get_node_ip_address())
+        if not cfg.colocated:
+            self.prefill_actors = [
+                self._actor(ray, PrefillActor, f"pdserve-prefill-{i}", cfg.prefill, ecfg, transfer)
+                for i in range(cfg.prefill.num_workers)
+            ]
+        self.decode_actors = [
+            self._actor(ray, DecodeActor, f"pdserve-decode-{i}", cfg.decode, ecfg, transfer)
+            for i in range(cfg.decode.num_workers)
+        ]
+        names = ray.get([a.ready.remote() for a in self.prefill_actors + self.decode_actors])
+        log.info("workers ready: %s", names)
+        role = "colocated" if cfg.colocated else "decode"
+        return build_router(
+            cfg,
+            self.model_path,
+            [
+                RayHandle(f"pdserve-prefill-{i}", "prefill", a)
+                for i, a in enumerate(self.prefill_actors)
+            ],
+            [RayHandle(f"pdserve-decode-{i}", role, a) for i, a in enumerate(self.decode_actors)],
+        )
+
+    def _actor(
+        self, ray: Any, cls: type, name: str, pool: PoolConfig, ecfg: EngineConfig, transfer: Any
+    ) -> Any:
+        opts: dict[str, Any] = dict(
+            name=name,
+            namespace=self.cfg.ray.namespace,
+            num_cpus=pool.num_cpus,
+            num_gpus=pool.num_gpus,
+            resources=dict(pool.resources),
+            max_restarts=pool.max_restarts,
+            max_concurrency=pool.max_concurrency,
+            get_if_exists=True,
+        )
+        if self.cfg.ray.detached:
+            opts["lifetime"] = "detached"
+        return ray.remote(cls).options(**opts).remote(name, ecfg, transfer, pool.num_threads)
+
+    def stop(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        if not self.cfg.ray.detached:
+            for a in self.prefill_actors + self.decode_actors:
+                try:
+                    ray.get(a.shutdown.remote(), timeout=5)
+                except Exception as e:
+                    log.debug("shutdown of a worker failed: %s", e)
+                ray.kill(a)
+        if self.started_ray:
+            ray.shutdown()

@@ -1,0 +1,38 @@
+"""`pdserve serve`: start the deployment, serve gRPC until SIGINT/SIGTERM, then drain."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+from pdserve.config import ServeConfig
+from pdserve.launch import Deployment
+from router.service import Router, start_server
+
+
+async def serve(cfg: ServeConfig, deployment: Deployment, router: Router) -> int:
+    try:
+        server = await start_server(router, cfg.router.host, cfg.router.grpc_port)
+        await router.start()
+        await server.set_serving(True)
+        print(f"pdserve: gRPC listening on {cfg.router.host}:{server.port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        print("pdserve: draining", file=sys.stderr, flush=True)
+        await server.set_serving(False)
+        await router.drain(cfg.router.drain_grace_s)
+        await server.server.stop(grace=1.0)
+    finally:
+        await asyncio.to_thread(deployment.stop)
+    print("pdserve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def run(cfg: ServeConfig) -> int:
+    deployment = Deployment(cfg)
+    router = deployment.start()  # on the main thread: Ray installs its signal handlers here
+    return asyncio.run(serve(cfg, deployment, router))

@@ -1,0 +1,29 @@
+"""The router's own settings; pdserve.config composes them into the serve config tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051  # 0 picks a free port
+    max_queue_len: int = 256  # requests admitted but not yet on a decode worker
+    queue_timeout_s: float = (
+        30.0  # how long a request may wait for KV room: then RESOURCE_EXHAUSTED
+    )
+    # Prompts with at most this many uncached tokens are prefilled on the decode worker
+    # (conditional disaggregation). 0: always disaggregate.
+    local_prefill_threshold: int = 0
+    drain_grace_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
+    poll_timeout_s: float = 1.0  # long-poll wait per decode poll
+    stats_interval_s: float = 0.2  # how often worker load is refreshed for routing
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.grpc_port < 65536:
+            raise ValueError(f"grpc_port={self.grpc_port} is not a port")
+        if self.max_queue_len < 1 or self.queue_timeout_s <= 0:
+            raise ValueError("max_queue_len and queue_timeout_s must be positive")
+        if self.local_prefill_threshold < 0:
+            raise ValueError("local_prefill_threshold must be >= 0")

@@ -1,0 +1,470 @@
+"""The router: `pdserve.v1.Generation` over grpc.aio, in front of the two pools.
+
+One request (docs/lifecycle.md): validate and tokenize here; reserve KV blocks on a decode
+worker (waiting in a bounded queue while no decode worker has room); run the prompt pass on a
+prefill worker, which pushes the KV straight into the reserved blocks; send the first token
+to the client at once; start the decode worker on it and relay its tokens until a stop.
+Any exit path (finish, Abort, client cancel, deadline, worker death) releases the request's
+blocks on both pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.sampling import InvalidParameterError, TokenLogprob
+from engine.tokenizer import Tokenizer
+from kv_transfer.messages import (
+    DecodeStart,
+    PrefillResult,
+    PrefillTask,
+    ReserveResult,
+    TokenBatch,
+    WorkerRequest,
+)
+from kv_transfer.wire import TransferError
+from protos.pdserve.v1 import generation_pb2 as gen
+from protos.pdserve.v1 import generation_pb2_grpc as gen_grpc
+from protos.pdserve.v1 import kv_transfer_pb2 as kvpb
+from router.config import RouterConfig
+from router.pools import Pool, WorkerLoad
+from router.validation import ModelLimits, prepare
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "pdserve.v1.Generation"
+_RESERVE_BACKOFF_S = 0.005
+_FINISH = {
+    "stop": gen.FINISH_REASON_STOP,
+    "length": gen.FINISH_REASON_LENGTH,
+    "abort": gen.FINISH_REASON_ABORT,
+}
+
+
+class RequestFailed(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+@dataclass
+class ActiveRequest:
+    request: WorkerRequest
+    arrival_s: float
+    prefill: WorkerLoad | None = None
+    decode: WorkerLoad | None = None
+    transfer_id: str = ""
+    aborted: bool = False
+    done: bool = False
+    num_sent: int = 0
+    cached_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    first_sent_s: float | None = None
+    last_sent_s: float | None = None
+
+
+class Router:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        limits: ModelLimits,
+        tokenizer: Tokenizer | None,
+        model_info: gen.ModelInfo,
+        prefill: Pool,
+        decode: Pool,
+        transport: str,
+        colocated: bool = False,
+        index_backend: str = "memory",
+    ) -> None:
+        self.cfg = cfg
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.model_info = model_info
+        self.prefill = prefill
+        self.decode = decode
+        self.transport = transport
+        self.colocated = colocated
+        self.index_backend = index_backend
+        self.active: dict[str, ActiveRequest] = {}
+        self.num_queued = 0
+        self.draining = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._refresher: asyncio.Task[None] | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.refresh()
+        self._refresher = asyncio.create_task(self._refresh_loop())
+
+    async def refresh(self) -> None:
+        await asyncio.gather(self.prefill.refresh(), self.decode.refresh())
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.stats_interval_s)
+            await self.refresh()
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests; wait up to `grace_s` for in-flight ones to finish."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._refresher:
+            self._refresher.cancel()
+
+    # ---- one request ---------------------------------------------------------------------
+    def admit(self, request: gen.GenerateRequest) -> ActiveRequest:
+        """Validate at the edge; raises RequestFailed with the proper status."""
+        if self.draining:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "server is draining")
+        try:
+            wr = prepare(request, self.tokenizer, self.limits)
+        except InvalidParameterError as e:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        except LookupError as e:
+            raise RequestFailed(grpc.StatusCode.NOT_FOUND, str(e)) from e
+        if wr.request_id in self.active:
+            raise RequestFailed(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request_id: {wr.request_id!r} is already in flight",
+            )
+        if self.num_queued >= self.cfg.max_queue_len:
+            raise RequestFailed(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"queue full ({self.cfg.max_queue_len} requests waiting)",
+            )
+        act = ActiveRequest(wr, time.perf_counter())
+        self.active[wr.request_id] = act
+        return act
+
+    async def run(self, act: ActiveRequest) -> AsyncIterator[gen.GenerateResponse]:
+        """Drive one admitted request; yields its responses."""
+        try:
+            local = self.colocated or (
+                len(act.request.prompt_token_ids) <= self.cfg.local_prefill_threshold
+            )
+            stream = self._run_local(act) if local else self._run_disaggregated(act)
+            async for resp in stream:
+                yield resp
+        except (RequestFailed, asyncio.CancelledError, GeneratorExit):
+            raise
+        except TransferError as e:
+            if act.aborted:
+                yield self._complete(act, "abort")
+                return
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}") from e
+        except Exception as e:
+            if act.aborted:
+                yield self._complete(act, "abort")
+                return
+            raise RequestFailed(
+                grpc.StatusCode.UNAVAILABLE, f"worker failure: {type(e).__name__}: {e}"
+            ) from e
+        finally:
+            act.done = True
+
+    async def _run_local(self, act: ActiveRequest) -> AsyncIterator[gen.GenerateResponse]:
+        d = self._pick_decode()
+        act.decode = d
+        d.active.add(act.request.request_id)
+        await d.handle.call("submit", act.request)
+        act.timings["queue_ms"] = (time.perf_counter() - act.arrival_s) * 1e3
+        async for resp in self._relay(act, d):
+            yield resp
+
+    async def _run_disaggregated(self, act: ActiveRequest) -> AsyncIterator[gen.GenerateResponse]:
+        r = act.request
+        d, ticket = await self._reserve(act)
+        p = self.prefill.pick_prefill()
+        act.prefill = p
+        n = len(r.prompt_token_ids)
+        p.outstanding_tokens += n
+        p.active.add(r.request_id)
+        try:
+            res: PrefillResult = await p.handle.call("prefill", PrefillTask(r, ticket))
+        finally:
+            p.outstanding_tokens -= n
+            p.active.discard(r.request_id)
+        act.cached_tokens = res.num_cached_tokens
+        act.timings.update(
+            queue_ms=(act.timings.get("queue_ms", 0.0) + res.queue_ms),
+            prefill_ms=res.prefill_ms,
+            transfer_ms=res.transfer_ms,
+        )
+        if res.error:
+            await self._quietly(d, "release_reservation", r.request_id, act.transfer_id)
+            if act.aborted:
+                yield self._complete(act, "abort")
+                return
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {res.error}")
+        yield self._chunk(
+            act, (res.first_token_id,), res.text, (res.logprob,) if res.logprob else ()
+        )
+        if res.finished:
+            await self._quietly(d, "release_reservation", r.request_id, act.transfer_id)
+            yield self._complete(act, res.finish_reason or "stop")
+            return
+        await d.handle.call("start", DecodeStart(r.request_id, act.transfer_id, res.first_token_id))
+        async for resp in self._relay(act, d):
+            yield resp
+
+    async def _reserve(self, act: ActiveRequest) -> tuple[WorkerLoad, bytes]:
+        """Reserve on the decode worker with most room; wait (bounded) while none has any."""
+        deadline = time.monotonic() + self.cfg.queue_timeout_s
+        self.num_queued += 1
+        try:
+            while True:
+                for d in self.decode.decode_order():
+                    rr: ReserveResult = await d.handle.call("reserve", act.request)
+                    if rr.ticket is not None:
+                        ticket = kvpb.TransferTicket.FromString(rr.ticket)
+                        act.decode = d
+                        act.transfer_id = ticket.transfer_id
+                        d.pending_blocks += len(ticket.dst_block_ids) + 1
+                        d.active.add(act.request.request_id)
+                        act.timings["queue_ms"] = (time.perf_counter() - act.arrival_s) * 1e3
+                        return d, rr.ticket
+                if act.aborted:
+                    raise TransferError("aborted while queued")
+                if time.monotonic() > deadline:
+                    raise RequestFailed(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"no decode worker had KV room for {self.cfg.queue_timeout_s:.0f} s",
+                    )
+                await asyncio.sleep(_RESERVE_BACKOFF_S)
+        finally:
+            self.num_queued -= 1
+
+    def _pick_decode(self) -> WorkerLoad:
+        order = self.decode.decode_order()
+        if not order:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+        return order[0]
+
+    async def _relay(
+        self, act: ActiveRequest, d: WorkerLoad
+    ) -> AsyncIterator[gen.GenerateResponse]:
+        rid = act.request.request_id
+        try:
+            while True:
+                batch: TokenBatch = await d.handle.call("poll", rid, self.cfg.poll_timeout_s)
+                if batch.error and not act.aborted:
+                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE, batch.error)
+                if batch.num_cached_tokens:
+                    act.cached_tokens = batch.num_cached_tokens
+                if batch.token_ids or batch.text:
+                    yield self._chunk(act, batch.token_ids, batch.text, batch.logprobs)
+                if batch.finished:
+                    yield self._complete(
+                        act, "abort" if act.aborted else (batch.finish_reason or "stop")
+                    )
+                    return
+        finally:
+            d.active.discard(rid)
+
+    def _chunk(
+        self,
+        act: ActiveRequest,
+        ids: tuple[int, ...],
+        text: str,
+        logprobs: tuple[TokenLogprob, ...],
+    ) -> gen.GenerateResponse:
+        now = time.perf_counter()
+        if act.first_sent_s is None and ids:
+            act.first_sent_s = now
+        act.last_sent_s = now
+        act.num_sent += len(ids)
+        return gen.GenerateResponse(
+            request_id=act.request.request_id,
+            chunk=gen.GenerateChunk(
+                token_ids=list(ids), text=text, logprobs=[_logprob_pb(lp) for lp in logprobs]
+            ),
+        )
+
+    def _complete(self, act: ActiveRequest, reason: str) -> gen.GenerateResponse:
+        t = act.timings
+        first = act.first_sent_s
+        ttft = (first - act.arrival_s) * 1e3 if first else 0.0
+        decode = (act.last_sent_s - first) * 1e3 if first and act.last_sent_s else 0.0
+        return gen.GenerateResponse(
+            request_id=act.request.request_id,
+            complete=gen.GenerateComplete(
+                finish_reason=_FINISH.get(reason, gen.FINISH_REASON_STOP),
+                usage=gen.Usage(
+                    prompt_tokens=len(act.request.prompt_token_ids),
+                    completion_tokens=act.num_sent,
+                    cached_tokens=act.cached_tokens,
+                ),
+                timings=gen.Timings(
+                    queue_ms=t.get("queue_ms", 0.0),
+                    prefill_ms=t.get("prefill_ms", 0.0),
+                    transfer_ms=t.get("transfer_ms", 0.0),
+                    ttft_ms=ttft,
+                    decode_ms=decode,
+                ),
+                prefill_worker=act.prefill.handle.name if act.prefill else "",
+                decode_worker=act.decode.handle.name if act.decode else "",
+            ),
+        )
+
+    # ---- abort and cleanup ---------------------------------------------------------------
+    async def abort(self, request_id: str) -> bool:
+        act = self.active.get(request_id)
+        if act is None:
+            return False
+        act.aborted = True
+        await self._release(act)
+        return True
+
+    def finish(self, act: ActiveRequest, completed: bool) -> None:
+        """Forget the request; if it did not complete (cancel, deadline, error), free its
+        blocks on both pools in the background."""
+        self.active.pop(act.request.request_id, None)
+        if not completed:
+            task = asyncio.ensure_future(self._release(act))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _release(self, act: ActiveRequest) -> None:
+        rid = act.request.request_id
+        calls = []
+        if act.prefill is not None:
+            calls.append(self._quietly(act.prefill, "abort", rid))
+        if act.decode is not None:
+            calls.append(self._quietly(act.decode, "abort", rid))
+        await asyncio.gather(*calls)
+
+    async def _quietly(self, w: WorkerLoad, method: str, *args: object) -> None:
+        try:
+            await w.handle.call(method, *args)
+        except Exception as e:
+            log.warning("%s on %s failed: %s", method, w.handle.name, e)
+
+    # ---- info ----------------------------------------------------------------------------
+    async def server_info(self) -> gen.ServerInfo:
+        await self.refresh()
+        workers = [
+            gen.WorkerInfo(
+                name=w.handle.name,
+                role=w.stats.role,
+                num_free_blocks=w.stats.num_free_blocks,
+                num_total_blocks=w.stats.num_total_blocks,
+                num_running=w.stats.num_running,
+                num_waiting=w.stats.num_waiting,
+                num_requests_total=w.stats.num_requests_total,
+                num_preemptions_total=w.stats.num_preemptions_total,
+            )
+            for w in self.prefill.workers + self.decode.workers
+            if w.stats is not None
+        ]
+        return gen.ServerInfo(
+            version=_version(),
+            mode="colocated" if self.colocated else "disaggregated",
+            transport=self.transport,
+            index_backend=self.index_backend,
+            workers=workers,
+        )
+
+
+def _logprob_pb(lp: TokenLogprob) -> gen.TokenLogprob:
+    return gen.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top=[gen.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+class GenerationService(gen_grpc.GenerationServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def Generate(
+        self, request: gen.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gen.GenerateResponse]:
+        try:
+            act = self.router.admit(request)
+        except RequestFailed as e:
+            await context.abort(e.code, e.details)
+            return
+        completed = False
+        try:
+            async for resp in self.router.run(act):
+                yield resp
+                completed = resp.HasField("complete")
+        except RequestFailed as e:
+            self.router.finish(act, completed=False)
+            await context.abort(e.code, e.details)
+        finally:
+            self.router.finish(act, completed)
+
+    async def Abort(
+        self, request: gen.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> gen.AbortResponse:
+        return gen.AbortResponse(found=await self.router.abort(request.request_id))
+
+    async def GetModelInfo(
+        self, request: gen.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> gen.ModelInfo:
+        return self.router.model_info
+
+    async def GetServerInfo(
+        self, request: gen.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> gen.ServerInfo:
+        return await self.router.server_info()
+
+
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
+
+
+@dataclass
+class RouterServer:
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    port: int
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+
+async def start_server(router: Router, host: str, port: int) -> RouterServer:
+    """Bind the Generation service, health and reflection; health starts NOT_SERVING."""
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    gen_grpc.add_GenerationServicer_to_server(GenerationService(router), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    rs = RouterServer(server, health_servicer, bound)
+    await rs.set_serving(False)
+    return rs

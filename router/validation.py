@@ -1,0 +1,88 @@
+"""Turning a `GenerateRequest` into checked prompt ids and `SamplingParams`.
+
+Everything here runs at the edge: a bad request raises InvalidParameterError naming the field
+and never reaches a worker.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from engine.sampling import InvalidParameterError, SamplingParams
+from engine.tokenizer import Tokenizer
+from engine.validation import check_request
+from kv_transfer.messages import WorkerRequest
+from protos.pdserve.v1 import generation_pb2 as gen
+
+_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    served_model_name: str
+    vocab_size: int
+    max_model_len: int
+
+
+def _float(s: gen.SamplingParams, name: str, default: float) -> float:
+    return float(getattr(s, name)) if s.HasField(name) else default
+
+
+def _int(s: gen.SamplingParams, name: str) -> int | None:
+    return int(getattr(s, name)) if s.HasField(name) else None
+
+
+def sampling_from_proto(s: gen.SamplingParams) -> SamplingParams:
+    """Unset optional scalars take OpenAI's defaults (temperature 1.0, not 0)."""
+    n = _int(s, "n")
+    if n is not None and n != 1:
+        raise InvalidParameterError("n", f"only n=1 is supported, got {n}")
+    max_tokens = _int(s, "max_tokens")
+    return SamplingParams(
+        temperature=_float(s, "temperature", 1.0),
+        top_p=_float(s, "top_p", 1.0),
+        top_k=_int(s, "top_k"),
+        min_p=_float(s, "min_p", 0.0),
+        repetition_penalty=_float(s, "repetition_penalty", 1.0),
+        frequency_penalty=_float(s, "frequency_penalty", 0.0),
+        presence_penalty=_float(s, "presence_penalty", 0.0),
+        seed=_int(s, "seed"),
+        max_tokens=_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+        min_tokens=_int(s, "min_tokens") or 0,
+        ignore_eos=s.HasField("ignore_eos") and s.ignore_eos,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(int(t) for t in s.stop_token_ids),
+        logprobs=_int(s, "logprobs"),
+    )
+
+
+def prepare(
+    request: gen.GenerateRequest, tokenizer: Tokenizer | None, limits: ModelLimits
+) -> WorkerRequest:
+    """Validate and tokenize; raises InvalidParameterError naming the bad field."""
+    if request.model and request.model != limits.served_model_name:
+        raise LookupError(
+            f"model {request.model!r} is not served here (serving {limits.served_model_name!r})"
+        )
+    params = sampling_from_proto(request.sampling)
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        if not request.text:
+            raise InvalidParameterError("prompt", "must not be empty")
+        if tokenizer is None:
+            raise InvalidParameterError("text", "this model has no tokenizer; send token_ids")
+        ids = tokenizer.encode(request.text)
+    elif kind == "token_ids":
+        ids = [int(t) for t in request.token_ids.ids]
+    else:
+        raise InvalidParameterError("prompt", "must not be empty: set text or token_ids")
+    check_request(ids, params, limits.vocab_size, limits.max_model_len)
+    if len(request.request_id) > 256:
+        raise InvalidParameterError("request_id", "must be at most 256 characters")
+    return WorkerRequest(
+        request_id=request.request_id or f"req-{uuid.uuid4().hex}",
+        prompt_token_ids=tuple(ids),
+        params=params,
+        cache_salt=request.cache_salt,
+    )
