@@ -5,20 +5,22 @@ from __future__ import annotations
 import torch
 
 from decode_workers.worker import DecodeWorker
-from engine.engine import EngineConfig
-from kv_transfer.config import TransferConfig
+from kv_transfer.config import WorkerConfig
+from kv_transfer.index_feed import IndexUpdate
 from kv_transfer.messages import DecodeStart, ReserveResult, TokenBatch, WorkerRequest, WorkerStats
 
 
 class DecodeActor:
-    def __init__(
-        self, name: str, engine_cfg: EngineConfig, transfer_cfg: TransferConfig, num_threads: int
-    ) -> None:
-        torch.set_num_threads(num_threads)  # Ray starts actors with one thread
-        self.worker = DecodeWorker(name, engine_cfg, transfer_cfg)
+    def __init__(self, cfg: WorkerConfig) -> None:
+        torch.set_num_threads(cfg.num_threads)  # Ray starts actors with one thread
+        self.worker = DecodeWorker(cfg)
 
     async def ready(self) -> str:
+        await self.worker.start_feed()
         return self.worker.name
+
+    async def take_index_update(self, with_held: bool = False) -> IndexUpdate:
+        return await self.worker.take_index_update(with_held)
 
     async def reserve(self, request: WorkerRequest) -> ReserveResult:
         return await self.worker.reserve(request)

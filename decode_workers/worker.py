@@ -15,11 +15,12 @@ import contextlib
 from dataclasses import dataclass, field
 
 from engine.block_manager import NoFreeBlocksError
-from engine.engine import EngineConfig, LLMEngine
+from engine.engine import LLMEngine
 from engine.loop import EngineLoop
 from engine.request import Request, RequestOutput
 from engine.sampling import TokenLogprob
-from kv_transfer.config import TransferConfig
+from kv_transfer.config import WorkerConfig
+from kv_transfer.index_feed import IndexFeed, IndexUpdate
 from kv_transfer.messages import DecodeStart, ReserveResult, TokenBatch, WorkerRequest, WorkerStats
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.transports.base import get_transport
@@ -78,16 +79,13 @@ class _Stream:
 class DecodeWorker:
     role = "decode"
 
-    def __init__(
-        self,
-        name: str,
-        engine_cfg: EngineConfig,
-        transfer_cfg: TransferConfig,
-        engine: LLMEngine | None = None,
-    ) -> None:
-        self.name = name
-        self.engine = engine or LLMEngine.from_config(engine_cfg)
-        self.transfer_cfg = transfer_cfg
+    def __init__(self, cfg: WorkerConfig, engine: LLMEngine | None = None) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.role = cfg.role or self.role
+        self.engine = engine or LLMEngine.from_config(cfg.engine)
+        transfer_cfg = cfg.transfer
+        engine_cfg = cfg.engine
         transport = get_transport(transfer_cfg.transport, transfer_cfg.timeout_s, engine_cfg.device)
         self.receiver = KVReceiver(
             self.engine.cache,
@@ -103,7 +101,8 @@ class DecodeWorker:
         self.reserved: dict[str, tuple[Request, str]] = {}
         self.streams: dict[str, _Stream] = {}
         self.num_requests_total = 0
-        self.loop = EngineLoop(self.engine, self._on_outputs, name)
+        self.loop = EngineLoop(self.engine, self._on_outputs, cfg.name)
+        self.feed = IndexFeed(cfg.name, cfg.index, cfg.model_name, self.loop)
 
     # ---- API -----------------------------------------------------------------------------
     async def reserve(self, r: WorkerRequest) -> ReserveResult:
@@ -192,6 +191,14 @@ class DecodeWorker:
             stream.finish_reason = "abort"
         return found
 
+    async def start_feed(self) -> None:
+        """Start publishing block events (needs the caller's running event loop)."""
+        self.feed.start()
+
+    async def take_index_update(self, with_held: bool = False) -> IndexUpdate:
+        """Block events since the last call (the router's in-memory index pulls these)."""
+        return await self.feed.take(with_held)
+
     async def stats(self) -> WorkerStats:
         return await self.loop.run(self._stats)
 
@@ -204,6 +211,7 @@ class DecodeWorker:
         return await self.loop.run(check)
 
     def shutdown(self) -> None:
+        self.feed.cancel()
         self.loop.stop()
         self.receiver.close()
         self.endpoint.close()

@@ -222,6 +222,10 @@ class BlockManager:
         events, self._events = self._events, []
         return events
 
+    def registered_hashes(self) -> list[int]:
+        """Every hash a prefix hit could reuse now (used or cached blocks)."""
+        return list(self._by_hash)
+
     # ---- internals -----------------------------------------------------------------------
     def _matched_blocks(self, hashes: Sequence[int], num_tokens: int) -> list[int]:
         n = min(self.match_prefix(hashes), num_tokens // self.block_size)

@@ -181,13 +181,16 @@ class LLMEngine:
         assert self.blocks.has(req.request_id), f"{req.request_id}: reserve blocks first"
         req.num_computed_tokens = len(req.prompt_token_ids)
         self.blocks.commit(req.request_id, req.computed_hashes())
-        delta = req.append_token(first_token_id, None)
+        req.append_token(first_token_id, None)
         self.requests[req.request_id] = req
         reason = req.check_stop(self.scheduler_config.max_model_len)
         if reason is not None:
             self._finish(req, reason)
         else:
             self.scheduler.add_running(req)
+        # Same hold-back as the prefill worker applied to this token's text, so the decode
+        # side's later deltas continue exactly where the prefill side's first one ended.
+        delta = req.take_text_delta(final=reason is not None)
         return RequestOutput(
             req.request_id, (first_token_id,), delta, req.is_finished, req.finish_reason
         )
@@ -242,8 +245,10 @@ class LLMEngine:
         outputs = []
         max_len = self.scheduler_config.max_model_len
         for req, tok, lp in zip(sampled, tokens, logprobs, strict=True):
-            delta = req.append_token(tok, lp)
+            req.append_token(tok, lp)
             reason = req.check_stop(max_len)
+            # A prefill-only request handed on (reason None) holds back like a running one.
+            delta = req.take_text_delta(final=reason is not None)
             if req.prefill_only:
                 # Done here either way; reason None means "continue on a decode worker".
                 self._finish(req, reason, keep_blocks=True)

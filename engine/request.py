@@ -49,6 +49,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     text: str = ""
+    num_text_sent: int = 0  # leading chars of `text` already handed out (`take_text_delta`)
+    num_text_checked: int = 0  # chars of `text` already searched for stop strings
     block_hashes: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     arrival_s: float = field(default_factory=time.perf_counter)
@@ -90,7 +92,8 @@ class Request:
         )
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None) -> str:
-        """Record a sampled token; returns the text delta it completes (maybe empty)."""
+        """Record a sampled token; returns the text it completes (maybe empty). Streams use
+        `take_text_delta`, which also holds back what a stop string may still trim."""
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter()
         self.output_token_ids.append(token_id)
@@ -116,8 +119,10 @@ class Request:
         n_out = len(self.output_token_ids)
         if n_out >= self.params.min_tokens and self._is_stop_token(last):
             return FinishReason.STOP
-        if self.params.stop and n_out >= self.params.min_tokens:
-            hit = self._find_stop_string()
+        if self.params.stop:
+            hit = self._find_stop_string() if n_out >= self.params.min_tokens else None
+            # Stop strings completed before min_tokens are ignored, as vLLM does.
+            self.num_text_checked = len(self.text)
             if hit is not None:
                 self.text = self.text[:hit]
                 return FinishReason.STOP
@@ -126,8 +131,25 @@ class Request:
         return None
 
     def _find_stop_string(self) -> int | None:
-        positions = [i for s in self.params.stop if (i := self.text.find(s)) >= 0]
+        """Start of the first stop string that ends in text not searched before."""
+        positions = [
+            i
+            for s in self.params.stop
+            if (i := self.text.find(s, max(0, self.num_text_checked - len(s) + 1))) >= 0
+        ]
         return min(positions) if positions else None
+
+    def take_text_delta(self, final: bool) -> str:
+        """Text not handed out yet. Unless `final`, a tail that may still grow into a stop
+        string is held back, so a stream never shows text that a stop string then trims."""
+        end = len(self.text)
+        if not final:
+            end -= _stop_string_overlap(self.text, self.params.stop)
+        if end <= self.num_text_sent:
+            return ""
+        delta = self.text[self.num_text_sent : end]
+        self.num_text_sent = end
+        return delta
 
     def finish(self, reason: FinishReason | None) -> None:
         """End this request here; `reason` None marks a prefill-only request handed on."""
@@ -145,3 +167,13 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     new_logprobs: tuple[TokenLogprob, ...] = ()
+
+
+def _stop_string_overlap(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    longest = max((len(s) for s in stops), default=1) - 1
+    for k in range(min(longest, len(text)), 0, -1):
+        tail = text[-k:]
+        if any(len(s) > k and s.startswith(tail) for s in stops):
+            return k
+    return 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.engine import EngineConfig
+
 TRANSPORT_NAMES = ("torch_dist", "grpc", "local")
 
 
@@ -21,3 +23,31 @@ class TransferConfig:
             raise ValueError(f"transport={self.transport!r}: choose from {TRANSPORT_NAMES}")
         if self.timeout_s <= 0 or self.lease_s <= 0:
             raise ValueError("transfer timeout_s and lease_s must be positive")
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    """The prefix index: Redis when `redis_url` is set, else in-process (in the router)."""
+
+    redis_url: str | None = None  # redis://[user:password@]host:port/db or rediss://...
+    ttl_s: float = 120.0  # block entries expire unless a holder refreshes them
+    timeout_s: float = 0.1  # per Redis call; a slower answer counts as a miss
+    publish_interval_s: float = 0.05  # how often workers ship block events
+    refresh_interval_s: float = 10.0  # how often workers re-assert all they hold
+
+    def __post_init__(self) -> None:
+        if min(self.ttl_s, self.timeout_s, self.publish_interval_s, self.refresh_interval_s) <= 0:
+            raise ValueError("index intervals, ttl and timeout must be positive")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything one pool worker needs; built by pdserve.launch from the serve config."""
+
+    name: str  # also its Ray actor name, e.g. pdserve-prefill-0
+    engine: EngineConfig
+    transfer: TransferConfig = TransferConfig()
+    index: IndexConfig = IndexConfig()
+    model_name: str = "model"  # namespaces the prefix index
+    num_threads: int = 1  # torch intra-op threads (Ray starts actors with 1)
+    role: str = ""  # "prefill" | "decode" | "colocated"; default: the worker class's role

@@ -90,6 +90,7 @@ SERVE_FLAGS: dict[str, tuple[str, str]] = {
     "grpc_port": ("router", "grpc_port"),
     "local_prefill_threshold": ("router", "local_prefill_threshold"),
     "ray_address": ("ray", "address"),
+    "redis_url": ("index", "redis_url"),
 }
 
 
@@ -118,6 +119,11 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
         "--ray-address",
         default=None,
         help="auto or HOST:PORT of a cluster started with `ray start --head`",
+    )
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="prefix index on Redis (redis://, rediss://, user:password@ ACL); default in-process",
     )
     p.add_argument(
         "--colocated",

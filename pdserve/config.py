@@ -15,7 +15,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from engine.config import CacheConfig, SchedulerConfig
-from kv_transfer.config import TransferConfig
+from kv_transfer.config import IndexConfig, TransferConfig
 from router.config import RouterConfig
 
 T = TypeVar("T")
@@ -60,6 +60,7 @@ class ServeConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    index: IndexConfig = field(default_factory=IndexConfig)
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
     router: RouterConfig = field(default_factory=RouterConfig)

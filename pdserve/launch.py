@@ -17,6 +17,8 @@ from engine.config import ModelConfig
 from engine.engine import EngineConfig
 from engine.tokenizer import Tokenizer
 from engine.weights import checkpoint_files, checkpoint_fingerprint
+from kv_transfer.config import WorkerConfig
+from kv_transfer.prefix_index import make_index
 from pdserve.checkpoint import PRESETS, resolve_model
 from pdserve.config import PoolConfig, ServeConfig
 from protos.pdserve.v1 import generation_pb2 as gen
@@ -62,6 +64,7 @@ def build_router(
         dtype=cfg.model.dtype if cfg.model.dtype != "auto" else mcfg.dtype,
         model_fingerprint=checkpoint_fingerprint(mcfg, checkpoint_files(model_path)),
     )
+    index = make_index(cfg.index.redis_url, name, cfg.index.ttl_s, cfg.index.timeout_s)
     return Router(
         cfg.router,
         ModelLimits(name, mcfg.vocab_size, max_len),
@@ -70,6 +73,7 @@ def build_router(
         Pool("prefill", prefill),
         Pool("decode", decode),
         cfg.transfer.transport,
+        index=index,
         colocated=cfg.colocated,
     )
 
@@ -94,7 +98,9 @@ class Deployment:
         self.model_path = resolve_model(cfg.model.model, seed=cfg.model.weights_seed)
         if not ray.is_initialized():
             ray.init(
-                address=cfg.ray.address,
+                # None starts a fresh local Ray ("local"): plain None would join whatever
+                # RAY_ADDRESS or the last `ray start` (/tmp/ray/ray_current_cluster) names.
+                address=cfg.ray.address or "local",
                 namespace=cfg.ray.namespace,
                 include_dashboard=False,
                 logging_level=logging.WARNING,
@@ -105,18 +111,37 @@ class Deployment:
         transfer = cfg.transfer
         if transfer.host == "auto":
             transfer = replace(transfer, host=ray.util.get_node_ip_address())
+
+        def worker_cfg(name: str, pool: PoolConfig, role: str) -> WorkerConfig:
+            return WorkerConfig(
+                name=name,
+                engine=ecfg,
+                transfer=transfer,
+                index=cfg.index,
+                model_name=served_name(cfg),
+                num_threads=pool.num_threads,
+                role=role,
+            )
+
         if not cfg.colocated:
             self.prefill_actors = [
-                self._actor(ray, PrefillActor, f"pdserve-prefill-{i}", cfg.prefill, ecfg, transfer)
+                self._actor(
+                    ray,
+                    PrefillActor,
+                    cfg.prefill,
+                    worker_cfg(f"pdserve-prefill-{i}", cfg.prefill, "prefill"),
+                )
                 for i in range(cfg.prefill.num_workers)
             ]
+        role = "colocated" if cfg.colocated else "decode"
         self.decode_actors = [
-            self._actor(ray, DecodeActor, f"pdserve-decode-{i}", cfg.decode, ecfg, transfer)
+            self._actor(
+                ray, DecodeActor, cfg.decode, worker_cfg(f"pdserve-decode-{i}", cfg.decode, role)
+            )
             for i in range(cfg.decode.num_workers)
         ]
         names = ray.get([a.ready.remote() for a in self.prefill_actors + self.decode_actors])
         log.info("workers ready: %s", names)
-        role = "colocated" if cfg.colocated else "decode"
         return build_router(
             cfg,
             self.model_path,
@@ -127,11 +152,9 @@ class Deployment:
             [RayHandle(f"pdserve-decode-{i}", role, a) for i, a in enumerate(self.decode_actors)],
         )
 
-    def _actor(
-        self, ray: Any, cls: type, name: str, pool: PoolConfig, ecfg: EngineConfig, transfer: Any
-    ) -> Any:
+    def _actor(self, ray: Any, cls: type, pool: PoolConfig, wcfg: WorkerConfig) -> Any:
         opts: dict[str, Any] = dict(
-            name=name,
+            name=wcfg.name,
             namespace=self.cfg.ray.namespace,
             num_cpus=pool.num_cpus,
             num_gpus=pool.num_gpus,
@@ -142,7 +165,7 @@ class Deployment:
         )
         if self.cfg.ray.detached:
             opts["lifetime"] = "detached"
-        return ray.remote(cls).options(**opts).remote(name, ecfg, transfer, pool.num_threads)
+        return ray.remote(cls).options(**opts).remote(wcfg)
 
     def stop(self) -> None:
         import ray

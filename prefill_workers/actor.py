@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from engine.engine import EngineConfig
-from kv_transfer.config import TransferConfig
+from kv_transfer.config import WorkerConfig
+from kv_transfer.index_feed import IndexUpdate
 from kv_transfer.messages import PrefillResult, PrefillTask, WorkerStats
 from prefill_workers.worker import PrefillWorker
 
 
 class PrefillActor:
-    def __init__(
-        self, name: str, engine_cfg: EngineConfig, transfer_cfg: TransferConfig, num_threads: int
-    ) -> None:
-        torch.set_num_threads(num_threads)  # Ray starts actors with one thread
-        self.worker = PrefillWorker(name, engine_cfg, transfer_cfg)
+    def __init__(self, cfg: WorkerConfig) -> None:
+        torch.set_num_threads(cfg.num_threads)  # Ray starts actors with one thread
+        self.worker = PrefillWorker(cfg)
 
     async def ready(self) -> str:
+        await self.worker.start_feed()
         return self.worker.name
+
+    async def take_index_update(self, with_held: bool = False) -> IndexUpdate:
+        return await self.worker.take_index_update(with_held)
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
         return await self.worker.prefill(task)

@@ -15,10 +15,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.engine import EngineConfig, LLMEngine
+from engine.engine import LLMEngine
 from engine.loop import EngineLoop
 from engine.request import Request, RequestOutput
-from kv_transfer.config import TransferConfig
+from kv_transfer.config import WorkerConfig
+from kv_transfer.index_feed import IndexFeed, IndexUpdate
 from kv_transfer.messages import PrefillResult, PrefillTask, WorkerStats
 from kv_transfer.sender import KVSender, OutboundTransfer, SenderLeases
 from kv_transfer.transports.base import get_transport
@@ -40,20 +41,17 @@ class _Job:
 class PrefillWorker:
     role = "prefill"
 
-    def __init__(
-        self,
-        name: str,
-        engine_cfg: EngineConfig,
-        transfer_cfg: TransferConfig,
-        engine: LLMEngine | None = None,
-    ) -> None:
-        self.name = name
-        self.engine = engine or LLMEngine.from_config(engine_cfg)
-        self.transfer_cfg = transfer_cfg
+    def __init__(self, cfg: WorkerConfig, engine: LLMEngine | None = None) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.role = cfg.role or self.role
+        self.engine = engine or LLMEngine.from_config(cfg.engine)
+        transfer_cfg = cfg.transfer
+        engine_cfg = cfg.engine
         transport = get_transport(transfer_cfg.transport, transfer_cfg.timeout_s, engine_cfg.device)
         self.sender = KVSender(
             self.engine.cache,
-            name,
+            cfg.name,
             transport,
             transfer_cfg.max_channels,
             transfer_cfg.layers_per_frame,
@@ -65,7 +63,8 @@ class PrefillWorker:
         self.num_transfer_failures = 0
         self._finisher = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="kv-finish")
         self.engine.layer_hook = self._on_layer
-        self.loop = EngineLoop(self.engine, self._on_outputs, name)
+        self.loop = EngineLoop(self.engine, self._on_outputs, cfg.name)
+        self.feed = IndexFeed(cfg.name, cfg.index, cfg.model_name, self.loop)
 
     # ---- API (called from the actor's event loop) ----------------------------------------
     async def prefill(self, task: PrefillTask) -> PrefillResult:
@@ -89,6 +88,14 @@ class PrefillWorker:
         """Stop a prompt pass (or its transfer) and release its blocks."""
         return await self.loop.run(lambda: self._abort(request_id, "aborted by router"))
 
+    async def start_feed(self) -> None:
+        """Start publishing block events (needs the caller's running event loop)."""
+        self.feed.start()
+
+    async def take_index_update(self, with_held: bool = False) -> IndexUpdate:
+        """Block events since the last call (the router's in-memory index pulls these)."""
+        return await self.feed.take(with_held)
+
     async def stats(self) -> WorkerStats:
         return await self.loop.run(self._stats)
 
@@ -103,6 +110,7 @@ class PrefillWorker:
         return await self.loop.run(check)
 
     def shutdown(self) -> None:
+        self.feed.cancel()
         self.loop.stop()
         self.sender.close()
         self._finisher.shutdown(wait=False, cancel_futures=True)

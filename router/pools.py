@@ -76,12 +76,23 @@ class Pool:
     def healthy(self) -> list[WorkerLoad]:
         return [w for w in self.workers if w.healthy]
 
-    def pick_prefill(self) -> WorkerLoad:
-        """Least queued prefill work (tokens the router sent and has not seen back)."""
+    def pick_prefill(self, matches: dict[str, int], num_tokens: int, block_size: int) -> WorkerLoad:
+        """Least prefill work: the prompt tokens it would compute (its cached prefix
+        subtracted) plus the prompt tokens already sent to it and not yet returned."""
         candidates = self.healthy()
         if not candidates:
             raise LookupError(f"no healthy {self.role} worker")
-        return min(candidates, key=lambda w: (w.outstanding_tokens, len(w.active)))
+
+        def cost(w: WorkerLoad) -> tuple[int, int]:
+            todo = num_tokens - matches.get(w.handle.name, 0) * block_size
+            return (todo + w.outstanding_tokens, len(w.active))
+
+        return min(candidates, key=cost)
+
+    def best_match(self, matches: dict[str, int]) -> WorkerLoad | None:
+        """The healthy worker holding the longest prefix, if any holds one."""
+        held = [w for w in self.healthy() if matches.get(w.handle.name, 0) > 0]
+        return max(held, key=lambda w: (matches[w.handle.name], w.free_blocks), default=None)
 
     def decode_order(self) -> list[WorkerLoad]:
         """Decode workers by KV headroom (free minus pending reservations), then batch size."""

@@ -20,8 +20,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.block_manager import extend_block_hashes, namespace_seed
 from engine.sampling import InvalidParameterError, TokenLogprob
 from engine.tokenizer import Tokenizer
+from kv_transfer.index_feed import IndexUpdate
 from kv_transfer.messages import (
     DecodeStart,
     PrefillResult,
@@ -30,6 +32,7 @@ from kv_transfer.messages import (
     TokenBatch,
     WorkerRequest,
 )
+from kv_transfer.prefix_index import MemoryPrefixIndex, PrefixIndex
 from kv_transfer.wire import TransferError
 from protos.pdserve.v1 import generation_pb2 as gen
 from protos.pdserve.v1 import generation_pb2_grpc as gen_grpc
@@ -42,6 +45,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.Generation"
 _RESERVE_BACKOFF_S = 0.005
+_HELD_EVERY_N_REFRESHES = 50  # in-memory index: re-assert held blocks every ~10 s
 _FINISH = {
     "stop": gen.FINISH_REASON_STOP,
     "length": gen.FINISH_REASON_LENGTH,
@@ -82,8 +86,8 @@ class Router:
         prefill: Pool,
         decode: Pool,
         transport: str,
+        index: PrefixIndex | None = None,
         colocated: bool = False,
-        index_backend: str = "memory",
     ) -> None:
         self.cfg = cfg
         self.limits = limits
@@ -93,7 +97,8 @@ class Router:
         self.decode = decode
         self.transport = transport
         self.colocated = colocated
-        self.index_backend = index_backend
+        self.index = index or MemoryPrefixIndex()
+        self._num_refreshes = 0
         self.active: dict[str, ActiveRequest] = {}
         self.num_queued = 0
         self.draining = False
@@ -107,6 +112,37 @@ class Router:
 
     async def refresh(self) -> None:
         await asyncio.gather(self.prefill.refresh(), self.decode.refresh())
+        if isinstance(self.index, MemoryPrefixIndex):
+            self._num_refreshes += 1
+            with_held = self._num_refreshes % _HELD_EVERY_N_REFRESHES == 0
+            await asyncio.gather(
+                *(
+                    self._pull_index(w, with_held)
+                    for w in self.prefill.workers + self.decode.workers
+                )
+            )
+
+    async def _pull_index(self, w: WorkerLoad, with_held: bool) -> None:
+        """In-memory mode: the router applies each worker's block events itself."""
+        if not w.healthy:
+            return
+        try:
+            upd: IndexUpdate = await w.handle.call("take_index_update", with_held)
+        except Exception as e:
+            self.index.errors += 1
+            log.debug("index pull from %s failed: %s", w.handle.name, e)
+            return
+        await self.index.register(upd.worker, upd.epoch)
+        await self.index.publish(upd.worker, upd.epoch, upd.events)
+        if upd.held is not None:
+            await self.index.refresh(upd.worker, upd.epoch, upd.held)
+
+    def block_hashes(self, r: WorkerRequest) -> list[int]:
+        """The prompt's chained block hashes that a prefix hit could reuse."""
+        bs = self.model_info.block_size
+        seed = namespace_seed(self.model_info.model_fingerprint, r.cache_salt)
+        ids = r.prompt_token_ids
+        return extend_block_hashes([], ids[: (len(ids) - 1) // bs * bs], bs, seed)
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -150,10 +186,15 @@ class Router:
     async def run(self, act: ActiveRequest) -> AsyncIterator[gen.GenerateResponse]:
         """Drive one admitted request; yields its responses."""
         try:
-            local = self.colocated or (
-                len(act.request.prompt_token_ids) <= self.cfg.local_prefill_threshold
+            matches = await self.index.lookup(self.block_hashes(act.request))
+            n = len(act.request.prompt_token_ids)
+            bs = self.model_info.block_size
+            best = self.decode.best_match(matches)
+            uncached_there = n - (matches.get(best.handle.name, 0) * bs if best else 0)
+            local = self.colocated or uncached_there <= self.cfg.local_prefill_threshold
+            stream = (
+                self._run_local(act, matches) if local else self._run_disaggregated(act, matches)
             )
-            stream = self._run_local(act) if local else self._run_disaggregated(act)
             async for resp in stream:
                 yield resp
         except (RequestFailed, asyncio.CancelledError, GeneratorExit):
@@ -173,8 +214,10 @@ class Router:
         finally:
             act.done = True
 
-    async def _run_local(self, act: ActiveRequest) -> AsyncIterator[gen.GenerateResponse]:
-        d = self._pick_decode()
+    async def _run_local(
+        self, act: ActiveRequest, matches: dict[str, int]
+    ) -> AsyncIterator[gen.GenerateResponse]:
+        d = self.decode.best_match(matches) or self._pick_decode()
         act.decode = d
         d.active.add(act.request.request_id)
         await d.handle.call("submit", act.request)
@@ -182,10 +225,12 @@ class Router:
         async for resp in self._relay(act, d):
             yield resp
 
-    async def _run_disaggregated(self, act: ActiveRequest) -> AsyncIterator[gen.GenerateResponse]:
+    async def _run_disaggregated(
+        self, act: ActiveRequest, matches: dict[str, int]
+    ) -> AsyncIterator[gen.GenerateResponse]:
         r = act.request
         d, ticket = await self._reserve(act)
-        p = self.prefill.pick_prefill()
+        p = self.prefill.pick_prefill(matches, len(r.prompt_token_ids), self.model_info.block_size)
         act.prefill = p
         n = len(r.prompt_token_ids)
         p.outstanding_tokens += n
@@ -371,7 +416,7 @@ class Router:
             version=_version(),
             mode="colocated" if self.colocated else "disaggregated",
             transport=self.transport,
-            index_backend=self.index_backend,
+            index_backend=self.index.backend,
             workers=workers,
         )
 

@@ -1,0 +1,728 @@
+"""LLMEngine end to end on the tiny preset (float32): batching, chunking, prefix caching,
+preemption, validation, stop conditions, sampling and detokenization.
+
+Greedy equality across execution paths (batched vs alone, chunked vs not, cache hit vs miss,
+recompute after preemption) is only meaningful when no step is a near tie, so the tests assert
+a top1-top2 logit gap along the reference trajectory instead of loosening the comparison.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.engine import ContextLengthError, EngineConfig, LLMEngine
+from engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from engine.sampling import InvalidParameterError, SamplingParams, SamplingState, sample
+from engine.scheduler import PrefillChunk
+from engine.tokenizer import Tokenizer
+from pdserve.checkpoint import write_checkpoint
+
+VOCAB = 512
+MIN_GAP = 1e-4
+
+MakeEngine = Callable[..., LLMEngine]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """The tiny model is faster on one thread, and far faster on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+def build_engine(
+    checkpoint: Path,
+    block_size: int = 16,
+    num_blocks: int = 512,
+    max_num_seqs: int = 32,
+    max_num_batched_tokens: int = 2048,
+    max_model_len: int = 1024,
+) -> LLMEngine:
+    return LLMEngine.from_config(
+        EngineConfig(
+            model=str(checkpoint),
+            dtype="float32",
+            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
+        )
+    )
+
+
+@pytest.fixture
+def make_engine(tiny: Path) -> Iterator[MakeEngine]:
+    """Engines built here are checked on teardown: integrity holds and nothing is left used."""
+    made: list[LLMEngine] = []
+
+    def make(**kw: int) -> LLMEngine:
+        eng = build_engine(tiny, **kw)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.blocks.check_integrity()
+        assert not eng.has_unfinished()
+        assert eng.blocks.num_used_blocks == 0, "blocks neither free nor cached at the end"
+
+
+class Recorder:
+    """Wraps the engine's runner to keep every logits row, per request, in sampling order."""
+
+    def __init__(self, eng: LLMEngine) -> None:
+        self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.prefill_steps: list[list[tuple[str, int, int]]] = []
+        self.decode_batches: list[int] = []
+        prefill, decode = eng.runner.prefill, eng.runner.decode
+
+        def recording_prefill(chunks: Sequence[PrefillChunk], hook: object = None) -> torch.Tensor:
+            out = prefill(chunks, hook)  # type: ignore[arg-type]
+            self.prefill_steps.append([(c.request.request_id, c.start, c.end) for c in chunks])
+            done = [c.request.request_id for c in chunks if c.completes_prompt]
+            assert out.shape[0] == len(done)
+            for rid, row in zip(done, out, strict=True):
+                self.logits[rid].append(row.clone())
+            return out
+
+        def recording_decode(requests: Sequence[Request]) -> torch.Tensor:
+            out = decode(requests)
+            self.decode_batches.append(len(requests))
+            for r, row in zip(requests, out, strict=True):
+                self.logits[r.request_id].append(row.clone())
+            return out
+
+        eng.runner.prefill = recording_prefill  # type: ignore[method-assign,assignment]
+        eng.runner.decode = recording_decode  # type: ignore[method-assign]
+
+
+def rand_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(4, VOCAB) for _ in range(n)]  # 0-3 are special tokens
+
+
+def greedy(**kw: object) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.0, "ignore_eos": True, **kw})  # type: ignore[arg-type]
+
+
+def min_gap(rows: Sequence[torch.Tensor]) -> float:
+    return min(float(v[0] - v[1]) for v in (r.topk(2).values for r in rows))
+
+
+def run_alone(
+    make_engine: MakeEngine, prompt: list[int], params: SamplingParams, **kw: int
+) -> tuple[Request, list[torch.Tensor]]:
+    eng = make_engine(**kw)
+    rec = Recorder(eng)
+    [req] = eng.generate([prompt], params)
+    return req, rec.logits[req.request_id]
+
+
+# ---- batching, chunking, prefix cache, preemption ----------------------------------------
+
+
+def test_chunked_batched_prefill_matches_unchunked(make_engine: MakeEngine) -> None:
+    rng = random.Random(1)
+    prompts = [rand_prompt(rng, n) for n in (40, 75, 120)]
+    eng = make_engine(max_num_batched_tokens=32)
+    rec = Recorder(eng)
+    reqs = eng.generate(prompts, greedy(max_tokens=1))
+    # The prompts really were cut into chunks and packed several to a step.
+    assert all(sum(e - s for _, s, e in step) <= 32 for step in rec.prefill_steps)
+    assert any(len(step) > 1 for step in rec.prefill_steps)
+    assert all(
+        sum(1 for st in rec.prefill_steps for r, _, _ in st if r == q.request_id) > 1 for q in reqs
+    )
+    for prompt, req in zip(prompts, reqs, strict=True):
+        ref, ref_logits = run_alone(make_engine, prompt, greedy(max_tokens=1))
+        [got] = rec.logits[req.request_id]
+        torch.testing.assert_close(got, ref_logits[0], atol=1e-5, rtol=0)
+        assert req.output_token_ids == ref.output_token_ids
+
+
+def test_prefix_cache_hit_matches_miss(make_engine: MakeEngine) -> None:
+    rng = random.Random(2)
+    shared = rand_prompt(rng, 100)
+    p1, p2 = shared + rand_prompt(rng, 7), shared + rand_prompt(rng, 13)
+    params = greedy(max_tokens=32)
+    eng = make_engine()
+    rec = Recorder(eng)
+    r1 = eng.add_request("r1", p1, params)
+    eng.step()  # r1's prompt is in; r2 shares its blocks while r1 still decodes
+    assert r1.status is RequestStatus.RUNNING
+    r2 = eng.add_request("r2", p2, params)
+    while eng.has_unfinished():
+        eng.step()
+    assert r1.num_cached_tokens == 0
+    assert r2.num_cached_tokens == 96  # six full blocks of the shared 100 tokens
+    miss, miss_logits = run_alone(make_engine, p2, params)
+    assert miss.num_cached_tokens == 0
+    assert min_gap(miss_logits) > MIN_GAP
+    assert r2.output_token_ids == miss.output_token_ids
+    torch.testing.assert_close(rec.logits["r2"][0], miss_logits[0], atol=1e-5, rtol=0)
+
+    # A prompt that is all cached full blocks still recomputes its last block for logits.
+    p3 = shared[:96]
+    [r3] = eng.generate([p3], params)
+    assert r3.num_cached_tokens == 80
+    fresh, _ = run_alone(make_engine, p3, params)
+    assert r3.output_token_ids == fresh.output_token_ids
+
+    # Another tenant's salt sees none of it.
+    r4 = eng.add_request("r4", p2, params, cache_salt="tenant-b")
+    while eng.has_unfinished():
+        eng.step()
+    assert r4.num_cached_tokens == 0
+    assert r4.output_token_ids == miss.output_token_ids
+
+
+def test_batch_of_8_matches_alone(make_engine: MakeEngine) -> None:
+    rng = random.Random(3)
+    prompts = [rand_prompt(rng, rng.randint(5, 60)) for _ in range(8)]
+    params = greedy(max_tokens=40)
+    eng = make_engine()
+    rec = Recorder(eng)
+    batched = eng.generate(prompts, params)
+    assert max(rec.decode_batches) == 8
+    for prompt, req in zip(prompts, batched, strict=True):
+        alone, alone_logits = run_alone(make_engine, prompt, params)
+        assert len(alone_logits) == 40
+        assert min_gap(alone_logits) > MIN_GAP
+        assert req.output_token_ids == alone.output_token_ids
+        assert req.finish_reason is FinishReason.LENGTH
+        for a, b in zip(rec.logits[req.request_id], alone_logits, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def test_preemption_by_recompute_keeps_outputs(make_engine: MakeEngine) -> None:
+    rng = random.Random(4)
+    prompts = [rand_prompt(rng, rng.randint(10, 40)) for _ in range(8)]
+    params = greedy(max_tokens=48)
+    ref = make_engine()
+    ref_rec = Recorder(ref)
+    expected = ref.generate(prompts, params)
+    assert ref.scheduler.num_preemptions == 0
+    for r in expected:
+        assert min_gap(ref_rec.logits[r.request_id]) > MIN_GAP
+
+    # Each request grows to ceil((40 + 47) / 16) = 6 blocks; 8 of them cannot share 12.
+    eng = make_engine(num_blocks=12)
+    got = eng.generate(prompts, params)
+    assert eng.scheduler.num_preemptions > 0
+    assert any(r.num_preemptions for r in got)
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in expected]
+    assert all(r.finish_reason is FinishReason.LENGTH for r in got)
+    eng.blocks.check_integrity()
+    assert eng.blocks.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Path) -> Callable[[list[int]], tuple[list[int], list[float]]]:
+    """Greedy tokens of a prompt run alone (big pool, no chunking), with each step's gap."""
+    memo: dict[tuple[int, ...], tuple[list[int], list[float]]] = {}
+    eng = build_engine(tiny)
+    rec = Recorder(eng)
+
+    def ref(prompt: list[int]) -> tuple[list[int], list[float]]:
+        key = tuple(prompt)
+        if key not in memo:
+            eng.blocks.reset_prefix_cache()  # a clean miss every time
+            eng.blocks.take_events()
+            [r] = eng.generate([prompt], greedy(max_tokens=RANDOM_MAX_TOKENS))
+            gaps = [
+                float(v[0] - v[1]) for v in (x.topk(2).values for x in rec.logits[r.request_id])
+            ]
+            memo[key] = (r.output_token_ids, gaps)
+        return memo[key]
+
+    return ref
+
+
+RANDOM_MAX_TOKENS = 16
+SHARED = rand_prompt(random.Random(99), 40)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_random_workloads_keep_blocks_consistent(
+    tiny: Path, reference: Callable[[list[int]], tuple[list[int], list[float]]], data: st.DataObject
+) -> None:
+    """Random arrivals, aborts, shared prefixes, chunking and a tight pool: integrity holds
+    after every step, nothing leaks, and every finished request has its alone-greedy tokens
+    (compared up to the first near-tie of the reference)."""
+    block_size = data.draw(st.sampled_from([4, 8, 16]), "block_size")
+    specs = data.draw(
+        st.lists(
+            st.tuples(
+                st.integers(1, 40),  # tokens of SHARED (identical prompts happen too)
+                st.lists(st.integers(4, VOCAB - 1), max_size=12),  # own tail
+                st.integers(1, RANDOM_MAX_TOKENS) | st.just(RANDOM_MAX_TOKENS),  # max_tokens
+                st.integers(0, 8) | st.just(0),  # arrival step
+                st.none() | st.none() | st.none() | st.integers(0, 12),  # abort step
+            ),
+            min_size=2,
+            max_size=6,
+        ),
+        "requests",
+    )
+    peak = max(k + len(tail) + max(n - 1, 1) for k, tail, n, _, _ in specs)
+    eng = build_engine(
+        tiny,
+        block_size=block_size,
+        num_blocks=-(-peak // block_size) + data.draw(st.integers(0, 2), "spare blocks"),
+        max_num_seqs=data.draw(st.sampled_from([1, 3, 8, 8]), "max_num_seqs"),
+        max_num_batched_tokens=data.draw(st.sampled_from([8, 16, 64, 2048]), "budget"),
+    )
+    reqs: dict[int, Request] = {}
+    aborted: set[int] = set()
+    for step in range(1000):
+        for i, (k, tail, n, arrive, abort_at) in enumerate(specs):
+            if arrive == step:
+                reqs[i] = eng.add_request(f"q{i}", SHARED[:k] + tail, greedy(max_tokens=n))
+            if abort_at is not None and arrive + abort_at == step and eng.abort(f"q{i}"):
+                aborted.add(i)
+        eng.step()
+        eng.blocks.check_integrity()
+        if len(reqs) == len(specs) and not eng.has_unfinished():
+            break
+    assert not eng.has_unfinished() and not eng.requests
+    assert eng.blocks.num_used_blocks == 0
+    event(f"preempted: {eng.scheduler.num_preemptions > 0}")
+    event(f"aborted: {bool(aborted)}")
+    event(f"prefix hit: {any(r.num_cached_tokens for r in reqs.values())}")
+    for i, req in reqs.items():
+        assert req.is_finished
+        if i in aborted:
+            assert req.finish_reason is FinishReason.ABORT
+            continue
+        assert req.finish_reason is FinishReason.LENGTH
+        assert len(req.output_token_ids) == specs[i][2]
+        tokens, gaps = reference(req.prompt_token_ids)
+        trusted = next((j for j, g in enumerate(gaps) if g < MIN_GAP), len(gaps)) + 1
+        m = min(trusted, len(req.output_token_ids))
+        assert req.output_token_ids[:m] == tokens[:m]
+
+
+def test_request_that_cannot_fit_the_pool_alone_is_rejected(make_engine: MakeEngine) -> None:
+    """Preemption cannot make room for a request larger than the whole pool: reject it."""
+    eng = make_engine(num_blocks=4)  # 64 tokens
+    with pytest.raises(ContextLengthError) as e:
+        eng.add_request("big", list(range(10, 20)), greedy(max_tokens=100))
+    assert e.value.field == "max_tokens"
+    with pytest.raises(ContextLengthError) as e:
+        eng.add_request("huge", list(range(10, 80)), greedy(max_tokens=1))
+    assert e.value.field == "prompt"
+    # The largest request that fits runs to completion on its own.
+    [r] = eng.generate([list(range(10, 20))], greedy(max_tokens=55))
+    assert len(r.output_token_ids) == 55
+    assert not eng.requests
+
+
+def test_abort_frees_blocks(make_engine: MakeEngine) -> None:
+    rng = random.Random(5)
+    eng = make_engine(max_num_batched_tokens=32)
+    long = eng.add_request("long", rand_prompt(rng, 100), greedy(max_tokens=8))
+    short = eng.add_request("short", rand_prompt(rng, 20), greedy(max_tokens=50))
+    queued = eng.add_request("queued", rand_prompt(rng, 20), greedy(max_tokens=8))
+    eng.step()  # "long" is partly prefilled, the others wait
+    assert eng.blocks.has("long") and not eng.blocks.has("short")
+    assert eng.abort("long")
+    assert not eng.blocks.has("long")
+    eng.blocks.check_integrity()
+    for _ in range(4):  # "short" and "queued" are admitted and decode
+        eng.step()
+    assert short.status is RequestStatus.RUNNING and len(short.output_token_ids) > 1
+    assert eng.abort("short") and eng.abort("queued")
+    assert not eng.abort("short") and not eng.abort("nope")
+    for r in (long, short, queued):
+        assert r.finish_reason is FinishReason.ABORT and r.is_finished
+    assert not eng.has_unfinished() and not eng.requests
+    assert eng.blocks.num_used_blocks == 0
+    eng.blocks.check_integrity()
+
+
+# ---- validation --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (SamplingParams(temperature=-1), "temperature"),
+        (SamplingParams(temperature=float("nan")), "temperature"),
+        (SamplingParams(top_p=0), "top_p"),
+        (SamplingParams(top_p=1.5), "top_p"),
+        (SamplingParams(top_k=0), "top_k"),
+        (SamplingParams(min_p=2), "min_p"),
+        (SamplingParams(repetition_penalty=0), "repetition_penalty"),
+        (SamplingParams(frequency_penalty=3), "frequency_penalty"),
+        (SamplingParams(presence_penalty=-3), "presence_penalty"),
+        (SamplingParams(max_tokens=0), "max_tokens"),
+        (SamplingParams(max_tokens=4, min_tokens=5), "min_tokens"),
+        (SamplingParams(logprobs=50), "logprobs"),
+        (SamplingParams(logprobs=-1), "logprobs"),
+        (SamplingParams(stop=("",)), "stop"),
+        (SamplingParams(seed=-1), "seed"),
+        (SamplingParams(stop_token_ids=(VOCAB,)), "stop_token_ids"),
+        (SamplingParams(stop_token_ids=(-1,)), "stop_token_ids"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(
+    make_engine: MakeEngine, params: SamplingParams, field: str
+) -> None:
+    eng = make_engine()
+    with pytest.raises(InvalidParameterError) as e:
+        eng.add_request("r", [5, 6, 7], params)
+    assert e.value.field == field
+    assert str(e.value).startswith(f"{field}: ")
+    assert not eng.requests and not eng.has_unfinished()
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+
+
+def test_bad_prompts_name_the_field(make_engine: MakeEngine) -> None:
+    eng = make_engine(max_model_len=256)
+    with pytest.raises(InvalidParameterError) as e:
+        eng.add_request("r", [], greedy())
+    assert e.value.field == "prompt"
+    with pytest.raises(InvalidParameterError) as e:
+        eng.add_request("r", [5, VOCAB], greedy())
+    assert e.value.field == "prompt_token_ids"
+    with pytest.raises(ContextLengthError) as ce:
+        eng.add_request("r", [5] * 250, greedy(max_tokens=16))
+    assert ce.value.field == "prompt"
+    assert "This model's maximum context length is 256 tokens. However, you requested 266 " in (
+        str(ce.value)
+    )
+    assert "(250 in the messages, 16 in the completion)" in str(ce.value)
+    eng.add_request("r", [5] * 240, greedy(max_tokens=16))  # exactly fits
+    with pytest.raises(InvalidParameterError) as e:
+        eng.add_request("r", [5, 6], greedy())
+    assert e.value.field == "request_id"
+    while eng.has_unfinished():
+        eng.step()
+
+
+# ---- stop conditions ---------------------------------------------------------------------
+
+
+def test_eos_stops_unless_ignored_and_min_tokens_suppresses_it(make_engine: MakeEngine) -> None:
+    eng = make_engine()
+    rec = Recorder(eng)
+    eos = set(eng.eos_token_ids)
+    assert eos
+    rng = random.Random(6)
+    prompts = [rand_prompt(rng, 12) for _ in range(64)]
+    free_runs = eng.generate(prompts, greedy(max_tokens=48))
+    found = [
+        (p, r.output_token_ids, k)
+        for p, r in zip(prompts, free_runs, strict=True)
+        for k in [next((i for i, t in enumerate(r.output_token_ids) if t in eos), -1)]
+        if k >= 0 and min_gap(rec.logits[r.request_id]) > MIN_GAP
+    ]
+    assert found, "no greedy trajectory reached EOS; pick other prompts"
+    prompt, out, k = found[0]
+    [stopped] = eng.generate([prompt], greedy(max_tokens=48, ignore_eos=False))
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.output_token_ids == out[: k + 1]  # EOS is the last token...
+    [upto] = eng.generate([prompt], greedy(max_tokens=k))
+    assert stopped.text == upto.text  # ...and is not in the text
+
+    [ignored] = eng.generate([prompt], greedy(max_tokens=48, ignore_eos=True))
+    assert ignored.finish_reason is FinishReason.LENGTH and len(ignored.output_token_ids) == 48
+
+    [late] = eng.generate([prompt], greedy(max_tokens=48, ignore_eos=False, min_tokens=k + 2))
+    assert len(late.output_token_ids) >= k + 2
+    assert not eos & set(late.output_token_ids[: k + 2])
+    assert late.output_token_ids[:k] == out[:k]
+
+
+def test_stop_token_ids(make_engine: MakeEngine) -> None:
+    eng = make_engine()
+    rec = Recorder(eng)
+    prompt = rand_prompt(random.Random(7), 20)
+    [full] = eng.generate([prompt], greedy(max_tokens=40))
+    assert min_gap(rec.logits[full.request_id]) > MIN_GAP
+    out = full.output_token_ids
+    tok = out[12]
+    k = out.index(tok)
+    [stopped] = eng.generate([prompt], greedy(max_tokens=40, stop_token_ids=(tok,)))
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.output_token_ids == out[: k + 1]
+    [upto] = eng.generate([prompt], greedy(max_tokens=k)) if k else [None]
+    assert stopped.text == (upto.text if upto else "")
+    # min_tokens bans stop tokens too, until it is reached.
+    [late] = eng.generate([prompt], greedy(max_tokens=40, stop_token_ids=(tok,), min_tokens=k + 1))
+    assert tok not in late.output_token_ids[: k + 1]
+    assert len(late.output_token_ids) > k + 1 or late.finish_reason is FinishReason.LENGTH
+
+
+def test_stop_strings_truncate_the_text(make_engine: MakeEngine) -> None:
+    eng = make_engine()
+    rec = Recorder(eng)
+    prompt = rand_prompt(random.Random(8), 20)
+    [full] = eng.generate([prompt], greedy(max_tokens=48))
+    assert min_gap(rec.logits[full.request_id]) > MIN_GAP
+    text = full.text
+    stop = next(
+        text[i : i + 3]
+        for i in range(8, len(text) - 3)
+        if text[i : i + 3].strip() and "\ufffd" not in text[i : i + 3]
+    )
+    cut = text.index(stop)
+    [stopped] = eng.generate([prompt], greedy(max_tokens=48, stop=("zzzzzz", stop)))
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.text == text[:cut]
+    n = len(stopped.output_token_ids)
+    assert n < 48 and stopped.output_token_ids == full.output_token_ids[:n]
+
+
+def stream(eng: LLMEngine, request_id: str) -> list[RequestOutput]:
+    outs: list[RequestOutput] = []
+    while eng.has_unfinished():
+        outs.extend(o for o in eng.step() if o.request_id == request_id)
+    return outs
+
+
+def split_stop_string(deltas: list[str]) -> str:
+    """A 4-char piece of the streamed text that straddles a token boundary (first occurrence)."""
+    text = "".join(deltas)
+    bounds = [sum(len(d) for d in deltas[:i]) for i in range(1, len(deltas))]
+    return next(
+        text[b - 2 : b + 2]
+        for b in bounds
+        if 8 <= b <= len(text) - 2
+        and text.find(text[b - 2 : b + 2]) == b - 2
+        and text[b - 2 : b + 2].strip()
+        and "\ufffd" not in text[b - 2 : b + 2]
+    )
+
+
+STOP_PROMPT = rand_prompt(random.Random(8), 20)
+
+
+def test_streamed_text_never_shows_the_stop_string(make_engine: MakeEngine) -> None:
+    """A stop string split across tokens: its head must be held back, never streamed."""
+    eng = make_engine()
+    rec = Recorder(eng)
+    full = eng.add_request("full", STOP_PROMPT, greedy(max_tokens=48))
+    deltas = [o.text_delta for o in stream(eng, "full")]
+    assert min_gap(rec.logits["full"]) > MIN_GAP
+    text = full.text
+    assert "".join(deltas) == text
+    stop = split_stop_string(deltas)
+    for stops in [(stop,), (stop, stop[:3] + "\x00")]:  # a second, never-matching stop string
+        req = eng.add_request("s", STOP_PROMPT, greedy(max_tokens=48, stop=stops))
+        outs = stream(eng, "s")
+        assert req.finish_reason is FinishReason.STOP
+        assert req.text == text[: text.index(stop)]
+        assert "".join(o.text_delta for o in outs) == req.text
+        assert [t for o in outs for t in o.new_token_ids] == req.output_token_ids
+    # A stop string completed before min_tokens is ignored, not cut at later.
+    n_before = next(i for i in range(len(deltas)) if stop in "".join(deltas[: i + 1])) + 1
+    late = eng.add_request(
+        "late", STOP_PROMPT, greedy(max_tokens=48, stop=(stop,), min_tokens=n_before + 1)
+    )
+    outs = stream(eng, "late")
+    assert late.text.startswith(text[: text.index(stop) + len(stop)])
+    assert "".join(o.text_delta for o in outs) == late.text
+
+
+@pytest.mark.parametrize("with_stop", [False, True])
+def test_prefill_decode_handoff_matches_colocated(make_engine: MakeEngine, with_stop: bool) -> None:
+    """Prefill-only on one engine, K/V copied, `add_prefilled` on another: the joined stream
+    (the prefill side's first delta, then the decode side's) equals the colocated run."""
+    eng = make_engine()
+    eng.add_request("full", STOP_PROMPT, greedy(max_tokens=48))
+    stop = split_stop_string([o.text_delta for o in stream(eng, "full")])
+    params = greedy(max_tokens=48, stop=(stop,) if with_stop else ())
+    colocated = eng.add_request("c", STOP_PROMPT, params)
+    stream(eng, "c")
+    assert colocated.finish_reason is (FinishReason.STOP if with_stop else FinishReason.LENGTH)
+
+    pre, dec = make_engine(), make_engine()
+    pre.add_request("x", STOP_PROMPT, params, prefill_only=True)
+    [first] = stream(pre, "x")
+    assert first.finished and first.finish_reason is None  # handed on
+    req = dec.make_request("x", STOP_PROMPT, params)
+    dst = dec.blocks.allocate("x", [], len(STOP_PROMPT) + 1).block_ids  # what `reserve` does
+    n = -(-len(STOP_PROMPT) // dec.cache_config.block_size)
+    pre.cache.copy_blocks(pre.blocks.block_table("x")[:n], dec.cache, list(dst[:n]))
+    pre.release("x")
+    head = dec.add_prefilled(req, first.new_token_ids[0])
+    assert head.text_delta == first.text_delta  # both sides hold back the same tail
+    rest = stream(dec, "x")
+    assert list(first.new_token_ids) + [t for o in rest for t in o.new_token_ids] == (
+        colocated.output_token_ids
+    )
+    assert first.text_delta + "".join(o.text_delta for o in rest) == colocated.text == req.text
+    assert req.finish_reason is colocated.finish_reason
+
+
+def test_max_tokens_gives_length(make_engine: MakeEngine) -> None:
+    eng = make_engine()
+    reqs = eng.generate([[5, 6, 7], [8, 9]], [greedy(max_tokens=1), greedy(max_tokens=7)])
+    assert [len(r.output_token_ids) for r in reqs] == [1, 7]
+    assert all(r.finish_reason is FinishReason.LENGTH for r in reqs)
+
+
+def test_stream_outputs_add_up(make_engine: MakeEngine) -> None:
+    eng = make_engine()
+    req = eng.add_request("s", rand_prompt(random.Random(9), 30), greedy(max_tokens=20))
+    outs = stream(eng, "s")
+    assert [t for o in outs for t in o.new_token_ids] == req.output_token_ids
+    assert "".join(o.text_delta for o in outs) == req.text
+    assert [o.finished for o in outs] == [False] * 19 + [True]
+    assert outs[-1].finish_reason is FinishReason.LENGTH
+
+
+# ---- sampling ----------------------------------------------------------------------------
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(make_engine: MakeEngine) -> None:
+    rng = random.Random(10)
+    prompt = rand_prompt(rng, 25)
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=24, ignore_eos=True)
+    [alone] = make_engine().generate([prompt], seeded)
+    others = [rand_prompt(rng, rng.randint(5, 50)) for _ in range(4)]
+    batch = make_engine().generate(
+        [others[0], others[1], prompt, others[2], others[3]],
+        [
+            SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True),
+            SamplingParams(temperature=0.7, seed=7, max_tokens=10, ignore_eos=True),
+            seeded,
+            greedy(max_tokens=24),
+            SamplingParams(temperature=1.3, top_p=0.9, max_tokens=24, ignore_eos=True),
+        ],
+    )
+    assert batch[2].output_token_ids == alone.output_token_ids
+    eng = make_engine()
+    [again] = eng.generate([prompt], seeded)
+    assert again.output_token_ids == alone.output_token_ids
+    [other] = eng.generate([prompt], replace(seeded, seed=4321))
+    assert other.output_token_ids != alone.output_token_ids
+
+
+def test_top_k_1_is_greedy(make_engine: MakeEngine) -> None:
+    eng = make_engine()
+    rec = Recorder(eng)
+    prompts = [rand_prompt(random.Random(11), 30), rand_prompt(random.Random(12), 17)]
+    g = eng.generate(prompts, greedy(max_tokens=24))
+    assert all(min_gap(rec.logits[r.request_id]) > MIN_GAP for r in g)
+    s = eng.generate(
+        prompts, SamplingParams(temperature=0.8, top_k=1, max_tokens=24, ignore_eos=True)
+    )
+    assert [r.output_token_ids for r in s] == [r.output_token_ids for r in g]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_logprobs_match_log_softmax(make_engine: MakeEngine, temperature: float) -> None:
+    eng = make_engine()
+    rec = Recorder(eng)
+    params = SamplingParams(
+        temperature=temperature, seed=3, max_tokens=10, logprobs=5, ignore_eos=True
+    )
+    prompt = rand_prompt(random.Random(13), 30)
+    [r] = eng.generate([prompt], params)
+    rows = rec.logits[r.request_id]
+    assert len(r.logprobs) == len(rows) == 10
+    for tok, lp, row in zip(r.output_token_ids, r.logprobs, rows, strict=True):
+        ref = torch.log_softmax(row, dim=-1)
+        assert lp.token_id == tok
+        assert abs(lp.logprob - float(ref[tok])) < 1e-5
+        assert len(lp.top) == 5
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True)
+        assert [t for t, _ in lp.top] == ref.topk(5).indices.tolist()
+        for t, v in lp.top:
+            assert abs(v - float(ref[t])) < 1e-5
+        if temperature == 0.0:
+            assert lp.top[0][0] == tok
+    [zero] = eng.generate([prompt], replace(params, logprobs=0))
+    assert all(lp.top == () for lp in zero.logprobs) and len(zero.logprobs) == 10
+    [none] = eng.generate([prompt], replace(params, logprobs=None))
+    assert none.logprobs == []
+
+
+def test_repetition_penalty_reduces_repeats(make_engine: MakeEngine) -> None:
+    rng = random.Random(14)
+    prompts = [rand_prompt(rng, 20) for _ in range(8)]
+
+    def repeats(reqs: list[Request]) -> int:
+        n = 0
+        for r in reqs:
+            seen = set(r.prompt_token_ids)
+            for t in r.output_token_ids:
+                n += t in seen
+                seen.add(t)
+        return n
+
+    eng = make_engine()
+    plain = eng.generate(prompts, greedy(max_tokens=40))
+    penalized = eng.generate(prompts, greedy(max_tokens=40, repetition_penalty=1.3))
+    assert [r.output_token_ids for r in plain] != [r.output_token_ids for r in penalized]
+    assert repeats(penalized) < repeats(plain) // 2
+
+
+def test_penalties_push_the_sampler_away_from_seen_tokens() -> None:
+    def pick(
+        logits: list[float],
+        params: SamplingParams,
+        prompt: Sequence[int] = (),
+        output: Sequence[int] = (),
+    ) -> int:
+        state = SamplingState(params, list(prompt), list(output), None)
+        return sample(torch.tensor([logits]), [state])[0][0]
+
+    row = [0.0, 5.0, 4.9, -1.0, -1.05]
+    base = SamplingParams(temperature=0.0)
+    assert pick(row, base, output=[1]) == 1
+    assert pick(row, replace(base, presence_penalty=0.5), output=[1]) == 2
+    assert pick(row, replace(base, frequency_penalty=0.06), output=[1, 1]) == 2
+    assert pick(row, replace(base, frequency_penalty=0.06), output=[1]) == 1
+    assert pick(row, replace(base, repetition_penalty=1.1), prompt=[1]) == 2
+    # Negative logits are multiplied, so a penalized token still moves down.
+    neg = [-9.0, -9.0, -9.0, -1.0, -1.05]
+    assert pick(neg, replace(base, repetition_penalty=1.1), prompt=[3]) == 4
+    assert pick(neg, replace(base, frequency_penalty=-0.5), output=[4]) == 4
+
+
+# ---- detokenization ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tiny)
+
+
+def check_incremental(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = tok.detokenizer()
+    deltas = [detok.add(i) for i in ids]
+    assert not any("\ufffd" in d for d in deltas)
+    assert "".join(deltas) == tok.decode(ids) == text
+
+
+def test_incremental_detokenization_never_splits_characters(tokenizer: Tokenizer) -> None:
+    text = "héllo wörld € 你好"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text)  # multi-byte characters span several tokens
+    check_incremental(tokenizer, text)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet="ab ,.éöü€你好🙂\n", max_size=24))
+def test_incremental_detokenization_property(tokenizer: Tokenizer, text: str) -> None:
+    check_incremental(tokenizer, text)
