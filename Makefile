@@ -3,9 +3,10 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+PACKAGES := engine kv_transfer prefill_workers decode_workers router pdserve
 export PDSERVE_HOME ?= $(CURDIR)/.venv/pdserve-home
 
-.PHONY: install demo test lint bench bench-engine redis
+.PHONY: install demo test lint bench bench-engine bench-transfer redis
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,16 +26,19 @@ redis:
 	@command -v redis-server >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 
 # pytest's exit code 5 (no tests collected) is a failure like any other non-zero code.
-test: $(STAMP)
+test: $(STAMP) redis
 	$(BIN)/ruff check .
-	$(BIN)/mypy engine pdserve
+	$(BIN)/mypy $(PACKAGES)
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy engine pdserve
+	$(BIN)/mypy $(PACKAGES)
 
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine.py
 
-bench: bench-engine
+bench-transfer: $(STAMP)
+	$(BIN)/python benchmarks/kv_transfer.py
+
+bench: bench-engine bench-transfer
