@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import torch
 
 from decode_workers.worker import DecodeWorker
@@ -10,10 +13,19 @@ from kv_transfer.index_feed import IndexUpdate
 from kv_transfer.messages import DecodeStart, ReserveResult, TokenBatch, WorkerRequest, WorkerStats
 
 
+def exit_soon(error: BaseException) -> None:
+    """A dead engine must not keep a live actor: exit so Ray restarts it (`max_restarts`).
+
+    The short delay lets the error replies already queued reach their callers.
+    """
+    threading.Timer(0.5, os._exit, args=(1,)).start()
+
+
 class DecodeActor:
     def __init__(self, cfg: WorkerConfig) -> None:
         torch.set_num_threads(cfg.num_threads)  # Ray starts actors with one thread
         self.worker = DecodeWorker(cfg)
+        self.worker.fatal_hook = exit_soon
 
     async def ready(self) -> str:
         await self.worker.start_feed()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import NoFreeBlocksError
@@ -101,7 +102,8 @@ class DecodeWorker:
         self.reserved: dict[str, tuple[Request, str]] = {}
         self.streams: dict[str, _Stream] = {}
         self.num_requests_total = 0
-        self.loop = EngineLoop(self.engine, self._on_outputs, cfg.name)
+        self.loop = EngineLoop(self.engine, self._on_outputs, cfg.name, self._on_fatal)
+        self.fatal_hook: Callable[[BaseException], None] | None = None  # the actor exits
         self.feed = IndexFeed(cfg.name, cfg.index, cfg.model_name, self.loop)
 
     # ---- API -----------------------------------------------------------------------------
@@ -221,6 +223,13 @@ class DecodeWorker:
         stream = _Stream(req, asyncio.get_running_loop())
         self.streams[req.request_id] = stream
         return stream
+
+    def _on_fatal(self, error: BaseException) -> None:
+        """The engine died: end every stream with the error, then let the actor be replaced."""
+        for stream in list(self.streams.values()):
+            stream.loop.call_soon_threadsafe(stream.fail, f"{self.name}: engine died: {error!r}")
+        if self.fatal_hook is not None:
+            self.fatal_hook(error)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from typing import TypeVar
 from engine.engine import LLMEngine
 from engine.request import RequestOutput
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 _Command = tuple[Callable[[], object], "concurrent.futures.Future[object]"]
 _IDLE_WAIT_S = 0.05
@@ -30,9 +32,12 @@ class EngineLoop:
         engine: LLMEngine,
         on_outputs: Callable[[list[RequestOutput]], None] | None = None,
         name: str = "engine",
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self.on_outputs = on_outputs
+        self.on_fatal = on_fatal  # called on the engine thread after a fatal error
+        self.fatal: BaseException | None = None
         self.num_steps = 0
         self._cmds: queue.SimpleQueue[
             tuple[Callable[[], object], concurrent.futures.Future[object]]
@@ -45,6 +50,9 @@ class EngineLoop:
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run `fn` on the engine thread before the next step; its result resolves the future."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self.fatal is not None:
+            fut.set_exception(RuntimeError(f"engine died: {self.fatal!r}"))
+            return fut
         self._cmds.put((fn, fut))  # type: ignore[arg-type]
         self._wake.set()
         return fut
@@ -66,6 +74,26 @@ class EngineLoop:
                 fut.set_exception(e)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # a fatal engine error must not go silent
+            self.fatal = e
+            log.exception("engine loop %s died", self._thread.name)
+            self._fail_pending(e)
+            if self.on_fatal is not None:
+                self.on_fatal(e)
+
+    def _fail_pending(self, error: BaseException) -> None:
+        """Answer every queued command with the fatal error, so no caller waits forever."""
+        while True:
+            try:
+                _, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError(f"engine died: {error!r}"))
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain()
             if not self.engine.has_unfinished():

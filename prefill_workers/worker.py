@@ -63,7 +63,8 @@ class PrefillWorker:
         self.num_transfer_failures = 0
         self._finisher = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="kv-finish")
         self.engine.layer_hook = self._on_layer
-        self.loop = EngineLoop(self.engine, self._on_outputs, cfg.name)
+        self.loop = EngineLoop(self.engine, self._on_outputs, cfg.name, self._on_fatal)
+        self.fatal_hook: Callable[[BaseException], None] | None = None  # the actor exits
         self.feed = IndexFeed(cfg.name, cfg.index, cfg.model_name, self.loop)
 
     # ---- API (called from the actor's event loop) ----------------------------------------
@@ -137,6 +138,14 @@ class PrefillWorker:
             rid = out.request_id
             self.leases.hold(rid, self._releaser(rid))
             self._finisher.submit(self._complete, job, out)
+
+    def _on_fatal(self, error: BaseException) -> None:
+        """The engine died: answer every waiting request, then let the actor be replaced."""
+        for job in list(self.jobs.values()):
+            if not job.future.done():
+                job.future.set_exception(RuntimeError(f"{self.name}: engine died: {error!r}"))
+        if self.fatal_hook is not None:
+            self.fatal_hook(error)
 
     def _releaser(self, request_id: str) -> Callable[[], None]:
         """A release callback safe to call from any thread (it runs on the engine thread)."""
