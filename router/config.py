@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -19,11 +19,22 @@ class RouterConfig:
     drain_grace_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
     poll_timeout_s: float = 1.0  # long-poll wait per decode poll
     stats_interval_s: float = 0.2  # how often worker load is refreshed for routing
+    # A prefill worker dying under a request: "recompute" (prefill it again on another
+    # prefill worker, or on its decode worker when none is healthy) or "fail" (UNAVAILABLE).
+    prefill_failure_policy: str = "recompute"
+    http_port: int = 8000  # the OpenAI-compatible HTTP server (docs/http.md); 0 picks one
+    http_enabled: bool = True
+    # Bearer key for HTTP /v1/* and gRPC calls (env PDSERVE_API_KEY); never logged.
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.grpc_port < 65536:
             raise ValueError(f"grpc_port={self.grpc_port} is not a port")
+        if not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port={self.http_port} is not a port")
         if self.max_queue_len < 1 or self.queue_timeout_s <= 0:
             raise ValueError("max_queue_len and queue_timeout_s must be positive")
+        if self.prefill_failure_policy not in ("recompute", "fail"):
+            raise ValueError("prefill_failure_policy must be 'recompute' or 'fail'")
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0")

@@ -37,7 +37,9 @@ from kv_transfer.wire import TransferError
 from protos.pdserve.v1 import generation_pb2 as gen
 from protos.pdserve.v1 import generation_pb2_grpc as gen_grpc
 from protos.pdserve.v1 import kv_transfer_pb2 as kvpb
+from router.auth import api_key_interceptors
 from router.config import RouterConfig
+from router.metrics import RequestObserver
 from router.pools import Pool, WorkerLoad
 from router.validation import ModelLimits, prepare
 
@@ -104,6 +106,7 @@ class Router:
         self.draining = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._refresher: asyncio.Task[None] | None = None
+        self.metrics = RequestObserver()  # per-request hooks; RouterMetrics.install sets one
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -161,6 +164,15 @@ class Router:
     # ---- one request ---------------------------------------------------------------------
     def admit(self, request: gen.GenerateRequest) -> ActiveRequest:
         """Validate at the edge; raises RequestFailed with the proper status."""
+        try:
+            act = self._admit(request)
+        except RequestFailed as e:
+            self.metrics.on_reject(e.code)
+            raise
+        self.metrics.on_admit(act)
+        return act
+
+    def _admit(self, request: gen.GenerateRequest) -> ActiveRequest:
         if self.draining:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "server is draining")
         try:
@@ -237,6 +249,12 @@ class Router:
         p.active.add(r.request_id)
         try:
             res: PrefillResult = await p.handle.call("prefill", PrefillTask(r, ticket))
+        except TransferError:
+            raise
+        except Exception as e:  # the prefill worker died (or its actor is gone)
+            async for resp in self._prefill_failed(act, p, d, matches, e):
+                yield resp
+            return
         finally:
             p.outstanding_tokens -= n
             p.active.discard(r.request_id)
@@ -261,6 +279,28 @@ class Router:
             return
         await d.handle.call("start", DecodeStart(r.request_id, act.transfer_id, res.first_token_id))
         async for resp in self._relay(act, d):
+            yield resp
+
+    async def _prefill_failed(self, act: ActiveRequest, p: WorkerLoad, d: WorkerLoad,
+                              matches: dict[str, int], error: Exception
+                              ) -> AsyncIterator[gen.GenerateResponse]:
+        """A prefill worker died under this request: release its reservation, then fail it
+        (policy `fail`) or prefill it again, elsewhere or on the decode worker (`recompute`)."""
+        r = act.request
+        p.healthy = False  # out of rotation until its stats answer again (Ray restarts it)
+        log.warning("prefill worker %s failed on %s: %s", p.handle.name, r.request_id, error)
+        await self._quietly(d, "release_reservation", r.request_id, act.transfer_id)
+        d.active.discard(r.request_id)
+        act.prefill = act.decode = None
+        if act.aborted:
+            yield self._complete(act, "abort")
+            return
+        if self.cfg.prefill_failure_policy == "fail":
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
+                                f"prefill worker {p.handle.name} died: {error}")
+        again = (self._run_disaggregated(act, matches) if self.prefill.healthy()
+                 else self._run_local(act, {}))
+        async for resp in again:
             yield resp
 
     async def _reserve(self, act: ActiveRequest) -> tuple[WorkerLoad, bytes]:
@@ -302,7 +342,15 @@ class Router:
         rid = act.request.request_id
         try:
             while True:
-                batch: TokenBatch = await d.handle.call("poll", rid, self.cfg.poll_timeout_s)
+                try:
+                    batch: TokenBatch = await d.handle.call("poll", rid, self.cfg.poll_timeout_s)
+                except Exception as e:  # the decode worker died: its streams end here
+                    if act.aborted:
+                        yield self._complete(act, "abort")
+                        return
+                    d.healthy = False
+                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
+                                        f"decode worker {d.handle.name} died: {e}") from e
                 if batch.error and not act.aborted:
                     raise RequestFailed(grpc.StatusCode.UNAVAILABLE, batch.error)
                 if batch.num_cached_tokens:
@@ -325,6 +373,7 @@ class Router:
         logprobs: tuple[TokenLogprob, ...],
     ) -> gen.GenerateResponse:
         now = time.perf_counter()
+        self.metrics.on_tokens(act, len(ids), now)
         if act.first_sent_s is None and ids:
             act.first_sent_s = now
         act.last_sent_s = now
@@ -337,6 +386,7 @@ class Router:
         )
 
     def _complete(self, act: ActiveRequest, reason: str) -> gen.GenerateResponse:
+        self.metrics.on_complete(act, reason, time.perf_counter())
         t = act.timings
         first = act.first_sent_s
         ttft = (first - act.arrival_s) * 1e3 if first else 0.0
@@ -376,18 +426,25 @@ class Router:
         blocks on both pools in the background."""
         self.active.pop(act.request.request_id, None)
         if not completed:
-            task = asyncio.ensure_future(self._release(act))
+            task = asyncio.ensure_future(self._release(act, forget=True))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _release(self, act: ActiveRequest) -> None:
+    async def _release(self, act: ActiveRequest, forget: bool = False) -> None:
+        """Abort the request on both pools. `forget`: nobody relays it any more (client
+        gone, deadline, error), so its token stream on the decode worker is dropped too."""
         rid = act.request.request_id
         calls = []
         if act.prefill is not None:
             calls.append(self._quietly(act.prefill, "abort", rid))
         if act.decode is not None:
-            calls.append(self._quietly(act.decode, "abort", rid))
+            calls.append(self._abort_decode(act.decode, rid, forget))
         await asyncio.gather(*calls)
+
+    async def _abort_decode(self, d: WorkerLoad, request_id: str, forget: bool) -> None:
+        await self._quietly(d, "abort", request_id)
+        if forget:  # a finished stream is dropped by the poll that returns its end
+            await self._quietly(d, "poll", request_id, 0.0)
 
     async def _quietly(self, w: WorkerLoad, method: str, *args: object) -> None:
         try:
@@ -456,8 +513,7 @@ class GenerationService(gen_grpc.GenerationServicer):
                 yield resp
                 completed = resp.HasField("complete")
         except RequestFailed as e:
-            self.router.finish(act, completed=False)
-            await context.abort(e.code, e.details)
+            await context.abort(e.code, e.details)  # raises; `finally` releases the request
         finally:
             self.router.finish(act, completed)
 
@@ -501,7 +557,9 @@ class RouterServer:
 
 async def start_server(router: Router, host: str, port: int) -> RouterServer:
     """Bind the Generation service, health and reflection; health starts NOT_SERVING."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(
+        options=GRPC_OPTIONS, interceptors=api_key_interceptors(router.cfg.api_key)
+    )
     gen_grpc.add_GenerationServicer_to_server(GenerationService(router), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
