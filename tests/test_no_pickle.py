@@ -1,0 +1,40 @@
+"""No pickle on any wire pdserve owns: KV frames and the public APIs are protobuf/JSON.
+
+Ray's own actor calls pickle inside the cluster (its business); this scans the code that
+builds or parses what crosses *our* wires, so a `pickle.loads` (vLLM CVE-2025-47277's class
+of bug) cannot creep into a transport or the router.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WIRE_PACKAGES = ("kv_transfer", "router", "protos", "engine")
+FORBIDDEN = re.compile(
+    r"\b(import\s+(c?pickle|dill|cloudpickle|marshal|shelve)|from\s+(c?pickle|dill|cloudpickle)"
+    r"\s+import|pickle\.|torch\.(load|save)\(|numpy\.load\(|np\.load\(|allow_pickle)"
+)
+
+
+def wire_sources() -> list[Path]:
+    files = [p for pkg in WIRE_PACKAGES for p in (ROOT / pkg).rglob("*.py")]
+    assert len(files) > 20, "the scan must see the wire code"
+    return files
+
+
+@pytest.mark.parametrize("path", wire_sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_pickle_in_wire_code(path: Path) -> None:
+    hits = [f"{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
+            if FORBIDDEN.search(line) and not line.lstrip().startswith("#")]
+    assert not hits, f"{path.relative_to(ROOT)} deserializes with pickle-like code: {hits}"
+
+
+def test_scanner_catches_pickle() -> None:
+    assert FORBIDDEN.search("import pickle")
+    assert FORBIDDEN.search("    obj = pickle.loads(data)")
+    assert FORBIDDEN.search("t = torch.load(buf)")
+    assert not FORBIDDEN.search("header = pb.KVFrameHeader.FromString(raw)")
