@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -70,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument("--temperature", type=float, default=None)
     client.add_argument("--json", action="store_true", help="print the final message as JSON")
     client.add_argument("prompt", metavar="PROMPT")
+
+    from pdserve.bench import add_cli_args as add_bench_args
+
+    add_bench_args(sub.add_parser("bench", help="load-test a server like `vllm bench serve`"))
     return parser
 
 
@@ -88,6 +93,8 @@ SERVE_FLAGS: dict[str, tuple[str, str]] = {
     "transport": ("transfer", "transport"),
     "host": ("router", "host"),
     "grpc_port": ("router", "grpc_port"),
+    "http_port": ("router", "http_port"),
+    "api_key": ("router", "api_key"),
     "local_prefill_threshold": ("router", "local_prefill_threshold"),
     "ray_address": ("ray", "address"),
     "redis_url": ("index", "redis_url"),
@@ -109,6 +116,17 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default=None, choices=["torch_dist", "grpc"])
     p.add_argument("--host", default=None, help="router bind address (default 127.0.0.1)")
     p.add_argument("--grpc-port", type=int, default=None, help="default 50051; 0 picks one")
+    p.add_argument(
+        "--http-port", type=int, default=None, help="OpenAI HTTP API; default 8000; 0 picks one"
+    )
+    p.add_argument(
+        "--no-http", action="store_true", default=None, help="serve gRPC only (no HTTP server)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on HTTP /v1/* and gRPC (env PDSERVE_API_KEY)",
+    )
     p.add_argument(
         "--local-prefill-threshold",
         type=int,
@@ -143,6 +161,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             overrides.setdefault(section, {})[key] = value
     if args.colocated:
         overrides["colocated"] = True
+    if args.no_http:
+        overrides.setdefault("router", {})["http_enabled"] = False
+    if args.api_key is None and os.environ.get("PDSERVE_API_KEY"):  # flag > env > YAML
+        overrides.setdefault("router", {})["api_key"] = os.environ["PDSERVE_API_KEY"]
     return ServeConfig.load(args.config, overrides)
 
 
@@ -167,6 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_client(
                 args.target, args.prompt, args.max_tokens, args.temperature, args.json
             )
+        if args.command == "bench":
+            from pdserve.bench import run_bench
+
+            return run_bench(args)
     except (InvalidParameterError, ValueError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
