@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 
+import ray
 import torch
 
 from decode_workers.worker import DecodeWorker
@@ -24,6 +26,9 @@ def exit_soon(error: BaseException) -> None:
 class DecodeActor:
     def __init__(self, cfg: WorkerConfig) -> None:
         torch.set_num_threads(cfg.num_threads)  # Ray starts actors with one thread
+        if cfg.transfer.host == "auto":  # advertise this node's address, wherever Ray put us
+            host = ray.util.get_node_ip_address()
+            cfg = replace(cfg, transfer=replace(cfg.transfer, host=host))
         self.worker = DecodeWorker(cfg)
         self.worker.fatal_hook = exit_soon
 

@@ -9,7 +9,7 @@ weights.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,7 @@ def build_router(
     index = make_index(cfg.index.redis_url, name, cfg.index.ttl_s, cfg.index.timeout_s)
     return Router(
         cfg.router,
-        ModelLimits(name, mcfg.vocab_size, max_len),
+        ModelLimits(name, mcfg.vocab_size, max_len, cfg.cache.block_size, cfg.cache.num_blocks),
         tokenizer,
         info,
         Pool("prefill", prefill),
@@ -108,9 +108,7 @@ class Deployment:
             )
             self.started_ray = cfg.ray.address is None
         ecfg = engine_config(cfg, self.model_path)
-        transfer = cfg.transfer
-        if transfer.host == "auto":
-            transfer = replace(transfer, host=ray.util.get_node_ip_address())
+        transfer = cfg.transfer  # host "auto" is resolved by each decode actor on its node
 
         def worker_cfg(name: str, pool: PoolConfig, role: str) -> WorkerConfig:
             return WorkerConfig(

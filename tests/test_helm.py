@@ -1,0 +1,592 @@
+"""The Helm chart (k8s/helm/pdserve), rendered offline with the Helm SDK (helm-python-sdk).
+
+Three profiles: the defaults (CPU, bundled Redis), a GPU profile (2 prefill x 1 GPU, 4 decode
+x 1 GPU, GPU node pools) and an external Redis (redis.url + redis.existingSecret). Helm lint
+finds no error, the values schema refuses bad values, every core Kubernetes object passes
+kubernetes-validate (the CRDs, RayCluster and ServiceMonitor, are checked structurally here),
+the ConfigMap's config loads with `ServeConfig.load`, and the two shell scripts the chart
+runs (the router's start script, the bundled Redis's start command) are run here too.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import redis
+import yaml
+
+from pdserve.config import ServeConfig
+
+CHART = Path(__file__).resolve().parents[1] / "k8s" / "helm" / "pdserve"
+RELEASE, NAMESPACE = "pd", "serving"
+FULLNAME = "pd-pdserve"
+RAY_PORTS = {6379, 8265, 10001}  # GCS, dashboard, Ray client
+ROUTER_PORTS = {50051, 8000}
+KUBE_VERSIONS = ("1.27", kubernetes_validate.utils.latest_version())  # kubeVersion >= 1.27
+CRD_GROUPS = ("ray.io/", "monitoring.coreos.com/", "keda.sh/")
+
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+PROFILES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "gpu": {
+        "config": {"model": {"model": "/models/llama-8b", "dtype": "bfloat16"}},
+        "modelStorage": {
+            "enabled": True,
+            "mountPath": "/models",
+            "volume": {"persistentVolumeClaim": {"claimName": "weights", "readOnly": True}},
+        },
+        "prefill": {
+            "replicas": 2,
+            "gpusPerWorker": 1,
+            "nodeSelector": {"pdserve.io/pool": "prefill"},
+            "tolerations": [GPU_TOLERATION],
+        },
+        "decode": {
+            "replicas": 4,
+            "gpusPerWorker": 1,
+            "nodeSelector": {"pdserve.io/pool": "decode"},
+            "tolerations": [GPU_TOLERATION],
+            "affinity": {
+                "podAntiAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {
+                            "weight": 100,
+                            "podAffinityTerm": {
+                                "topologyKey": "kubernetes.io/hostname",
+                                "labelSelector": {
+                                    "matchLabels": {"app.kubernetes.io/component": "decode"}
+                                },
+                            },
+                        }
+                    ]
+                }
+            },
+        },
+        "serviceMonitor": {"enabled": True},
+    },
+    "external-redis": {
+        "redis": {
+            "enabled": False,
+            "url": "rediss://pdserve@redis.example.internal:6380/2",
+            "existingSecret": "external-redis",
+            "existingSecretKey": "password",
+        },
+        "rayAuth": {"existingSecret": "ray-token"},
+        "router": {"apiKey": {"existingSecret": "pdserve-api", "key": "key"}},
+    },
+}
+
+
+# ---- rendering ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chart() -> Any:
+    with helm.Chart.load(CHART) as c:
+        yield c
+
+
+def render(chart: Any, values: dict[str, Any]) -> list[dict[str, Any]]:
+    out = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    docs = []
+    for path, text in sorted(out.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+@pytest.fixture(scope="module")
+def rendered(chart: Any) -> dict[str, list[dict[str, Any]]]:
+    return {name: render(chart, values) for name, values in PROFILES.items()}
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [
+        d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
+    ]
+    assert len(found) == 1, f"{kind} {name}: {len(found)} found"
+    return found[0]
+
+
+def containers(pod_template: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in pod_template["spec"]["containers"]}
+
+
+def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def groups(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    rc = one(docs, "RayCluster")
+    return {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+
+
+def serve_config(docs: list[dict[str, Any]], tmp_path: Path) -> ServeConfig:
+    cm = one(docs, "ConfigMap", f"{FULLNAME}-config")
+    path = tmp_path / "config.yaml"
+    path.write_text(cm["data"]["config.yaml"])
+    return ServeConfig.load(path)
+
+
+def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+# ---- lint and schema ------------------------------------------------------------------------
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_lint_reports_no_errors(profile: str) -> None:
+    report = helm.lint(CHART, PROFILES[profile], strict=True, namespace=NAMESPACE)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"prefill": {"replicas": -1}},
+        {"decode": {"replicas": -2}},
+        {"prefill": {"gpusPerWorker": -1}},
+        {"decode": {"gpusPerWorker": 0.5}},  # nvidia.com/gpu is a whole number
+        {"replicaCount": 3},  # unknown top-level key
+        {"prefill": {"gpus": 1}},  # unknown key in a pool
+        {"redis": {"password": "inline"}},  # no inline password key at all
+        {"config": {"caches": {}}},  # not a section of the config tree
+        {"router": {"grpcPort": 70000}},
+        {"router": {"service": {"type": "ExternalName"}}},
+        {"redis": {"url": "http://redis:6379"}},
+        {"image": {"tag": ""}},
+    ],
+)
+def test_schema_rejects_bad_values(chart: Any, bad: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmValuesError):
+        chart.validate_schema(bad)
+    with pytest.raises(helm.HelmValuesError):
+        chart.render(bad, name=RELEASE, namespace=NAMESPACE)
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_schema_accepts_the_profiles(chart: Any, profile: str) -> None:
+    chart.validate_schema(PROFILES[profile])
+
+
+def test_schema_config_sections_are_the_serve_config_tree(chart: Any) -> None:
+    sections = set(chart.schema["properties"]["config"]["properties"])
+    assert sections == {f.name for f in fields(ServeConfig)}
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"config": {"prefill": {"num_workers": 3}}}, "config.prefill.num_workers"),
+        ({"config": {"decode": {"resources": {"x": 1}}}}, "config.decode.resources"),
+        ({"config": {"router": {"grpc_port": 1}}}, "config.router.grpc_port"),
+        ({"config": {"index": {"redis_url": "redis://h"}}}, "config.index.redis_url"),
+        ({"config": {"model": {"device": "cuda"}}}, "config.model.device"),
+        (
+            {"redis": {"enabled": False, "url": "redis://:hunter2@redis:6379/0"}},
+            "must not hold a password",
+        ),
+        ({"prefill": {"gpusPerWorker": 1}}, "one device kind"),
+    ],
+)
+def test_chart_refuses_values_it_cannot_honour(
+    chart: Any, values: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(helm.HelmRenderError, match=message):
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+# ---- Kubernetes objects ---------------------------------------------------------------------
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_core_objects_pass_kubernetes_validate(
+    rendered: dict[str, list[dict[str, Any]]], profile: str
+) -> None:
+    docs = rendered[profile]
+    core = [d for d in docs if not d["apiVersion"].startswith(CRD_GROUPS)]
+    assert {d["kind"] for d in core} >= {"ConfigMap", "Service", "NetworkPolicy"}
+    for doc in core:
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+    # The RayCluster's pod templates are core PodSpecs: validate them as Pods.
+    rc = one(docs, "RayCluster")
+    templates = [rc["spec"]["headGroupSpec"]["template"]] + [
+        g["template"] for g in rc["spec"]["workerGroupSpecs"]
+    ]
+    for t in templates:
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": t["spec"]}
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(pod, version, strict=True)
+
+
+def test_default_profile_objects(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in rendered["default"])
+    assert kinds == [
+        ("ConfigMap", f"{FULLNAME}-config"),
+        ("NetworkPolicy", f"{FULLNAME}-ray"),
+        ("NetworkPolicy", f"{FULLNAME}-redis"),
+        ("NetworkPolicy", f"{FULLNAME}-router"),
+        ("PodDisruptionBudget", f"{FULLNAME}-decode"),
+        ("PodDisruptionBudget", f"{FULLNAME}-head"),
+        ("PodDisruptionBudget", f"{FULLNAME}-prefill"),
+        ("RayCluster", FULLNAME),
+        ("Secret", f"{FULLNAME}-ray-auth"),
+        ("Secret", f"{FULLNAME}-redis"),
+        ("Service", FULLNAME),
+        ("Service", f"{FULLNAME}-redis"),
+        ("StatefulSet", f"{FULLNAME}-redis"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "profile, expected",
+    [
+        ("default", {"prefill": (1, 0), "decode": (1, 0)}),
+        ("gpu", {"prefill": (2, 1), "decode": (4, 1)}),
+    ],
+)
+def test_raycluster_groups_and_gpus(
+    rendered: dict[str, list[dict[str, Any]]],
+    profile: str,
+    expected: dict[str, tuple[int, int]],
+    tmp_path: Path,
+) -> None:
+    docs = rendered[profile]
+    rc = one(docs, "RayCluster")
+    assert rc["apiVersion"] == "ray.io/v1"
+    head = rc["spec"]["headGroupSpec"]
+    assert head["serviceType"] == "ClusterIP"
+    assert head["rayStartParams"]["num-cpus"] == "0"  # no pdserve actor on the head
+    assert [c["name"] for c in head["template"]["spec"]["containers"]] == ["ray-head", "router"]
+    cfg = serve_config(docs, tmp_path)
+    by_group = groups(docs)
+    assert set(by_group) == {"prefill", "decode"}
+    for role, (replicas, gpus) in expected.items():
+        g = by_group[role]
+        assert g["replicas"] == g["minReplicas"] == g["maxReplicas"] == replicas
+        (worker,) = g["template"]["spec"]["containers"]
+        limits = worker["resources"].get("limits", {})
+        assert limits.get("nvidia.com/gpu", 0) == gpus
+        # `ray start --resources="..."`: one unit of the group's own resource per pod ...
+        (arg,) = shlex.split(g["rayStartParams"]["resources"])
+        assert json.loads(arg) == {f"pdserve_{role}": 1}
+        # ... and the pool's actors ask for one unit each, and for the pod's GPUs.
+        pool = getattr(cfg, role)
+        assert pool.num_workers == replicas
+        assert pool.num_gpus == gpus
+        assert pool.resources == {f"pdserve_{role}": 1}
+    assert cfg.model.device == ("cuda" if profile == "gpu" else "cpu")
+
+
+def test_gpu_profile_places_groups_on_their_node_pools(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    by_group = groups(rendered["gpu"])
+    for role in ("prefill", "decode"):
+        spec = by_group[role]["template"]["spec"]
+        assert spec["nodeSelector"] == {"pdserve.io/pool": role}
+        assert spec["tolerations"] == [GPU_TOLERATION]
+        (worker,) = spec["containers"]
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in worker[
+            "volumeMounts"
+        ]
+    assert "podAntiAffinity" in by_group["decode"]["template"]["spec"]["affinity"]
+    assert "affinity" not in by_group["prefill"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_configmap_config_loads_as_serve_config(
+    rendered: dict[str, list[dict[str, Any]]], profile: str, tmp_path: Path
+) -> None:
+    cfg = serve_config(rendered[profile], tmp_path)
+    assert cfg.ray.address == "auto"
+    assert cfg.router.host == "0.0.0.0"
+    assert (cfg.router.grpc_port, cfg.router.http_port) == (50051, 8000)
+    assert cfg.transfer.host == "auto"  # each decode worker advertises its own pod IP
+    assert cfg.index.redis_url is None  # the URL (and its password) comes at start, via env
+    assert cfg.prefill.max_restarts == cfg.decode.max_restarts == -1
+    if profile == "gpu":
+        assert (cfg.model.model, cfg.model.dtype) == ("/models/llama-8b", "bfloat16")
+
+
+# ---- exposure -------------------------------------------------------------------------------
+@pytest.mark.parametrize("service_type", ["ClusterIP", "LoadBalancer"])
+def test_services_expose_the_router_ports_only(chart: Any, service_type: str) -> None:
+    for values in PROFILES.values():
+        docs = render(chart, {**values, "router": {"service": {"type": service_type}}})
+        services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+        router = services.pop(FULLNAME)
+        assert router["spec"]["type"] == service_type
+        assert {p["port"] for p in router["spec"]["ports"]} == ROUTER_PORTS
+        assert {p["targetPort"] for p in router["spec"]["ports"]} == {"grpc", "http"}
+        head = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]
+        assert matches(router["spec"]["selector"], head["metadata"]["labels"])
+        assert {p["containerPort"] for p in containers(head)["router"]["ports"]} == ROUTER_PORTS
+        # The only other Service is the bundled Redis's, and it stays inside the cluster.
+        for svc in services.values():
+            assert svc["metadata"]["name"] == f"{FULLNAME}-redis"
+            assert svc["spec"]["type"] == "ClusterIP"
+            assert svc["spec"]["selector"]["app.kubernetes.io/component"] == "redis"
+        for svc in [router, *services.values()]:
+            if svc["spec"]["type"] != "ClusterIP":
+                assert not {p["port"] for p in svc["spec"]["ports"]} & RAY_PORTS
+
+
+def test_network_policies_keep_ray_ports_internal(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["default"]
+    rc = one(docs, "RayCluster")
+    ray_pods = [rc["spec"]["headGroupSpec"]["template"]] + [
+        g["template"] for g in rc["spec"]["workerGroupSpecs"]
+    ]
+    ray = one(docs, "NetworkPolicy", f"{FULLNAME}-ray")
+    selector = ray["spec"]["podSelector"]["matchLabels"]
+    assert all(matches(selector, t["metadata"]["labels"]) for t in ray_pods)
+    assert ray["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = ray["spec"]["ingress"]  # every port: this release's Ray pods, nothing else
+    assert rule["from"] == [{"podSelector": {"matchLabels": selector}}]
+    assert "ports" not in rule
+
+    router = one(docs, "NetworkPolicy", f"{FULLNAME}-router")
+    assert matches(
+        router["spec"]["podSelector"]["matchLabels"],
+        rc["spec"]["headGroupSpec"]["template"]["metadata"]["labels"],
+    )
+    (rule,) = router["spec"]["ingress"]
+    assert {p["port"] for p in rule["ports"]} == ROUTER_PORTS
+
+    redis_policy = one(docs, "NetworkPolicy", f"{FULLNAME}-redis")
+    (rule,) = redis_policy["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": selector}}]
+    assert [p["port"] for p in rule["ports"]] == [6379]
+    # No policy opens a Ray port to a source outside the release, save dashboardFrom.
+    for pol in (d for d in docs if d["kind"] == "NetworkPolicy"):
+        for rule in pol["spec"]["ingress"]:
+            ports = {p["port"] for p in rule.get("ports", [])}
+            if ports & RAY_PORTS or not ports:
+                assert rule["from"] == [{"podSelector": {"matchLabels": selector}}]
+
+
+def test_dashboard_access_is_opt_in(chart: Any) -> None:
+    admins = [{"namespaceSelector": {"matchLabels": {"name": "ray-admin"}}}]
+    docs = render(chart, {"networkPolicy": {"dashboardFrom": admins}})
+    rules = one(docs, "NetworkPolicy", f"{FULLNAME}-ray")["spec"]["ingress"]
+    assert rules[1] == {"from": admins, "ports": [{"port": 8265, "protocol": "TCP"}]}
+
+
+# ---- probes, secrets, auth ------------------------------------------------------------------
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_router_probes(rendered: dict[str, list[dict[str, Any]]], profile: str) -> None:
+    head = one(rendered[profile], "RayCluster")["spec"]["headGroupSpec"]["template"]
+    router = containers(head)["router"]
+    ports = {p["name"]: p["containerPort"] for p in router["ports"]}
+    assert ports == {"grpc": 50051, "http": 8000}
+    assert router["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert router["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
+    assert router["startupProbe"]["tcpSocket"] == {"port": "grpc"}
+    assert router["command"] == ["/bin/sh", "/etc/pdserve/start-router.sh"]
+
+
+def test_bundled_redis_password_comes_from_the_secret(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["default"]
+    secret = one(docs, "Secret", f"{FULLNAME}-redis")
+    password = base64.b64decode(secret["data"]["redis-password"]).decode()
+    assert len(password) >= 32
+    ref = {"secretKeyRef": {"name": f"{FULLNAME}-redis", "key": "redis-password"}}
+    head = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]
+    env = env_of(containers(head)["router"])
+    assert env["REDIS_PASSWORD"]["valueFrom"] == ref
+    assert env["PDSERVE_REDIS_URL"]["value"] == f"redis://{FULLNAME}-redis.{NAMESPACE}.svc:6379/0"
+    sts = one(docs, "StatefulSet", f"{FULLNAME}-redis")
+    redis_env = env_of(containers(sts["spec"]["template"])["redis"])
+    assert redis_env["REDIS_PASSWORD"]["valueFrom"] == ref
+    assert redis_env["REDISCLI_AUTH"]["valueFrom"] == ref
+    sts_probes = containers(sts["spec"]["template"])["redis"]
+    assert "exec" in sts_probes["readinessProbe"] and "exec" in sts_probes["livenessProbe"]
+    # The password is in the Secret and nowhere else, in no form.
+    for doc in docs:
+        if doc is secret:
+            continue
+        text = json.dumps(doc)
+        assert password not in text and secret["data"]["redis-password"] not in text
+
+
+def test_external_redis_password_comes_from_the_existing_secret(
+    rendered: dict[str, list[dict[str, Any]]], chart: Any
+) -> None:
+    docs = rendered["external-redis"]
+    assert not [d for d in docs if d["kind"] == "StatefulSet"]
+    assert not [d for d in docs if d["kind"] == "Secret"]  # both secrets are the user's
+    head = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]
+    env = env_of(containers(head)["router"])
+    assert env["PDSERVE_REDIS_URL"]["value"] == "rediss://pdserve@redis.example.internal:6380/2"
+    assert env["REDIS_PASSWORD"]["valueFrom"] == {
+        "secretKeyRef": {"name": "external-redis", "key": "password"}
+    }
+    assert env["PDSERVE_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "pdserve-api", "key": "key"}
+    }
+    assert not [d for d in docs if d["metadata"]["name"] == f"{FULLNAME}-redis"]
+    # A Redis without a password, and no Redis at all (the router's in-memory index).
+    docs = render(chart, {"redis": {"enabled": False, "url": "redis://cache:6379/0"}})
+    env = env_of(containers(one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"])["router"])
+    assert (
+        "REDIS_PASSWORD" not in env and env["PDSERVE_REDIS_URL"]["value"] == "redis://cache:6379/0"
+    )
+    docs = render(chart, {"redis": {"enabled": False}})
+    env = env_of(containers(one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"])["router"])
+    assert "REDIS_PASSWORD" not in env and "PDSERVE_REDIS_URL" not in env
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_ray_token_auth_everywhere(rendered: dict[str, list[dict[str, Any]]], profile: str) -> None:
+    docs = rendered[profile]
+    secret_name = "ray-token" if profile == "external-redis" else f"{FULLNAME}-ray-auth"
+    if profile != "external-redis":
+        token = one(docs, "Secret", secret_name)
+        assert len(base64.b64decode(token["data"]["auth-token"])) >= 32
+        assert token["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    rc = one(docs, "RayCluster")
+    templates = [rc["spec"]["headGroupSpec"]["template"]] + [
+        g["template"] for g in rc["spec"]["workerGroupSpecs"]
+    ]
+    names = []
+    for t in templates:
+        assert t["spec"]["automountServiceAccountToken"] is False
+        for c in t["spec"]["containers"]:
+            env = env_of(c)
+            assert env["RAY_AUTH_MODE"]["value"] == "token"
+            assert env["RAY_AUTH_TOKEN"]["valueFrom"] == {
+                "secretKeyRef": {"name": secret_name, "key": "auth-token"}
+            }
+            names.append(c["name"])
+    assert sorted(names) == ["ray-head", "ray-worker", "ray-worker", "router"]
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_one_pod_disruption_budget_per_role(
+    rendered: dict[str, list[dict[str, Any]]], profile: str
+) -> None:
+    docs = rendered[profile]
+    rc = one(docs, "RayCluster")
+    pods = {"head": rc["spec"]["headGroupSpec"]["template"]} | {
+        g["groupName"]: g["template"] for g in rc["spec"]["workerGroupSpecs"]
+    }
+    pdbs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PodDisruptionBudget"}
+    assert set(pdbs) == {f"{FULLNAME}-{role}" for role in pods}
+    for role, template in pods.items():
+        pdb = pdbs[f"{FULLNAME}-{role}"]
+        sel = pdb["spec"]["selector"]["matchLabels"]
+        assert matches(sel, template["metadata"]["labels"])
+        others = [t for r, t in pods.items() if r != role]
+        assert not any(matches(sel, t["metadata"]["labels"]) for t in others)
+    assert pdbs[f"{FULLNAME}-head"]["spec"]["maxUnavailable"] == 0
+
+
+def test_service_monitor_scrapes_the_router(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    assert not [d for d in rendered["default"] if d["kind"] == "ServiceMonitor"]
+    docs = rendered["gpu"]
+    sm = one(docs, "ServiceMonitor")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    router = one(docs, "Service", FULLNAME)
+    assert matches(sm["spec"]["selector"]["matchLabels"], router["metadata"]["labels"])
+    assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+
+
+# ---- the scripts the chart runs -------------------------------------------------------------
+def test_router_start_script_adds_the_secret_password_to_the_url(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """start-router.sh with stub `ray` (the head is up) and `pdserve` (prints its argv)."""
+    script = one(rendered["default"], "ConfigMap")["data"]["start-router.sh"]
+    (tmp_path / "start-router.sh").write_text(script)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ray").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "pdserve").write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    python_dir = Path(shutil.which("python3") or "/usr/bin/python3").parent
+    password = "p@ss:w/rd %1"
+
+    def run(**env: str) -> list[str]:
+        out = subprocess.run(
+            ["/bin/sh", str(tmp_path / "start-router.sh")],
+            env={"PATH": f"{bin_dir}:{python_dir}:/usr/bin:/bin", **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return out.stdout.splitlines()
+
+    base = ["serve", "--config", "/etc/pdserve/config.yaml", "--ray-address", "auto"]
+    assert run() == base
+    argv = run(PDSERVE_REDIS_URL="redis://pd-redis.ns.svc:6379/0", REDIS_PASSWORD=password)
+    assert argv[:-2] == base and argv[-2] == "--redis-url"
+    kwargs = redis.ConnectionPool.from_url(argv[-1]).connection_kwargs
+    assert (kwargs["password"], kwargs["host"], kwargs["port"]) == (
+        password,
+        "pd-redis.ns.svc",
+        6379,
+    )
+    argv = run(PDSERVE_REDIS_URL="rediss://pdserve@r.example:6380/2", REDIS_PASSWORD=password)
+    kwargs = redis.ConnectionPool.from_url(argv[-1]).connection_kwargs
+    assert (kwargs["username"], kwargs["password"], kwargs["db"]) == ("pdserve", password, 2)
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+def test_bundled_redis_starts_with_the_password_from_env(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """The StatefulSet's command (config on stdin), on a free port instead of 6379."""
+    sts = one(rendered["default"], "StatefulSet")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    assert container["command"][:2] == ["/bin/sh", "-c"]
+    command = container["command"][2]
+    assert command.count("redis-server -") == 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = command.replace("redis-server -", f"redis-server - --port {port} --bind 127.0.0.1")
+    password = "s3cret-from-env"
+    proc = subprocess.Popen(
+        ["/bin/sh", "-c", command],
+        env={**os.environ, "REDIS_PASSWORD": password},
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        client = redis.Redis(port=port, password=password, socket_timeout=2)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                assert client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
+        assert client.config_get("save") == {"save": ""}
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, password="wrong", socket_timeout=2).ping()
+        with pytest.raises((redis.AuthenticationError, redis.ResponseError)):  # NOAUTH
+            redis.Redis(port=port, socket_timeout=2).ping()
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
