@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.block_manager import BlockManager, namespace_seed
-from engine.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig, ceil_div
+from engine.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from engine.kv_cache import DTYPES, PagedKVCache
 from engine.model import LayerHook, LlamaModel
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
@@ -25,11 +25,10 @@ from engine.runner import ModelRunner
 from engine.sampling import InvalidParameterError, SamplingParams, sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import Tokenizer
+from engine.validation import ContextLengthError, check_request
 from engine.weights import load_weights
 
-
-class ContextLengthError(InvalidParameterError):
-    """The prompt (plus requested output) does not fit the context window."""
+__all__ = ["ContextLengthError", "EngineConfig", "LLMEngine"]
 
 
 @dataclass(frozen=True)
@@ -103,43 +102,15 @@ class LLMEngine:
         self, prompt_token_ids: Sequence[int], params: SamplingParams, prefill_only: bool = False
     ) -> None:
         """Reject bad input with an error naming the field; nothing is allocated."""
-        params.validate(self.model_config.vocab_size)
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidParameterError("prompt", "must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidParameterError(
-                "prompt_token_ids", f"ids {bad[:5]} are outside the vocabulary [0, {vocab})"
-            )
-        max_len = self.scheduler_config.max_model_len
-        if n + params.max_tokens > max_len:
-            raise ContextLengthError(
-                "prompt",
-                (
-                    f"This model's maximum context length is {max_len} tokens. However, you "
-                    f"requested {n + params.max_tokens} tokens ({n} in the messages, "
-                    f"{params.max_tokens} in the completion). Please reduce the length of the "
-                    "messages or completion."
-                ),
-            )
-        # A request must fit the pool on its own: preemption frees other requests' blocks but
-        # can never make room beyond the pool, and a request that outgrows it would wait
-        # forever. Its peak is every token but the last sampled one (prefill-only: the prompt).
-        bs, num_blocks = self.cache_config.block_size, self.cache_config.num_blocks
-        blocks = ceil_div(n + 1, bs)
-        if blocks > num_blocks:
-            raise ContextLengthError(
-                "prompt", f"needs {blocks} KV blocks; the cache has {num_blocks}"
-            )
-        blocks = ceil_div(n + max(params.max_tokens - 1, 1), bs)
-        if not prefill_only and blocks > num_blocks:
-            raise ContextLengthError(
-                "max_tokens",
-                f"{n} prompt + {params.max_tokens} completion tokens need {blocks} KV blocks; "
-                f"the cache has {num_blocks}",
-            )
+        check_request(
+            prompt_token_ids,
+            params,
+            self.model_config.vocab_size,
+            self.scheduler_config.max_model_len,
+            self.cache_config.block_size,
+            self.cache_config.num_blocks,
+            prefill_only,
+        )
 
     def make_request(
         self,

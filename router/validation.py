@@ -23,6 +23,9 @@ class ModelLimits:
     served_model_name: str
     vocab_size: int
     max_model_len: int
+    # The KV pool every worker has (both pools share the cache config); 0: not checked.
+    block_size: int = 0
+    num_kv_blocks: int = 0
 
 
 def _float(s: gen.SamplingParams, name: str, default: float) -> float:
@@ -77,7 +80,14 @@ def prepare(
         ids = [int(t) for t in request.token_ids.ids]
     else:
         raise InvalidParameterError("prompt", "must not be empty: set text or token_ids")
-    check_request(ids, params, limits.vocab_size, limits.max_model_len)
+    check_request(
+        ids,
+        params,
+        limits.vocab_size,
+        limits.max_model_len,
+        limits.block_size,
+        limits.num_kv_blocks,
+    )
     if len(request.request_id) > 256:
         raise InvalidParameterError("request_id", "must be at most 256 characters")
     return WorkerRequest(
