@@ -136,7 +136,8 @@ class DecodeWorker:
             return
 
         def admit() -> None:
-            self.reserved.pop(s.request_id, None)
+            if self.reserved.pop(s.request_id, None) is None:
+                return  # aborted while its KV landed: abort() freed it and ends the stream
             self.receiver.take(s.transfer_id)
             self.num_requests_total += 1
             out = self.engine.add_prefilled(req, s.first_token_id)

@@ -1,4 +1,5 @@
-"""`pdserve serve`: start the deployment, serve gRPC until SIGINT/SIGTERM, then drain."""
+"""`pdserve serve`: start the deployment, serve gRPC (and the OpenAI HTTP API, docs/http.md)
+until SIGINT/SIGTERM, then drain."""
 
 from __future__ import annotations
 
@@ -8,25 +9,36 @@ import sys
 
 from pdserve.config import ServeConfig
 from pdserve.launch import Deployment
+from router.http import HTTPServer, start_http_server
+from router.metrics import RouterMetrics
 from router.service import Router, start_server
 
 
 async def serve(cfg: ServeConfig, deployment: Deployment, router: Router) -> int:
+    http: HTTPServer | None = None
+    # Signals are handled before anything is announced: a SIGTERM right after the
+    # "listening" line must drain, not kill the process (Ray's or the default handler).
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     try:
+        RouterMetrics.install(router)
         server = await start_server(router, cfg.router.host, cfg.router.grpc_port)
         await router.start()
         await server.set_serving(True)
         print(f"pdserve: gRPC listening on {cfg.router.host}:{server.port}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        if cfg.router.http_enabled:
+            http = await start_http_server(router, cfg.router.host, cfg.router.http_port)
+            print(f"pdserve: HTTP listening on {cfg.router.host}:{http.port}", flush=True)
         await stop.wait()
         print("pdserve: draining", file=sys.stderr, flush=True)
         await server.set_serving(False)
         await router.drain(cfg.router.drain_grace_s)
         await server.server.stop(grace=1.0)
     finally:
+        if http is not None:
+            await http.stop()
         await asyncio.to_thread(deployment.stop)
     print("pdserve: stopped", file=sys.stderr, flush=True)
     return 0

@@ -23,7 +23,7 @@ from kv_transfer.index_feed import IndexFeed, IndexUpdate
 from kv_transfer.messages import PrefillResult, PrefillTask, WorkerStats
 from kv_transfer.sender import KVSender, OutboundTransfer, SenderLeases
 from kv_transfer.transports.base import get_transport
-from kv_transfer.wire import TransferError
+from kv_transfer.wire import TransferError, TransferRejected
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 
 
@@ -36,6 +36,7 @@ class _Job:
     arrival_s: float
     outbound: OutboundTransfer | None = None
     started_s: float | None = None
+    error: str = ""  # the transfer broke while pushing (the request fails, not the engine)
 
 
 class PrefillWorker:
@@ -61,6 +62,7 @@ class PrefillWorker:
         self.jobs: dict[str, _Job] = {}
         self.num_requests_total = 0
         self.num_transfer_failures = 0
+        self.num_transfer_bytes = 0  # KV payload bytes pushed (all transfers, /metrics)
         self._finisher = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="kv-finish")
         self.engine.layer_hook = self._on_layer
         self.loop = EngineLoop(self.engine, self._on_outputs, cfg.name, self._on_fatal)
@@ -123,12 +125,19 @@ class PrefillWorker:
             return
         for chunk in step.prefill:
             job = self.jobs.get(chunk.request.request_id)
-            if job is None or not chunk.completes_prompt:
+            if job is None or not chunk.completes_prompt or job.error:
                 continue
-            if job.outbound is None:
-                src = self.engine.blocks.block_table(job.request.request_id)
-                job.outbound = self.sender.start(job.ticket, src[: len(job.ticket.dst_block_ids)])
-            self.sender.push(job.outbound, layer + 1)
+            try:
+                if job.outbound is None:
+                    src = self.engine.blocks.block_table(job.request.request_id)
+                    job.outbound = self.sender.start(
+                        job.ticket, src[: len(job.ticket.dst_block_ids)]
+                    )
+                self.sender.push(job.outbound, layer + 1)
+            except Exception as e:  # a broken pair fails its transfers, never the engine step
+                job.error = f"KV push to {job.ticket.channel_address} failed: {e!r}"
+                if not isinstance(e, TransferRejected):
+                    self.sender.drop_channel(job.ticket.channel_address)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -187,7 +196,10 @@ class PrefillWorker:
             queued_prefill_tokens=queued,
             num_requests_total=self.num_requests_total,
             num_preemptions_total=sched.num_preemptions,
-            extra={"transfer_failures_total": float(self.num_transfer_failures)},
+            extra={
+                "transfer_failures_total": float(self.num_transfer_failures),
+                "transfer_bytes_total": float(self.num_transfer_bytes),
+            },
         )
 
     # ---- finisher threads ----------------------------------------------------------------
@@ -198,17 +210,21 @@ class PrefillWorker:
         error = ""
         finished = out.finish_reason is not None
         try:
+            if job.error:
+                raise TransferError(f"{req.request_id}: {job.error}")
             if job.outbound is None:
                 raise TransferError(f"{req.request_id}: no layer was pushed")
             if finished:  # nothing to decode: tell the decode side to let go
                 self.sender.abort(job.outbound, "finished at the first token")
             else:
                 self.sender.finish(job.outbound)
-        except TransferError as e:
-            error = str(e)
+        except Exception as e:  # whatever broke, the router gets an answer, not a hang
+            error = str(e) if isinstance(e, TransferError) else f"{req.request_id}: {e!r}"
             self.num_transfer_failures += 1
         finally:
             self.leases.release(req.request_id)
+            if job.outbound is not None:
+                self.num_transfer_bytes += job.outbound.bytes_sent
         transfer_ms = (time.perf_counter() - done_s) * 1e3
         queue_s = (req.first_token_s or done_s) - job.arrival_s - req.prefill_s
         result = PrefillResult(

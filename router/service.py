@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -101,6 +102,9 @@ class Router:
         self.colocated = colocated
         self.index = index or MemoryPrefixIndex()
         self._num_refreshes = 0
+        # One pull at a time: two overlapping pulls (the refresh loop and GetServerInfo)
+        # could apply a worker's events out of order.
+        self._pull_lock = asyncio.Lock()
         self.active: dict[str, ActiveRequest] = {}
         self.num_queued = 0
         self.draining = False
@@ -116,14 +120,15 @@ class Router:
     async def refresh(self) -> None:
         await asyncio.gather(self.prefill.refresh(), self.decode.refresh())
         if isinstance(self.index, MemoryPrefixIndex):
-            self._num_refreshes += 1
-            with_held = self._num_refreshes % _HELD_EVERY_N_REFRESHES == 0
-            await asyncio.gather(
-                *(
-                    self._pull_index(w, with_held)
-                    for w in self.prefill.workers + self.decode.workers
+            async with self._pull_lock:
+                self._num_refreshes += 1
+                with_held = self._num_refreshes % _HELD_EVERY_N_REFRESHES == 0
+                await asyncio.gather(
+                    *(
+                        self._pull_index(w, with_held)
+                        for w in self.prefill.workers + self.decode.workers
+                    )
                 )
-            )
 
     async def _pull_index(self, w: WorkerLoad, with_held: bool) -> None:
         """In-memory mode: the router applies each worker's block events itself."""
@@ -160,6 +165,7 @@ class Router:
             await asyncio.sleep(0.05)
         if self._refresher:
             self._refresher.cancel()
+        await self.index.close()
 
     # ---- one request ---------------------------------------------------------------------
     def admit(self, request: gen.GenerateRequest) -> ActiveRequest:
@@ -310,13 +316,16 @@ class Router:
         try:
             while True:
                 for d in self.decode.decode_order():
-                    rr: ReserveResult = await d.handle.call("reserve", act.request)
+                    rr = await self._reserve_on(d, act)
                     if rr.ticket is not None:
                         ticket = kvpb.TransferTicket.FromString(rr.ticket)
                         act.decode = d
                         act.transfer_id = ticket.transfer_id
                         d.pending_blocks += len(ticket.dst_block_ids) + 1
                         d.active.add(act.request.request_id)
+                        if act.aborted:  # Abort came during the call and saw no reservation
+                            await self._release(act)
+                            raise TransferError("aborted while queued")
                         act.timings["queue_ms"] = (time.perf_counter() - act.arrival_s) * 1e3
                         return d, rr.ticket
                 if act.aborted:
@@ -329,6 +338,31 @@ class Router:
                 await asyncio.sleep(_RESERVE_BACKOFF_S)
         finally:
             self.num_queued -= 1
+
+    async def _reserve_on(self, d: WorkerLoad, act: ActiveRequest) -> ReserveResult:
+        """One reservation attempt. If the request is cancelled while the call is in flight
+        (client gone, deadline), the call still completes on the worker: whatever it reserved
+        is released once it answers, instead of waiting out the lease."""
+        rid = act.request.request_id
+        call: asyncio.Future[ReserveResult] = asyncio.ensure_future(
+            d.handle.call("reserve", act.request)
+        )
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+
+            def release_late(f: asyncio.Future[ReserveResult]) -> None:
+                if not f.cancelled() and f.exception() is None and f.result().ticket is not None:
+                    self._spawn(self._quietly(d, "abort", rid))
+
+            call.add_done_callback(release_late)
+            raise
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` in the background, keeping a reference until it is done."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _pick_decode(self) -> WorkerLoad:
         order = self.decode.decode_order()
@@ -426,9 +460,7 @@ class Router:
         blocks on both pools in the background."""
         self.active.pop(act.request.request_id, None)
         if not completed:
-            task = asyncio.ensure_future(self._release(act, forget=True))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._release(act, forget=True))
 
     async def _release(self, act: ActiveRequest, forget: bool = False) -> None:
         """Abort the request on both pools. `forget`: nobody relays it any more (client

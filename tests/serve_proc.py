@@ -1,0 +1,149 @@
+"""`pdserve serve --grpc-port 0 --http-port 0` as a subprocess, for the HTTP tests.
+
+Used by tests/test_http.py and tests/test_metrics.py: each module runs one server on the
+tiny preset (generated under a temporary PDSERVE_HOME), reads the two ports from its
+`pdserve: gRPC listening on HOST:PORT` / `pdserve: HTTP listening on HOST:PORT` lines, and
+stops it with SIGTERM (the drain path) at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+_LINE = re.compile(r"^pdserve: (gRPC|HTTP) listening on (.+):(\d+)$")
+
+
+class ServeProcess:
+    def __init__(
+        self,
+        home: Path,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        start_timeout_s: float = 240.0,
+    ) -> None:
+        self.home = home
+        for attempt in range(2):  # a loaded host can time Ray's startup out: retry once
+            self.log_path = home / f"serve-{attempt}.stderr"
+            if self._start(extra_args, env, start_timeout_s):
+                break
+            if attempt == 1 or self.proc.returncode is None:
+                self.stop()
+                raise RuntimeError(f"pdserve serve did not start: {self.stdout}\n{self.log_tail()}")
+        self.grpc_target = f"127.0.0.1:{self.ports['gRPC']}"
+        self.base_url = f"http://127.0.0.1:{self.ports['HTTP']}"
+
+    def _start(
+        self, extra_args: tuple[str, ...], env: dict[str, str] | None, timeout_s: float
+    ) -> bool:
+        """Start the server; whether it printed both ports within `timeout_s`."""
+        full_env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+        full_env.pop("PDSERVE_API_KEY", None)
+        full_env.update(PDSERVE_HOME=str(self.home), PYTHONUNBUFFERED="1", **(env or {}))
+        self._stderr = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "serve",
+                "--model",
+                "tiny",
+                "--grpc-port",
+                "0",
+                "--http-port",
+                "0",
+                *extra_args,
+            ],
+            cwd=ROOT,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+        )
+        self.ports: dict[str, int] = {}
+        self.stdout: list[str] = []
+        ready = threading.Event()
+
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                line = line.rstrip("\n")
+                self.stdout.append(line)
+                m = _LINE.match(line)
+                if m:
+                    self.ports[m.group(1)] = int(m.group(3))
+                    if len(self.ports) == 2:
+                        ready.set()
+            ready.set()  # exited
+
+        threading.Thread(target=pump, daemon=True).start()
+        ready.wait(timeout_s)
+        if len(self.ports) == 2:
+            return True
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)  # exited (its stdout closed)? then its returncode is known
+        return False
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._stderr.close()
+        return self.proc.returncode
+
+    # ---- plain HTTP ----------------------------------------------------------------------
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+        timeout_s: float = 60.0,
+    ) -> tuple[int, dict[str, str], bytes]:
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        req = urllib.request.Request(
+            self.base_url + path, data=data, method=method, headers=headers or {}
+        )
+        if data is not None and "Content-Type" not in (headers or {}):
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                return resp.status, dict(resp.headers), resp.read()
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), e.read()
+
+    def metrics_text(self) -> str:
+        status, _, body = self.request("GET", "/metrics")
+        assert status == 200
+        return body.decode()
+
+    def wait_for(self, predicate: Any, timeout_s: float = 30.0, every_s: float = 0.2) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = predicate()
+            if value or time.monotonic() > deadline:
+                return value
+            time.sleep(every_s)

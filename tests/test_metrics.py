@@ -1,0 +1,207 @@
+"""`/metrics` and the API key, against one `pdserve serve` subprocess started with
+PDSERVE_API_KEY in its environment (tiny preset, temporary PDSERVE_HOME).
+
+- The exposition parses with prometheus_client's parser; after N requests (HTTP and gRPC
+  alike: both go through the router's one request path) the TTFT histogram count and the
+  success counter equal N; worker metrics carry role=prefill|decode and worker=<name>.
+- Missing or wrong key: 401 over HTTP (OpenAI's error shape), UNAUTHENTICATED over gRPC;
+  the right key works on both; /health, /metrics and gRPC health stay open.
+
+The tests run in file order: the counting test comes first, on a fresh server.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+from serve_proc import ROOT, ServeProcess
+
+from pdserve.client import make_request
+from protos.pdserve.v1 import generation_pb2 as gen
+from protos.pdserve.v1 import generation_pb2_grpc as gen_grpc
+from router.service import SERVICE_NAME
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.timeout(420)  # the first test includes the server's start
+
+API_KEY = "sk-test-pdserve-0123456789"
+GOOD = (("authorization", f"Bearer {API_KEY}"),)
+N_HTTP = 3
+N_GRPC = 2
+PROMPT = "The router exports one scrape target for the whole deployment."
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    s = ServeProcess(tmp_path_factory.mktemp("pdserve-home"), env={"PDSERVE_API_KEY": API_KEY})
+    yield s
+    rc = s.stop()
+    log = s.log_path.read_text()
+    assert API_KEY not in log and all(API_KEY not in line for line in s.stdout), "key leaked"
+    assert rc == 0, f"pdserve serve exited with {rc}:\n{s.log_tail()}"
+
+
+@pytest.fixture(scope="module")
+def stub(server: ServeProcess) -> Iterator[gen_grpc.GenerationStub]:
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        yield gen_grpc.GenerationStub(channel)
+
+
+def client(server: ServeProcess, key: str) -> Any:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def families(text: str) -> dict[str, Any]:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def value(fams: dict[str, Any], sample: str, **labels: str) -> float:
+    """Sum of the samples named `sample` whose labels include `labels`."""
+    return sum(
+        s.value
+        for f in fams.values()
+        for s in f.samples
+        if s.name == sample and labels.items() <= s.labels.items()
+    )
+
+
+def test_counts_after_n_requests(server: ServeProcess, stub: gen_grpc.GenerationStub) -> None:
+    oa = client(server, API_KEY)
+    prompt_tokens = 0
+    for i in range(N_HTTP):
+        r = oa.completions.create(
+            model="tiny",
+            prompt=f"{PROMPT} {i}",
+            max_tokens=6,
+            temperature=0.0,
+            stream=i == 0,
+            extra_body={"ignore_eos": True},
+        )
+        if i > 0:
+            prompt_tokens += r.usage.prompt_tokens
+        else:
+            list(r)
+    for _ in range(N_GRPC):
+        responses = list(
+            stub.Generate(
+                make_request(PROMPT, max_tokens=5, temperature=0.0, ignore_eos=True),
+                metadata=GOOD,
+                timeout=60,
+            )
+        )
+        prompt_tokens += responses[-1].complete.usage.prompt_tokens
+    # one rejected at admission (n=2), one refused for its key: neither is a request served
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert server.request("POST", "/v1/completions", {"prompt": "x", "n": 2}, auth)[0] == 400
+    assert server.request("POST", "/v1/completions", {"prompt": "x"})[0] == 401
+
+    n = N_HTTP + N_GRPC
+    fams = families(server.metrics_text())
+    ttft = fams["pdserve:time_to_first_token_seconds"]
+    assert ttft.type == "histogram"
+    assert value(fams, "pdserve:time_to_first_token_seconds_count", role="router") == n
+    assert value(fams, "pdserve:e2e_request_latency_seconds_count", model_name="tiny") == n
+    assert value(fams, "pdserve:request_success_total", finished_reason="length") == n
+    assert value(fams, "pdserve:request_success_total") == n
+    assert value(fams, "pdserve:request_rejected_total", code="INVALID_ARGUMENT") == 1
+    assert value(fams, "pdserve:request_prefill_time_seconds_count") == n
+    assert value(fams, "pdserve:kv_transfer_seconds_count") == n
+    assert value(fams, "pdserve:request_queue_time_seconds_count") == n
+    # 6 and 5 tokens: all but the first of each request are inter-token gaps
+    itl = value(fams, "pdserve:inter_token_latency_seconds_count")
+    assert itl == N_HTTP * 5 + N_GRPC * 4
+    queries = value(fams, "pdserve:prefix_cache_queries_total")
+    assert queries >= prompt_tokens > 0
+    assert value(fams, "pdserve:prefix_cache_hits_total") <= queries
+    buckets = [s for s in ttft.samples if s.name.endswith("_bucket")]
+    assert max(s.value for s in buckets) == n  # the +Inf bucket
+
+
+def test_worker_metrics_have_roles(server: ServeProcess) -> None:
+    fams = families(server.metrics_text())
+    for name in (
+        "pdserve:num_requests_running",
+        "pdserve:num_requests_waiting",
+        "pdserve:kv_cache_usage_perc",
+        "pdserve:num_preemptions",
+    ):
+        roles = {s.labels["role"] for s in fams[name].samples}
+        assert {"prefill", "decode"} <= roles, (name, roles)
+        for s in fams[name].samples:
+            assert s.labels["model_name"] == "tiny"
+            assert s.labels["worker"].startswith(f"pdserve-{s.labels['role']}-") or (
+                s.labels["role"] == "router"
+            )
+    assert fams["pdserve:num_preemptions"].type == "counter"
+    assert fams["pdserve:kv_cache_usage_perc"].type == "gauge"
+    assert value(fams, "pdserve:kv_transfer_bytes_total", role="prefill") > 0
+    assert value(fams, "pdserve:kv_transfer_failures_total", role="prefill") == 0
+    for s in fams["pdserve:kv_cache_usage_perc"].samples:
+        assert 0.0 <= s.value <= 1.0
+
+
+def test_dashboard_queries_known_metrics(server: ServeProcess) -> None:
+    """Every series the Grafana dashboard queries is one /metrics exports."""
+    dashboard = json.loads((ROOT / "k8s" / "grafana" / "pdserve-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    wanted = {m for e in exprs for m in re.findall(r"pdserve:[a-z0-9_]+", e)}
+    exported = {s.name for f in families(server.metrics_text()).values() for s in f.samples}
+    assert len(wanted) >= 12
+    assert wanted <= exported, sorted(wanted - exported)
+
+
+def test_http_api_key(server: ServeProcess) -> None:
+    status, _, body = server.request("GET", "/health")
+    assert status == 200
+    assert server.request("GET", "/metrics")[0] == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        for method, path, payload in (
+            ("GET", "/v1/models", None),
+            ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+            ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ):
+            status, hdrs, body = server.request(method, path, payload, headers)
+            assert status == 401, (headers, path)
+            assert hdrs.get("www-authenticate", hdrs.get("WWW-Authenticate")) == "Bearer"
+            err = json.loads(body)["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert err["code"] == "invalid_api_key"
+            assert API_KEY not in body.decode()
+    with pytest.raises(openai.AuthenticationError):
+        client(server, "wrong").models.list()
+    assert [m.id for m in client(server, API_KEY).models.list().data] == ["tiny"]
+    r = client(server, API_KEY).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.usage.completion_tokens == 3
+
+
+def test_grpc_api_key(server: ServeProcess, stub: gen_grpc.GenerationStub) -> None:
+    bad = [(), (("authorization", "Bearer wrong"),), (("authorization", API_KEY),)]
+    for metadata in bad:
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(make_request("hi", max_tokens=2), metadata=metadata, timeout=30))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GetModelInfo(gen.GetModelInfoRequest(), metadata=metadata, timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert stub.GetModelInfo(gen.GetModelInfoRequest(), metadata=GOOD, timeout=30).vocab_size
+    req = make_request("hi", max_tokens=2, ignore_eos=True)
+    out = list(stub.Generate(req, metadata=GOOD, timeout=60))
+    assert out[-1].complete.usage.completion_tokens == 2
+    with grpc.insecure_channel(server.grpc_target) as channel:  # health stays open
+        resp = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=30
+        )
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
