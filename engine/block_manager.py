@@ -198,16 +198,23 @@ class BlockManager:
             self._events.append(BlockStored(tuple(stored), parent))
 
     def free(self, request_id: str) -> None:
-        """Drop a request's references. Tail blocks are queued for eviction before head ones."""
+        """Drop a request's references.
+
+        Cached blocks are queued for eviction tail first (a prefix's head stays longest);
+        unhashed blocks return to the free list in table order, so the next allocation gets
+        ascending ids and a transfer coalesces them into few contiguous runs.
+        """
         table = self._tables.pop(request_id)
+        freed: list[int] = []
         for b in reversed(table):
             self._ref[b] -= 1
             assert self._ref[b] >= 0, f"block {b} ref count went negative"
             if self._ref[b] == 0:
                 if self._hash[b] is None:
-                    self._free.append(b)
+                    freed.append(b)
                 else:
                     self._lru[b] = None
+        self._free.extend(reversed(freed))
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered hash (cached blocks become free; used ones stay used)."""
