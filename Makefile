@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 PACKAGES := engine kv_transfer prefill_workers decode_workers router pdserve
 export PDSERVE_HOME ?= $(CURDIR)/.venv/pdserve-home
 
-.PHONY: install demo test lint bench bench-engine bench-transfer redis
+.PHONY: install demo test lint bench bench-engine bench-transfer bench-prefix bench-serving redis
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,7 +38,19 @@ lint: $(STAMP)
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine.py
 
+bench-prefix: $(STAMP) redis
+	$(BIN)/python benchmarks/prefix_cache.py
+
 bench-transfer: $(STAMP)
 	$(BIN)/python benchmarks/kv_transfer.py
 
-bench: bench-engine bench-transfer
+bench-serving: $(STAMP)
+	$(BIN)/python benchmarks/serving.py
+
+# One after another (never in parallel: they share the cores), then the dated report.
+bench: $(STAMP)
+	$(MAKE) --no-print-directory bench-engine
+	$(MAKE) --no-print-directory bench-transfer
+	$(MAKE) --no-print-directory bench-prefix
+	$(MAKE) --no-print-directory bench-serving
+	$(BIN)/python benchmarks/report.py
