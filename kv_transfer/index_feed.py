@@ -3,13 +3,18 @@
 With Redis, the worker publishes straight to it (batched every `publish_interval_s`) and
 re-asserts everything it holds every `refresh_interval_s`, which refreshes TTLs and refills an
 emptied or restarted Redis. Without Redis, the index lives in the router, which pulls the
-buffered updates with `take`.
+block events with `take`.
+
+A feed constructed on a running event loop starts at once (a Ray async actor's `__init__`
+runs on the actor's loop), so a worker that Ray restarts registers its new epoch, making its
+old entries unusable, without anyone calling its `ready`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -44,34 +49,37 @@ class IndexFeed:
         blocks = loop.engine.blocks  # touched only on the engine thread, through `loop`
         self._take_events = lambda: loop.run(blocks.take_events)
         self._held = lambda: loop.run(blocks.registered_hashes)
-        self._buffer: list[BlockEvent] = []
         self._task: asyncio.Task[None] | None = None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # started by `start` from the worker's loop
+        else:
+            self.start()
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        """Idempotent. In-memory mode has nothing to run: the router pulls with `take`."""
+        if self._task is None and self.index is not None:
+            self._task = asyncio.get_running_loop().create_task(self._run(self.index))
 
-    async def _run(self) -> None:
-        if self.index is not None:
-            await self.index.register(self.worker, self.epoch)
-        since_refresh = 0.0
+    async def _run(self, index: PrefixIndex) -> None:
+        await index.register(self.worker, self.epoch)
+        next_refresh = time.monotonic() + self.cfg.refresh_interval_s
         while True:
             await asyncio.sleep(self.cfg.publish_interval_s)
-            since_refresh += self.cfg.publish_interval_s
             try:
                 events = await self._take_events()
-                if self.index is None:
-                    self._buffer.extend(events)
-                    continue
-                await self.index.publish(self.worker, self.epoch, events)
-                if since_refresh >= self.cfg.refresh_interval_s:
-                    since_refresh = 0.0
-                    await self.index.refresh(self.worker, self.epoch, await self._held())
+                await index.publish(self.worker, self.epoch, events)
+                if time.monotonic() >= next_refresh:
+                    next_refresh = time.monotonic() + self.cfg.refresh_interval_s
+                    await index.refresh(self.worker, self.epoch, await self._held())
             except Exception as e:
                 log.warning("index feed of %s: %s", self.worker, e)
 
     async def take(self, with_held: bool = False) -> IndexUpdate:
-        events, self._buffer = tuple(self._buffer), []
+        """In-memory mode: the block events since the last call (and, on request, every
+        hash held now), drained straight from the block manager on the engine thread."""
+        events = tuple(await self._take_events()) if self.index is None else ()
         held = tuple(await self._held()) if with_held else None
         return IndexUpdate(self.worker, self.epoch, events, held)
 

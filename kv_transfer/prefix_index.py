@@ -17,8 +17,9 @@ ACL user/password in the URL). Redis layout, all keys in one cluster hash slot p
 `<hash>` is the block hash as 16 hex digits. A lookup is one round trip (a Lua script over
 the prompt's block keys) and stops at the first block no live worker holds. The index is
 advisory: every Redis call has a bounded timeout and a failure counts as a miss
-(`errors` counts them); workers re-publish what they hold periodically, so an emptied or
-restarted Redis fills up again by itself.
+(`errors` counts them); workers re-publish what they hold periodically (`refresh`, which
+also removes what they no longer hold), so an emptied or restarted Redis fills up again by
+itself. docs/prefix_index.md has the details.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 120.0
 DEFAULT_TIMEOUT_S = 0.1
+_REFRESH_CHUNK = 2048  # blocks re-stored per pipeline by `refresh`
 
 
 def hash_hex(h: int) -> str:
@@ -91,8 +93,11 @@ class MemoryPrefixIndex(PrefixIndex):
         self.epochs[worker] = epoch
 
     async def publish(self, worker: str, epoch: str, events: Sequence[BlockEvent]) -> None:
-        if self.epochs.get(worker) != epoch:
+        current = self.epochs.get(worker)
+        if current is None:
             await self.register(worker, epoch)
+        elif current != epoch:
+            return  # a superseded epoch: its entries could never count
         held = self.held.setdefault(worker, set())
         for ev in events:
             if isinstance(ev, BlockStored):
@@ -101,15 +106,21 @@ class MemoryPrefixIndex(PrefixIndex):
                     held.add(h)
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
-                    self.blocks.get(h, {}).pop(worker, None)
+                    self._unset(h, worker)
                     held.discard(h)
             elif isinstance(ev, AllBlocksCleared):
                 for h in held:
-                    self.blocks.get(h, {}).pop(worker, None)
+                    self._unset(h, worker)
                 held.clear()
 
     async def refresh(self, worker: str, epoch: str, hashes: Iterable[int]) -> None:
-        await self.publish(worker, epoch, [BlockStored(tuple(hashes), None)])
+        await self.register(worker, epoch)
+        keep = set(hashes)
+        held = self.held.setdefault(worker, set())
+        for h in held - keep:
+            self._unset(h, worker)
+        held.intersection_update(keep)
+        await self.publish(worker, epoch, [BlockStored(tuple(keep - held), None)])
 
     async def lookup(self, hashes: Sequence[int]) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -127,8 +138,15 @@ class MemoryPrefixIndex(PrefixIndex):
 
     async def drop(self, worker: str) -> None:
         for h in self.held.pop(worker, set()):
-            self.blocks.get(h, {}).pop(worker, None)
+            self._unset(h, worker)
         self.epochs.pop(worker, None)
+
+    def _unset(self, h: int, worker: str) -> None:
+        holders = self.blocks.get(h)
+        if holders is not None:
+            holders.pop(worker, None)
+            if not holders:
+                del self.blocks[h]
 
 
 # KEYS[1] = epochs hash, KEYS[2..] = block keys in prompt order.
@@ -188,6 +206,8 @@ class RedisPrefixIndex(PrefixIndex):
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
 
         super().__init__()
         self.url = url
@@ -198,7 +218,7 @@ class RedisPrefixIndex(PrefixIndex):
             url,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            retry_on_timeout=False,
+            retry=Retry(NoBackoff(), 0),  # a miss now beats a hit later
             health_check_interval=0,
         )
         self.prefix = f"pdserve:{{{model}}}:"
@@ -215,6 +235,10 @@ class RedisPrefixIndex(PrefixIndex):
 
     def worker_key(self, worker: str) -> str:
         return f"{self.prefix}w:{worker}"
+
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, round(self.ttl_s * 1000))
 
     # ---- fail-open wrapper ---------------------------------------------------------------
     async def _guard(self, what: str, coro: Any, default: Any) -> Any:
@@ -241,12 +265,12 @@ class RedisPrefixIndex(PrefixIndex):
             return
         pipe = self.client.pipeline(transaction=False)
         wkey = self.worker_key(worker)
-        ttl = int(self.ttl_s)
+        ttl = self.ttl_ms
         for ev in events:
             if isinstance(ev, BlockStored):
                 for h in ev.block_hashes:
                     pipe.hset(self.block_key(h), worker, epoch)
-                    pipe.expire(self.block_key(h), ttl)
+                    pipe.pexpire(self.block_key(h), ttl)
                     pipe.sadd(wkey, hash_hex(h))
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
@@ -257,30 +281,52 @@ class RedisPrefixIndex(PrefixIndex):
                 await self.drop(worker)
                 await self.register(worker, epoch)
                 pipe = self.client.pipeline(transaction=False)
-        pipe.expire(wkey, ttl)
+        pipe.pexpire(wkey, ttl)
         await self._guard("publish", pipe.execute(), None)
 
     async def refresh(self, worker: str, epoch: str, hashes: Iterable[int]) -> None:
-        await self._guard("refresh-epoch", self.client.hset(self.epochs_key, worker, epoch), None)
-        await self.publish(worker, epoch, [BlockStored(tuple(hashes), None)])
+        """Read the worker's block set; in one pipeline, remove the worker from blocks it no
+        longer holds (events lost while Redis was unreachable) and make `epoch` current; then
+        re-store what it holds with fresh TTLs, one pipeline per `_REFRESH_CHUNK` blocks (so
+        that no single call of a large cache runs into the timeout)."""
+        keep = sorted({hash_hex(h) for h in hashes})
+        wkey = self.worker_key(worker)
+        ttl = self.ttl_ms
+
+        async def reconcile() -> None:
+            stale = {_text(m) for m in await self.client.smembers(wkey)} - set(keep)
+            pipe = self.client.pipeline(transaction=False)
+            for h in stale:
+                pipe.hdel(self.prefix + "b:" + h, worker)
+            if stale:
+                pipe.srem(wkey, *stale)
+            pipe.hset(self.epochs_key, worker, epoch)
+            await pipe.execute()
+
+        await self._guard("refresh", reconcile(), None)
+        for i in range(0, len(keep), _REFRESH_CHUNK):
+            chunk = keep[i : i + _REFRESH_CHUNK]
+            pipe = self.client.pipeline(transaction=False)
+            for h in chunk:
+                pipe.hset(self.prefix + "b:" + h, worker, epoch)
+                pipe.pexpire(self.prefix + "b:" + h, ttl)
+            pipe.sadd(wkey, *chunk)
+            pipe.pexpire(wkey, ttl)
+            await self._guard("refresh", pipe.execute(), None)
 
     async def lookup(self, hashes: Sequence[int]) -> dict[str, int]:
         if not hashes:
             return {}
         keys = [self.epochs_key] + [self.block_key(h) for h in hashes]
         flat = await self._guard("lookup", self._lookup(keys=keys, args=[]), [])
-        out: dict[str, int] = {}
-        for i in range(0, len(flat) - 1, 2):
-            name = flat[i].decode() if isinstance(flat[i], bytes) else str(flat[i])
-            out[name] = int(flat[i + 1])
-        return out
+        return {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
 
     async def drop(self, worker: str) -> None:
         async def go() -> None:
             members = await self.client.smembers(self.worker_key(worker))
             pipe = self.client.pipeline(transaction=False)
             for m in members:
-                pipe.hdel(self.prefix + "b:" + (m.decode() if isinstance(m, bytes) else m), worker)
+                pipe.hdel(self.prefix + "b:" + _text(m), worker)
             pipe.delete(self.worker_key(worker))
             pipe.hdel(self.epochs_key, worker)
             await pipe.execute()
@@ -289,6 +335,10 @@ class RedisPrefixIndex(PrefixIndex):
 
     async def close(self) -> None:
         await self._guard("close", self.client.aclose(), None)
+
+
+def _text(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def make_index(
