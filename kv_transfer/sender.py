@@ -59,26 +59,41 @@ class KVSender:
         self.timeout_s = timeout_s
         self._channels: OrderedDict[str, SendChannel] = OrderedDict()
         self._lock = threading.Lock()
+        self._connect_lock = threading.Lock()
 
     def channel(self, address: str) -> SendChannel:
-        """The pair's channel, created on first use; least recently used ones are closed."""
+        """The pair's channel, created on first use; least recently used ones are closed.
+
+        Connecting is serialized, so threads racing to the same new address share one
+        channel instead of each opening (and leaking) a pair of its own.
+        """
         with self._lock:
             if address in self._channels:
                 self._channels.move_to_end(address)
                 return self._channels[address]
-        ch = self.transport.connect(address, self.sender_id)
-        with self._lock:
-            self._channels[address] = ch
-            while len(self._channels) > self.max_channels:
-                _, old = self._channels.popitem(last=False)
-                old.close()
+        with self._connect_lock:
+            with self._lock:
+                if address in self._channels:  # another thread connected meanwhile
+                    self._channels.move_to_end(address)
+                    return self._channels[address]
+            ch = self.transport.connect(address, self.sender_id)
+            evicted = []
+            with self._lock:
+                self._channels[address] = ch
+                while len(self._channels) > self.max_channels:
+                    evicted.append(self._channels.popitem(last=False)[1])
+        for old in evicted:
+            old.close()
         return ch
 
-    def drop_channel(self, address: str) -> None:
+    def drop_channel(self, address: str, channel: SendChannel | None = None) -> None:
+        """Close the pair's channel (only if it is still `channel`, when given)."""
         with self._lock:
-            ch = self._channels.pop(address, None)
-        if ch is not None:
-            ch.close()
+            ch = self._channels.get(address)
+            if ch is None or (channel is not None and ch is not channel):
+                return
+            del self._channels[address]
+        ch.close()
 
     @property
     def num_channels(self) -> int:
@@ -112,7 +127,11 @@ class KVSender:
                 out.ticket.dst_block_ids,
                 self.sender_id,
             )
-            out.channel.send_frame(header, frame_regions(self.cache, start, end, runs, "src"))
+            try:
+                out.channel.send_frame(header, frame_regions(self.cache, start, end, runs, "src"))
+            except TransferError:
+                self.drop_channel(out.ticket.channel_address, out.channel)  # rebuilt on next use
+                raise
             out.layers_sent = end
             out.bytes_sent += header.payload_bytes
 
@@ -124,9 +143,11 @@ class KVSender:
                 out.ticket.transfer_id, self.timeout_s if timeout_s is None else timeout_s
             )
         except TransferRejected:
+            if out.channel.broken:
+                self.drop_channel(out.ticket.channel_address, out.channel)
             raise
         except TransferError:
-            self.drop_channel(out.ticket.channel_address)  # the pair is suspect: rebuild it
+            self.drop_channel(out.ticket.channel_address, out.channel)  # suspect: rebuild it
             raise
 
     def abort(self, out: OutboundTransfer, reason: str) -> None:
@@ -136,7 +157,7 @@ class KVSender:
                 abort_header(out.ticket.request_id, out.ticket.transfer_id, reason, self.sender_id)
             )
         except Exception:
-            self.drop_channel(out.ticket.channel_address)
+            self.drop_channel(out.ticket.channel_address, out.channel)
 
     def send(self, ticket: pb.TransferTicket, src_block_ids: Sequence[int]) -> pb.TransferAck:
         """All layers at once (no overlap): start + finish."""

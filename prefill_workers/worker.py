@@ -37,6 +37,7 @@ class _Job:
     outbound: OutboundTransfer | None = None
     started_s: float | None = None
     error: str = ""  # the transfer broke while pushing (the request fails, not the engine)
+    aborted: bool = False  # _abort told the receiver and answered the router already
 
 
 class PrefillWorker:
@@ -136,8 +137,9 @@ class PrefillWorker:
                 self.sender.push(job.outbound, layer + 1)
             except Exception as e:  # a broken pair fails its transfers, never the engine step
                 job.error = f"KV push to {job.ticket.channel_address} failed: {e!r}"
-                if not isinstance(e, TransferRejected):
-                    self.sender.drop_channel(job.ticket.channel_address)
+                if not isinstance(e, TransferRejected):  # the pair is suspect: rebuild it
+                    channel = job.outbound.channel if job.outbound is not None else None
+                    self.sender.drop_channel(job.ticket.channel_address, channel)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -172,6 +174,7 @@ class PrefillWorker:
         job = self.jobs.pop(request_id, None)
         if job is None:
             return False
+        job.aborted = True
         if job.outbound is not None:
             self.sender.abort(job.outbound, reason)
         self.engine.abort(request_id)  # still prefilling: frees its blocks
@@ -206,6 +209,11 @@ class PrefillWorker:
     def _complete(self, job: _Job, out: RequestOutput) -> None:
         """Wait for the decode side's acknowledgement, then release and answer."""
         req = job.request
+        if job.aborted:
+            # Nothing to finish: finishing an aborted transfer fails, and the sender then
+            # drops the pair's channel under every other transfer in flight on it.
+            self.leases.release(req.request_id)
+            return
         done_s = time.perf_counter()
         error = ""
         finished = out.finish_reason is not None

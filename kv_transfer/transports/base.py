@@ -23,9 +23,12 @@ DEFAULT_TIMEOUT_S = 10.0
 class SendChannel(ABC):
     """Frames from this process to one receiver endpoint, in order."""
 
+    broken = False  # set when the channel can carry no more frames: the sender drops it
+
     @abstractmethod
     def send_frame(self, header: pb.KVFrameHeader, regions: Sequence[torch.Tensor]) -> None:
-        """Queue one frame; may return before the bytes left. Errors surface in `finish`."""
+        """Queue one frame; may return before the bytes left. Errors surface in `finish`,
+        or here as TransferError when the channel is (found) broken."""
 
     @abstractmethod
     def finish(self, transfer_id: str, timeout_s: float) -> pb.TransferAck:
@@ -76,8 +79,9 @@ def register(cls: type[Transport]) -> type[Transport]:
     return cls
 
 
-def get_transport(name: str, timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu"
-                  ) -> Transport:
+def get_transport(
+    name: str, timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu"
+) -> Transport:
     """Instantiate a transport by name."""
     if name not in _MODULES:
         raise ValueError(f"transport {name!r}: choose from {sorted(_MODULES)}")

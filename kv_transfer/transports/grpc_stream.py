@@ -78,15 +78,29 @@ class _FrameWriter:
 
 
 def consume_stream(receiver: KVReceiver, chunks: Iterator[pb.KVChunk]) -> pb.TransferAck:
-    """Land every frame of one Push stream; the servicer's whole job, testable without gRPC."""
+    """Land every frame of one Push stream; the servicer's whole job, testable without gRPC.
+
+    One stream carries one transfer, so a stream that breaks off, ends before every layer
+    landed, or violates the framing anywhere (even after the last frame) fails its transfer:
+    the blocks are released rather than left to the lease. The first rejection's reason is
+    the one reported.
+    """
     writer: _FrameWriter | None = None
     skip = 0
     transfer_id = ""
     ack: pb.TransferAck | None = None
 
-    def fail(tid: str, error: str) -> pb.TransferAck:
-        receiver.fail(tid, error)
-        return pb.TransferAck(transfer_id=tid, status=pb.TRANSFER_STATUS_REJECTED, error=error)
+    def rejected(error: str) -> pb.TransferAck:
+        """A REJECTED ack for the current transfer, keeping an earlier rejection's reason."""
+        if (
+            ack is not None
+            and ack.status == pb.TRANSFER_STATUS_REJECTED
+            and ack.transfer_id == transfer_id
+        ):
+            return ack
+        return pb.TransferAck(
+            transfer_id=transfer_id, status=pb.TRANSFER_STATUS_REJECTED, error=error
+        )
 
     try:
         for chunk in chunks:
@@ -108,9 +122,7 @@ def consume_stream(receiver: KVReceiver, chunks: Iterator[pb.KVChunk]) -> pb.Tra
                 try:
                     res, regions = receiver.begin_frame(h)
                 except TransferRejected as e:
-                    ack = pb.TransferAck(
-                        transfer_id=h.transfer_id, status=pb.TRANSFER_STATUS_REJECTED, error=str(e)
-                    )
+                    ack = rejected(str(e))
                     skip = int(h.payload_bytes)
                     if skip > _SKIP_LIMIT_BYTES:
                         return ack
@@ -133,17 +145,15 @@ def consume_stream(receiver: KVReceiver, chunks: Iterator[pb.KVChunk]) -> pb.Tra
     except TransferRejected as e:
         if writer is not None:
             receiver.end_frame(writer.res, writer.header, error=str(e))
-            return pb.TransferAck(
-                transfer_id=transfer_id, status=pb.TRANSFER_STATUS_REJECTED, error=str(e)
-            )
-        return ack if ack is not None else fail(transfer_id, str(e))
+        receiver.fail(transfer_id, str(e))
+        return rejected(str(e))
     except Exception as e:
+        error = f"stream broke off: {e}"
         if writer is not None:
-            receiver.end_frame(writer.res, writer.header, error=f"stream broke off: {e}")
+            receiver.end_frame(writer.res, writer.header, error=error)
+        receiver.fail(transfer_id, error)
         return pb.TransferAck(
-            transfer_id=transfer_id,
-            status=pb.TRANSFER_STATUS_ABORTED,
-            error=f"stream broke off: {e}",
+            transfer_id=transfer_id, status=pb.TRANSFER_STATUS_ABORTED, error=error
         )
     if writer is not None:
         receiver.end_frame(writer.res, writer.header, error="stream ended mid-frame")
@@ -152,9 +162,18 @@ def consume_stream(receiver: KVReceiver, chunks: Iterator[pb.KVChunk]) -> pb.Tra
             status=pb.TRANSFER_STATUS_REJECTED,
             error="stream ended mid-frame (truncated)",
         )
-    if ack is not None:
-        return ack
-    return receiver.ack(transfer_id)
+    if ack is None:
+        return receiver.ack(transfer_id)
+    if ack.status == pb.TRANSFER_STATUS_UNSPECIFIED:  # frames landed, but not all of them
+        error = "stream ended before every layer arrived"
+        receiver.fail(transfer_id, error)
+        return pb.TransferAck(
+            transfer_id=transfer_id,
+            status=pb.TRANSFER_STATUS_ABORTED,
+            error=error,
+            bytes_received=ack.bytes_received,
+        )
+    return ack
 
 
 class _Servicer(pb_grpc.KVTransferServicer):

@@ -83,7 +83,8 @@ class TorchDistEndpoint(Endpoint):
         self._closed = threading.Event()
         self.num_pairs = 0
         self.broken_pairs = 0
-        threading.Thread(target=self._accept, name="kv-accept", daemon=True).start()
+        self._threads = [threading.Thread(target=self._accept, name="kv-accept", daemon=True)]
+        self._threads[0].start()
 
     def _accept(self) -> None:
         i = 0
@@ -92,9 +93,11 @@ class TorchDistEndpoint(Endpoint):
                 time.sleep(_POLL_IDLE_S)
                 continue
             sender = self.store.get(f"pair/{i}").decode()
-            threading.Thread(
+            t = threading.Thread(
                 target=self._serve_pair, args=(i, sender), name=f"kv-pair-{i}", daemon=True
-            ).start()
+            )
+            t.start()
+            self._threads.append(t)
             i += 1
             self.num_pairs = i
 
@@ -204,10 +207,17 @@ class TorchDistEndpoint(Endpoint):
         log.warning("kv pair %d: %s", pair, why)
 
     def _send_ack(self, pair: int, ack: pb.TransferAck) -> None:
-        self.store.set(_ctl(pair, f"ack/{ack.transfer_id}"), ack.SerializeToString())
+        key = _ctl(pair, f"ack/{ack.transfer_id}")
+        if ack.status == pb.TRANSFER_STATUS_REJECTED and self.store.check([key]):
+            return  # the transfer's first answer stands (later frames are rejected as unknown)
+        self.store.set(key, ack.SerializeToString())
 
     def close(self) -> None:
+        """Stop accepting and serving; waits for the pair threads, so every pair's group is
+        torn down here (a group still alive at interpreter exit aborts the process)."""
         self._closed.set()
+        for t in self._threads:
+            t.join(self.timeout_s + 1.0)
 
 
 def _region_sizes(h: pb.KVFrameHeader) -> list[int] | None:
@@ -249,10 +259,24 @@ class TorchDistChannel(SendChannel):
     def send_frame(self, header: pb.KVFrameHeader, regions: Sequence[torch.Tensor]) -> None:
         if self.broken:
             raise TransferError(f"channel to {self.address} is broken")
-        with self._lock:
-            self._put_header(header)
-            works = [self.group.send([as_bytes(r)], 1, 0) for r in regions]
-            self._works.setdefault(header.transfer_id, []).extend(works)
+        try:
+            with self._lock:
+                self._put_header(header)
+                works = [self.group.send([as_bytes(r)], 1, 0) for r in regions]
+                self._works.setdefault(header.transfer_id, []).extend(works)
+        except Exception as e:  # store or gloo pair gone: the receiver died
+            self.broken = True
+            raise TransferError(
+                f"transfer {header.transfer_id}: send to {self.address} failed: {e}"
+            ) from e
+
+    def _take_ack(self, transfer_id: str) -> pb.TransferAck | None:
+        key = _ctl(self.pair, f"ack/{transfer_id}")
+        if not self.store.check([key]):
+            return None
+        ack = pb.TransferAck.FromString(self.store.get(key))
+        self.store.delete_key(key)
+        return ack
 
     def finish(self, transfer_id: str, timeout_s: float) -> pb.TransferAck:
         try:
@@ -260,20 +284,34 @@ class TorchDistChannel(SendChannel):
                 w.wait(_td(timeout_s))
         except Exception as e:
             self.broken = True
+            # A receiver that rejected a frame it cannot drain (its header does not say how
+            # the payload splits) drops the pair; its REJECTED ack names the reason.
+            try:
+                rejection = self._take_ack(transfer_id)
+            except Exception:  # the receiver (and its store) may be gone altogether
+                rejection = None
+            if rejection is not None and rejection.status == pb.TRANSFER_STATUS_REJECTED:
+                raise TransferRejected(f"transfer {transfer_id}: {rejection.error}") from e
             raise TransferError(
                 f"transfer {transfer_id}: send to {self.address} failed: {e}"
             ) from e
-        key = _ctl(self.pair, f"ack/{transfer_id}")
         deadline = time.monotonic() + timeout_s
-        while not self.store.check([key]):
+        while True:
+            try:
+                ack = self._take_ack(transfer_id)
+            except Exception as e:  # the receiver's store is gone: so is the receiver
+                self.broken = True
+                raise TransferError(
+                    f"transfer {transfer_id}: lost {self.address} awaiting its ack: {e}"
+                ) from e
+            if ack is not None:
+                break
             if time.monotonic() > deadline:
                 raise TransferError(
                     f"transfer {transfer_id}: no acknowledgement from "
                     f"{self.address} within {timeout_s:.1f} s"
                 )
             time.sleep(_POLL_ACTIVE_S)
-        ack = pb.TransferAck.FromString(self.store.get(key))
-        self.store.delete_key(key)
         if ack.status == pb.TRANSFER_STATUS_REJECTED:
             raise TransferRejected(f"transfer {transfer_id}: {ack.error}")
         if ack.status != pb.TRANSFER_STATUS_COMPLETE:
@@ -301,4 +339,7 @@ class TorchDistTransport(Transport):
         return TorchDistEndpoint(receiver, host, self.timeout_s)
 
     def connect(self, address: str, sender_id: str) -> SendChannel:
-        return TorchDistChannel(address, sender_id, self.device, self.timeout_s)
+        try:
+            return TorchDistChannel(address, sender_id, self.device, self.timeout_s)
+        except Exception as e:  # unreachable store, failed rendezvous
+            raise TransferError(f"cannot open a pair with {address}: {e}") from e
