@@ -8,6 +8,7 @@ blocks only until that acknowledgement or until the lease runs out (`SenderLease
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from engine.kv_cache import PagedKVCache
 from kv_transfer.transports.base import DEFAULT_TIMEOUT_S, SendChannel, Transport
 from kv_transfer.wire import (
+    BlockRun,
     TransferError,
     TransferRejected,
     abort_header,
@@ -38,6 +40,8 @@ class OutboundTransfer:
     layers_sent: int = 0
     bytes_sent: int = 0
     started_s: float = field(default_factory=time.perf_counter)
+    runs: list[BlockRun] = field(default_factory=list)  # coalesced once per transfer
+    error: BaseException | None = None  # a background push failed; `finish` raises it
 
 
 class KVSender:
@@ -58,6 +62,10 @@ class KVSender:
         self.layers_per_frame = layers_per_frame
         self.timeout_s = timeout_s
         self._channels: OrderedDict[str, SendChannel] = OrderedDict()
+        self._queue: queue.SimpleQueue[tuple[OutboundTransfer, int, threading.Event | None]] = (
+            queue.SimpleQueue()
+        )
+        self._pusher: threading.Thread | None = None
         self._lock = threading.Lock()
         self._connect_lock = threading.Lock()
 
@@ -109,12 +117,45 @@ class KVSender:
             )
         return OutboundTransfer(ticket, tuple(src_block_ids), self.channel(ticket.channel_address))
 
-    def push(self, out: OutboundTransfer, layer_end: int) -> None:
-        """Send layers [layers_sent, layer_end) in frames of `layers_per_frame` layers."""
-        runs = block_runs(out.src_block_ids, out.ticket.dst_block_ids)
+    def push_async(self, out: OutboundTransfer, layer_end: int) -> None:
+        """`push` on the sender's own thread: the caller (the engine's layer hook, mid
+        forward) only enqueues, so a slow channel never stalls the prompt pass."""
+        if self._pusher is None:
+            self._pusher = threading.Thread(
+                target=self._push_loop, name=f"kv-push-{self.sender_id}", daemon=True
+            )
+            self._pusher.start()
+        self._queue.put((out, layer_end, None))
+
+    def _push_loop(self) -> None:
+        while True:
+            out, layer_end, done = self._queue.get()
+            if done is not None:
+                done.set()
+                continue
+            if out.error is None:
+                try:
+                    self.push(out, layer_end)
+                except BaseException as e:  # surfaced by `finish`
+                    out.error = e
+
+    def _flush(self, out: OutboundTransfer) -> None:
+        """Wait until every queued push of this sender has run."""
+        if self._pusher is None:
+            return
+        done = threading.Event()
+        self._queue.put((out, 0, done))
+        done.wait()
+
+    def push(self, out: OutboundTransfer, layer_end: int, whole: bool = False) -> None:
+        """Send layers [layers_sent, layer_end) in frames of `layers_per_frame` layers;
+        `whole`: everything outstanding in one frame (nothing left to overlap with)."""
+        if not out.runs:
+            out.runs = block_runs(out.src_block_ids, out.ticket.dst_block_ids)
+        runs = out.runs
         while out.layers_sent < layer_end:
             start = out.layers_sent
-            end = min(start + self.layers_per_frame, layer_end)
+            end = layer_end if whole else min(start + self.layers_per_frame, layer_end)
             if end - start < self.layers_per_frame and layer_end < self.cache.num_layers:
                 break  # wait until the group is complete
             header = make_header(
@@ -137,7 +178,13 @@ class KVSender:
 
     def finish(self, out: OutboundTransfer, timeout_s: float | None = None) -> pb.TransferAck:
         """Send the rest and wait for the acknowledgement; raises TransferError on failure."""
-        self.push(out, self.cache.num_layers)
+        self._flush(out)
+        if out.error is not None:
+            self.drop_channel(out.ticket.channel_address, out.channel)
+            raise TransferError(
+                f"transfer {out.ticket.transfer_id}: push failed: {out.error!r}"
+            ) from out.error
+        self.push(out, self.cache.num_layers, whole=True)
         try:
             return out.channel.finish(
                 out.ticket.transfer_id, self.timeout_s if timeout_s is None else timeout_s
@@ -152,6 +199,7 @@ class KVSender:
 
     def abort(self, out: OutboundTransfer, reason: str) -> None:
         """Tell the receiver to release its reservation (an explicit abort frame)."""
+        self._flush(out)  # queued pushes first, so no frame follows the abort
         try:
             out.channel.abort(
                 abort_header(out.ticket.request_id, out.ticket.transfer_id, reason, self.sender_id)

@@ -134,7 +134,7 @@ class PrefillWorker:
                     job.outbound = self.sender.start(
                         job.ticket, src[: len(job.ticket.dst_block_ids)]
                     )
-                self.sender.push(job.outbound, layer + 1)
+                self.sender.push_async(job.outbound, layer + 1)
             except Exception as e:  # a broken pair fails its transfers, never the engine step
                 job.error = f"KV push to {job.ticket.channel_address} failed: {e!r}"
                 if not isinstance(e, TransferRejected):  # the pair is suspect: rebuild it
