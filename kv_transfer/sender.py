@@ -189,12 +189,12 @@ class KVSender:
             return out.channel.finish(
                 out.ticket.transfer_id, self.timeout_s if timeout_s is None else timeout_s
             )
-        except TransferRejected:
+        except TransferError:
+            # A transfer can fail alone (aborted, rejected, its lease ran out): the pair's
+            # other transfers carry on. Only a channel that can carry no more frames is
+            # dropped (and rebuilt on next use).
             if out.channel.broken:
                 self.drop_channel(out.ticket.channel_address, out.channel)
-            raise
-        except TransferError:
-            self.drop_channel(out.ticket.channel_address, out.channel)  # suspect: rebuild it
             raise
 
     def abort(self, out: OutboundTransfer, reason: str) -> None:

@@ -252,6 +252,9 @@ class GrpcChannel(SendChannel):
             ack: pb.TransferAck = call.future.result(timeout=timeout_s)
         except (grpc.RpcError, grpc.FutureTimeoutError) as e:
             call.future.cancel()
+            # One call failing is one transfer failing; an unreachable server is the channel.
+            code = e.code() if isinstance(e, grpc.RpcError) else None
+            self.broken = code == grpc.StatusCode.UNAVAILABLE
             raise TransferError(
                 f"transfer {transfer_id}: push to {self.address} failed: {e}"
             ) from e
