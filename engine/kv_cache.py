@@ -10,7 +10,9 @@ Memory layout (why it is this shape):
   consecutive block ids is one contiguous slice (coalesced into one send).
 * A token's *slot* is ``block_id * block_size + offset``; flattening ``[num_blocks,
   block_size]`` gives every layer a ``[num_slots, num_kv_heads, head_dim]`` view that
-  prefill writes with one `index_copy_` and decode gathers with one `index_select`.
+  every step writes with one `index_copy_`. Decode reads whole pages (`gather_blocks`, one
+  `index_select` over the block dimension, K and V together); a prefill chunk reads its
+  cached prefix by slot (`gather`).
 
 The tensor is allocated once; nothing here allocates per request. Which blocks belong to whom
 is the block manager's business (`engine.block_manager`), which imports no torch.
@@ -122,6 +124,20 @@ class PagedKVCache:
         flat = slots.reshape(-1)
         shape = (*slots.shape, self.num_kv_heads, self.head_dim)
         return k_slots.index_select(0, flat).view(shape), v_slots.index_select(0, flat).view(shape)
+
+    def gather_blocks(
+        self, layer: int, block_tables: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole pages: `block_tables` ``[B, nb]`` -> ``[B, nb * Bs, Hkv, D]`` copies.
+
+        One `index_select` for K and V together, one 8 KiB-ish row per block (a per-slot
+        `gather` moves rows of ``Hkv * D`` elements); positions past a request's length are
+        whatever the page holds, for the caller to slice or mask off.
+        """
+        batch, nb = block_tables.shape
+        kv = self.data[layer].index_select(1, block_tables.reshape(-1))  # [2, B * nb, Bs, Hkv, D]
+        shape = (batch, nb * self.block_size, self.num_kv_heads, self.head_dim)
+        return kv[0].view(shape), kv[1].view(shape)
 
     def pages(self, layer: int, block_start: int, num_blocks: int) -> torch.Tensor:
         """A contiguous run of pages of one layer: ``[2, n, Bs, Hkv, D]`` view (K and V)."""

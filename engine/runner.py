@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.block_manager import BlockManager
+from engine.config import ceil_div
 from engine.kv_cache import PagedKVCache
 from engine.model import AttentionMetadata, LayerHook, LlamaModel, PrefillSegment
 from engine.request import Request
@@ -64,21 +65,29 @@ class ModelRunner:
         )
 
     def decode(self, requests: Sequence[Request]) -> torch.Tensor:
-        """One token per request; logits [B, V]. Each request's last token is fed."""
-        lens = [r.num_tokens for r in requests]
-        s_max = max(lens)
-        grid = torch.zeros((len(requests), s_max), dtype=torch.long)  # [B, S_max]
-        for i, (r, n) in enumerate(zip(requests, lens, strict=True)):
-            grid[i, :n] = self._slots(r.request_id, torch.arange(n))
-        lens_t = torch.tensor(lens, dtype=torch.long)
+        """One token per request; logits [B, V]. Each request's last token is fed.
+
+        Per-request work is plain Python on ints (no tensor ops in the loop): the inputs
+        become two tensors, the per-request row [id, position, slot, length] and the block
+        tables padded to the longest context. Attention gathers the K/V pages itself.
+        """
+        bs = self.block_size
+        rows, tables = [], []
+        width = ceil_div(max(r.num_tokens for r in requests), bs)  # blocks of the longest
+        for r in requests:
+            n = r.num_tokens
+            table = self.blocks.block_table(r.request_id)[:width]
+            pos = n - 1
+            last = (r.output_token_ids or r.prompt_token_ids)[-1]
+            rows.append((last, pos, table[pos // bs] * bs + pos % bs, n))
+            tables.append(table + [0] * (width - len(table)))
+        cols = torch.tensor(list(zip(*rows, strict=True)), dtype=torch.long)  # [4, B]
+        ids, positions, slots, lens = cols.to(self.device)
         meta = AttentionMetadata(
-            positions=(lens_t - 1).to(self.device),
-            slot_mapping=grid[torch.arange(len(requests)), lens_t - 1].to(self.device),
-            decode_slots=grid.to(self.device),
-            decode_ctx_lens=lens_t.to(self.device),
-        )
-        ids = torch.tensor(
-            [r.all_token_ids[-1] for r in requests], dtype=torch.long, device=self.device
+            positions=positions,
+            slot_mapping=slots,
+            decode_ctx_lens=lens,
+            decode_block_tables=torch.tensor(tables, dtype=torch.long, device=self.device),
         )
         return self.model.forward(
             ids, meta, self.cache, torch.arange(len(requests), device=self.device)
