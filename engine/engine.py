@@ -183,24 +183,32 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One step. Holds `lock`, which guards the block manager against transport threads."""
+        """One step: schedule, prepare + forward, postprocess.
+
+        `lock` guards the block manager against transport threads (a decode worker's
+        receiver reserves and frees blocks of requests waiting for KV). It is held while
+        scheduling and postprocessing, not during the forward: the block tables the forward
+        reads belong to scheduled requests, which only this thread changes, so a frame can be
+        checked and land while the batch computes instead of waiting a whole step.
+        """
         with self.lock:
             out = self.scheduler.schedule()
             self.last_step_ran = not out.is_empty
             if out.is_empty:
                 return []
             self.current_step = out
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        try:
             if out.prefill:
                 logits = self.runner.prefill(out.prefill, self.layer_hook)
                 done = [c.request for c in out.prefill if c.completes_prompt]
             else:
                 logits = self.runner.decode(out.decode)
                 done = list(out.decode)
-            try:
+            with self.lock:
                 return self._postprocess(out, done, logits, time.perf_counter() - t0)
-            finally:
-                self.current_step = None
+        finally:
+            self.current_step = None
 
     def _postprocess(
         self, out: SchedulerOutput, sampled: list[Request], logits: torch.Tensor, step_s: float
