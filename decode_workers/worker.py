@@ -242,18 +242,6 @@ class DecodeWorker:
             stream.loop.call_soon_threadsafe(stream.push, out)
 
     def _stats(self) -> WorkerStats:
-        blocks = self.engine.blocks
-        sched = self.engine.scheduler
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-        return WorkerStats(
-            name=self.name,
-            role=self.role,
-            num_free_blocks=blocks.num_free_blocks,
-            num_total_blocks=blocks.num_blocks,
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            num_reserved=self.receiver.pending(),
-            queued_prefill_tokens=queued,
-            num_requests_total=self.num_requests_total,
-            num_preemptions_total=sched.num_preemptions,
+        return WorkerStats.of_engine(
+            self.name, self.role, self.engine, self.receiver.pending(), self.num_requests_total
         )

@@ -8,8 +8,12 @@ as the serialized `pdserve.v1.TransferTicket` protobuf.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.engine import LLMEngine
 
 
 @dataclass(frozen=True)
@@ -92,3 +96,29 @@ class WorkerStats:
     num_requests_total: int
     num_preemptions_total: int
     extra: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of_engine(
+        cls,
+        name: str,
+        role: str,
+        engine: LLMEngine,
+        num_reserved: int,
+        num_requests_total: int,
+        extra: dict[str, float] | None = None,
+    ) -> WorkerStats:
+        """A worker's load as its engine sees it (call on the engine thread)."""
+        blocks, sched = engine.blocks, engine.scheduler
+        return cls(
+            name=name,
+            role=role,
+            num_free_blocks=blocks.num_free_blocks,
+            num_total_blocks=blocks.num_blocks,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_reserved=num_reserved,
+            queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
+            num_requests_total=num_requests_total,
+            num_preemptions_total=sched.num_preemptions,
+            extra=extra or {},
+        )
