@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -241,6 +242,10 @@ class TorchDistChannel(SendChannel):
         host, port = address.rsplit(":", 1)
         self.address = address
         self.timeout_s = timeout_s
+        # c10d's client retries a refused connect with backoff until its timeout, so a dead
+        # decode worker would cost seconds per attempt; a plain TCP probe fails in
+        # milliseconds and keeps "peer is gone" distinct from "peer is slow".
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
         self.store = dist.TCPStore(host, int(port), None, False, timeout=_td(timeout_s))
         self.pair = int(self.store.add("next_pair", 1)) - 1
         self.store.set(f"pair/{self.pair}", sender_id)
