@@ -108,16 +108,25 @@ class DecodeWorker:
 
     # ---- API -----------------------------------------------------------------------------
     async def reserve(self, r: WorkerRequest) -> ReserveResult:
-        """Reserve the prompt's blocks (+1); no room now answers without a ticket."""
+        """Reserve the prompt's blocks (+1); no room now answers without a ticket.
+
+        Blocks of the prompt's prefix that this worker still caches (an earlier turn decoded
+        here) are shared, so the ticket asks the prefill side for the delta only."""
 
         def do() -> ReserveResult:
             req = self.engine.make_request(r.request_id, r.prompt_token_ids, r.params, r.cache_salt)
             try:
-                ticket = self.receiver.reserve(r.request_id, len(r.prompt_token_ids))
+                ticket = self.receiver.reserve(
+                    r.request_id, len(r.prompt_token_ids), prefix_hashes=req.block_hashes
+                )
             except NoFreeBlocksError as e:
                 return ReserveResult(None, self.engine.blocks.num_free_blocks, str(e))
             self.reserved[r.request_id] = (req, ticket.transfer_id)
-            return ReserveResult(ticket.SerializeToString(), self.engine.blocks.num_free_blocks)
+            return ReserveResult(
+                ticket.SerializeToString(),
+                self.engine.blocks.num_free_blocks,
+                num_cached_tokens=ticket.first_block * self.engine.cache_config.block_size,
+            )
 
         return await self.loop.run(do)
 
@@ -243,5 +252,13 @@ class DecodeWorker:
 
     def _stats(self) -> WorkerStats:
         return WorkerStats.of_engine(
-            self.name, self.role, self.engine, self.receiver.pending(), self.num_requests_total
+            self.name,
+            self.role,
+            self.engine,
+            self.receiver.pending(),
+            self.num_requests_total,
+            extra={
+                "kv_bytes_received_total": float(self.receiver.bytes_received_total),
+                "kv_blocks_shared_total": float(self.receiver.blocks_shared_total),
+            },
         )

@@ -59,7 +59,7 @@ class KVCacheSpec:
     @property
     def page_bytes(self) -> int:
         """Bytes of K plus V in one page."""
-        return 2 * self.page_elems * torch.tensor([], dtype=DTYPES[self.dtype]).element_size()
+        return 2 * self.page_elems * DTYPES[self.dtype].itemsize
 
 
 class PagedKVCache:

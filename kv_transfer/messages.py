@@ -33,6 +33,7 @@ class ReserveResult:
     ticket: bytes | None  # serialized pdserve.v1.TransferTicket
     num_free_blocks: int
     reason: str = ""  # why there is no ticket
+    num_cached_tokens: int = 0  # prompt tokens whose K/V this worker already held (not sent)
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class WorkerStats:
     num_requests_total: int
     num_preemptions_total: int
     extra: dict[str, float] = field(default_factory=dict)
+    kv_bytes_per_block: int = 0  # K + V of one block over all layers (what a transfer moves)
 
     @classmethod
     def of_engine(
@@ -121,4 +123,5 @@ class WorkerStats:
             num_requests_total=num_requests_total,
             num_preemptions_total=sched.num_preemptions,
             extra=extra or {},
+            kv_bytes_per_block=engine.cache.spec.page_bytes * engine.cache.spec.num_layers,
         )

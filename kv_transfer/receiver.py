@@ -23,6 +23,7 @@ import enum
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -54,9 +55,10 @@ class ReservationState(enum.Enum):
 class Reservation:
     request_id: str
     transfer_id: str
-    dst_block_ids: tuple[int, ...]  # the prompt's blocks, in prompt order
+    dst_block_ids: tuple[int, ...]  # prompt blocks first_block.., in prompt order
     num_tokens: int
     deadline_s: float  # time.monotonic() after which the lease expires
+    first_block: int = 0  # blocks before it were already cached here (shared, not sent)
     state: ReservationState = ReservationState.RESERVED
     error: str = ""
     in_flight: int = 0  # frames currently writing into the blocks
@@ -84,21 +86,40 @@ class KVReceiver:
         self._by_transfer: dict[str, Reservation] = {}
         self._reaper: threading.Thread | None = None
         self._closed = threading.Event()
+        # Lifetime counters (worker stats): payload bytes landed, and prompt blocks a
+        # reservation shared from this cache instead of receiving them.
+        self.bytes_received_total = 0
+        self.blocks_shared_total = 0
 
     # ---- reservations --------------------------------------------------------------------
     def reserve(
-        self, request_id: str, num_tokens: int, extra_tokens: int = 1, lease_s: float | None = None
+        self,
+        request_id: str,
+        num_tokens: int,
+        extra_tokens: int = 1,
+        lease_s: float | None = None,
+        prefix_hashes: Sequence[int] = (),
     ) -> pb.TransferTicket:
         """Allocate blocks for `num_tokens` (+ `extra_tokens` of decode room) and ticket them.
 
-        Raises engine.block_manager.NoFreeBlocksError when the pool cannot hold them now.
+        `prefix_hashes` are the prompt's full-block hashes: blocks this cache already holds
+        under them are shared (by reference), and the ticket asks only for the rest
+        (`first_block`), so a follow-up turn moves only its delta. The prompt's last block is
+        never matched, so every transfer carries at least one block (the sender's first
+        token comes with it). Raises engine.block_manager.NoFreeBlocksError when the pool
+        cannot hold them now.
         """
         lease = self.lease_s if lease_s is None else lease_s
+        bs = self.cache.block_size
+        num_blocks = ceil_div(num_tokens, bs)
+        usable = list(prefix_hashes[: max(num_blocks - 1, 0)])
         with self.lock:
-            alloc = self.blocks.allocate(request_id, [], num_tokens + extra_tokens)
-            ids = alloc.block_ids[: ceil_div(num_tokens, self.cache.block_size)]
+            alloc = self.blocks.allocate(request_id, usable, num_tokens + extra_tokens)
+            first = alloc.num_cached_tokens // bs
+            ids = alloc.block_ids[first:num_blocks]
+            self.blocks_shared_total += first
             res = Reservation(
-                request_id, uuid.uuid4().hex, ids, num_tokens, time.monotonic() + lease
+                request_id, uuid.uuid4().hex, ids, num_tokens, time.monotonic() + lease, first
             )
             self._by_transfer[res.transfer_id] = res
         return pb.TransferTicket(
@@ -110,6 +131,7 @@ class KVReceiver:
             deadline_unix_ms=int((time.time() + lease) * 1000),
             layout=layout_to_pb(self.cache.spec),
             num_tokens=num_tokens,
+            first_block=first,
         )
 
     def get(self, transfer_id: str) -> Reservation | None:
@@ -186,6 +208,7 @@ class KVReceiver:
             for layer in range(header.layer_start, header.layer_end):
                 res.received.update((layer, b) for b in header.dst_block_ids)
             res.bytes_received += header.payload_bytes
+            self.bytes_received_total += header.payload_bytes
             if res.state is ReservationState.FAILED:
                 self._fail(res, res.error)  # failed meanwhile: free now that no frame writes
             elif len(res.received) == self.cache.num_layers * len(res.dst_block_ids):

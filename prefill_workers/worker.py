@@ -130,9 +130,12 @@ class PrefillWorker:
                 continue
             try:
                 if job.outbound is None:
+                    # Only the blocks the receiver lacks: it already holds the first
+                    # `first_block` (a prefix it cached from an earlier turn).
+                    t = job.ticket
                     src = self.engine.blocks.block_table(job.request.request_id)
                     job.outbound = self.sender.start(
-                        job.ticket, src[: len(job.ticket.dst_block_ids)]
+                        t, src[t.first_block : t.first_block + len(t.dst_block_ids)]
                     )
                 self.sender.push_async(job.outbound, layer + 1)
             except Exception as e:  # a broken pair fails its transfers, never the engine step

@@ -22,10 +22,21 @@ class RouterConfig:
     # A prefill worker dying under a request: "recompute" (prefill it again on another
     # prefill worker, or on its decode worker when none is healthy) or "fail" (UNAVAILABLE).
     prefill_failure_policy: str = "recompute"
+    # The pair-routing cost model (router.pools.rank_pairs): prefill speed and KV transfer
+    # bandwidth, to weigh prompt tokens a prefill worker must compute against KV bytes a
+    # (prefill, decode) pair must move. Only their ratio matters; set them to measured
+    # figures (`make bench`) for your hardware.
+    prefill_tokens_per_s: float = 4000.0
+    transfer_gbps: float = 1.0
     http_port: int = 8000  # the OpenAI-compatible HTTP server (docs/http.md); 0 picks one
     http_enabled: bool = True
     # Bearer key for HTTP /v1/* and gRPC calls (env PDSERVE_API_KEY); never logged.
     api_key: str | None = field(default=None, repr=False)
+    # TLS on both ports (router/tls.py; PEM files): certificate chain and its key, together.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    # A CA bundle: both ports then require a client certificate it signed (mTLS).
+    tls_client_ca: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.grpc_port < 65536:
@@ -36,5 +47,11 @@ class RouterConfig:
             raise ValueError("max_queue_len and queue_timeout_s must be positive")
         if self.prefill_failure_policy not in ("recompute", "fail"):
             raise ValueError("prefill_failure_policy must be 'recompute' or 'fail'")
+        if self.prefill_tokens_per_s <= 0 or self.transfer_gbps <= 0:
+            raise ValueError("prefill_tokens_per_s and transfer_gbps must be positive")
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: set both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")

@@ -65,6 +65,64 @@ class WorkerLoad:
         return free - self.pending_blocks
 
 
+@dataclass(frozen=True)
+class PairCost:
+    """What one (prefill, decode) pair would cost a request, in estimated seconds.
+
+    prefill: the prompt tokens the prefill worker must compute (its cached prefix
+    subtracted) plus the prompt tokens already queued on it, at `prefill_tokens_per_s`;
+    transfer: the KV bytes the pair would move (the decode worker's cached prefix is shared,
+    so only the delta moves), at `transfer_bytes_per_s`. A decode worker without KV room for
+    the delta ranks after every one with room (its reservation would be refused).
+    """
+
+    prefill: WorkerLoad
+    decode: WorkerLoad
+    prefill_s: float
+    transfer_s: float
+    has_room: bool
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.transfer_s
+
+    def sort_key(self) -> tuple[bool, float, int, int]:
+        return (
+            not self.has_room,
+            self.total_s,
+            -self.decode.free_blocks,
+            len(self.decode.active) + len(self.prefill.active),
+        )
+
+
+def rank_pairs(
+    prefill: Sequence[WorkerLoad],
+    decode: Sequence[WorkerLoad],
+    matches: dict[str, int],
+    num_tokens: int,
+    block_size: int,
+    prefill_tokens_per_s: float,
+    transfer_bytes_per_s: float,
+) -> list[PairCost]:
+    """Every healthy (prefill, decode) pair, cheapest first (see `PairCost`).
+
+    `matches` maps a worker name to the number of leading prompt blocks it holds."""
+    num_blocks = -(-num_tokens // block_size)
+    pairs = []
+    for d in decode:
+        # The prompt's last block always moves (the receiver never shares it).
+        held_d = min(matches.get(d.handle.name, 0), max(num_blocks - 1, 0))
+        delta_blocks = num_blocks - held_d
+        per_block = d.stats.kv_bytes_per_block if d.stats else 0
+        transfer_s = delta_blocks * per_block / transfer_bytes_per_s
+        has_room = d.free_blocks >= delta_blocks + 1
+        for p in prefill:
+            todo = num_tokens - matches.get(p.handle.name, 0) * block_size
+            prefill_s = (todo + p.outstanding_tokens) / prefill_tokens_per_s
+            pairs.append(PairCost(p, d, prefill_s, transfer_s, has_room))
+    return sorted(pairs, key=PairCost.sort_key)
+
+
 class Pool:
     def __init__(self, role: str, handles: Sequence[WorkerHandle]) -> None:
         self.role = role

@@ -41,7 +41,8 @@ from protos.pdserve.v1 import kv_transfer_pb2 as kvpb
 from router.auth import api_key_interceptors
 from router.config import RouterConfig
 from router.metrics import RequestObserver
-from router.pools import Pool, WorkerLoad
+from router.pools import PairCost, Pool, WorkerLoad, rank_pairs
+from router.tls import add_port
 from router.validation import ModelLimits, prepare
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ class ActiveRequest:
     aborted: bool = False
     done: bool = False
     num_sent: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefill side did not compute
+    decode_cached_tokens: int = 0  # prompt tokens the decode side already held (not moved)
     timings: dict[str, float] = field(default_factory=dict)
     first_sent_s: float | None = None
     last_sent_s: float | None = None
@@ -210,6 +212,10 @@ class Router:
             best = self.decode.best_match(matches)
             uncached_there = n - (matches.get(best.handle.name, 0) * bs if best else 0)
             local = self.colocated or uncached_there <= self.cfg.local_prefill_threshold
+            if not local and not self.prefill.healthy():  # the whole prefill pool is down
+                if self.cfg.prefill_failure_policy == "fail":
+                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+                local = True  # recompute: prefill on the decode worker
             stream = (
                 self._run_local(act, matches) if local else self._run_disaggregated(act, matches)
             )
@@ -247,8 +253,14 @@ class Router:
         self, act: ActiveRequest, matches: dict[str, int]
     ) -> AsyncIterator[gen.GenerateResponse]:
         r = act.request
-        d, ticket = await self._reserve(act)
-        p = self.prefill.pick_prefill(matches, len(r.prompt_token_ids), self.model_info.block_size)
+        d, planned, ticket = await self._reserve(act, matches)
+        p = (
+            planned
+            if planned.healthy
+            else self.prefill.pick_prefill(
+                matches, len(r.prompt_token_ids), self.model_info.block_size
+            )
+        )
         act.prefill = p
         n = len(r.prompt_token_ids)
         p.outstanding_tokens += n
@@ -309,25 +321,52 @@ class Router:
         async for resp in again:
             yield resp
 
-    async def _reserve(self, act: ActiveRequest) -> tuple[WorkerLoad, bytes]:
-        """Reserve on the decode worker with most room; wait (bounded) while none has any."""
+    def _pair_order(self, act: ActiveRequest, matches: dict[str, int]) -> list[PairCost]:
+        """The cheapest (prefill, decode) pair for each decode worker, cheapest first."""
+        pairs = rank_pairs(
+            self.prefill.healthy(),
+            self.decode.healthy(),
+            matches,
+            len(act.request.prompt_token_ids),
+            self.model_info.block_size,
+            self.cfg.prefill_tokens_per_s,
+            self.cfg.transfer_gbps * 1e9,
+        )
+        best: dict[str, PairCost] = {}
+        for pc in pairs:
+            best.setdefault(pc.decode.handle.name, pc)
+        return list(best.values())
+
+    async def _reserve(
+        self, act: ActiveRequest, matches: dict[str, int]
+    ) -> tuple[WorkerLoad, WorkerLoad, bytes]:
+        """Reserve on the decode worker of the cheapest pair (`rank_pairs`: prefill work plus
+        the KV bytes the pair would move); wait (bounded) while no decode worker has room.
+        Returns (decode worker, the pair's prefill worker, ticket)."""
         deadline = time.monotonic() + self.cfg.queue_timeout_s
         self.num_queued += 1
         try:
             while True:
-                for d in self.decode.decode_order():
+                order = self._pair_order(act, matches)
+                if not order:
+                    raise RequestFailed(
+                        grpc.StatusCode.UNAVAILABLE, "no healthy prefill and decode worker pair"
+                    )
+                for pc in order:
+                    d = pc.decode
                     rr = await self._reserve_on(d, act)
                     if rr.ticket is not None:
                         ticket = kvpb.TransferTicket.FromString(rr.ticket)
                         act.decode = d
                         act.transfer_id = ticket.transfer_id
+                        act.decode_cached_tokens = rr.num_cached_tokens
                         d.pending_blocks += len(ticket.dst_block_ids) + 1
                         d.active.add(act.request.request_id)
                         if act.aborted:  # Abort came during the call and saw no reservation
                             await self._release(act)
                             raise TransferError("aborted while queued")
                         act.timings["queue_ms"] = (time.perf_counter() - act.arrival_s) * 1e3
-                        return d, rr.ticket
+                        return d, pc.prefill, rr.ticket
                 if act.aborted:
                     raise TransferError("aborted while queued")
                 if time.monotonic() > deadline:
@@ -598,7 +637,7 @@ async def start_server(router: Router, host: str, port: int) -> RouterServer:
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", router.cfg)  # TLS when configured
     await server.start()
     rs = RouterServer(server, health_servicer, bound)
     await rs.set_serving(False)

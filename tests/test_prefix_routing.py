@@ -59,7 +59,8 @@ class Served:
     """The router's gRPC server on an asyncio loop in a thread, in front of a Deployment
     (Ray actors), or, `in_process`, of plain worker objects on that same loop (cheap)."""
 
-    def __init__(self, cfg: ServeConfig, in_process: bool = False) -> None:
+    def __init__(self, cfg: ServeConfig, in_process: bool = False, num_decode: int = 1) -> None:
+        self.num_decode = num_decode
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -87,7 +88,7 @@ class Served:
             return WorkerConfig(name, ecfg, cfg.transfer, cfg.index, served_name(cfg), role=role)
 
         prefill = [PrefillWorker(wcfg(f"pdserve-prefill-{i}", "prefill")) for i in range(2)]
-        decode = [DecodeWorker(wcfg(D0, "decode"))]
+        decode = [DecodeWorker(wcfg(f"pdserve-decode-{i}", "decode")) for i in range(self.num_decode)]
         self.workers = [*prefill, *decode]
         return build_router(
             cfg,
@@ -395,3 +396,53 @@ class TestMemoryIndex:
         assert served_memory.router.index.backend == "memory"
         check_routes_to_prefix_holder(served_memory, "memory")
         assert served_memory.router.index.errors == 0
+
+
+# ---- delta transfers: a follow-up turn whose prefix lives on a decode worker --------------
+@pytest.fixture(scope="class")
+def served_two_decode(model_dir: Path) -> Iterator[Served]:
+    s = Served(serve_config(model_dir, None, transport="local"), in_process=True, num_decode=2)
+    yield s
+    s.close()
+
+
+class TestDeltaTransfer:
+    def test_follow_up_moves_only_the_delta(self, served_two_decode: Served) -> None:
+        """Turn 1 decodes on D0, which keeps the prompt's blocks cached. Turn 2 shares 90 %:
+        although D1 has more free room (headroom alone would pick it), the pair cost sends it
+        to D0, which shares the cached prefix and receives only the remaining blocks; the
+        tokens equal a cold run's."""
+        s = served_two_decode
+        d1 = "pdserve-decode-1"
+        a = prompt("delta-a")
+        a2 = sharing(a, "delta-a2")
+        first = s.generate(a)
+        assert first.complete is not None and first.complete.decode_worker == D0
+        s.wait_lookup(a2, lambda m: m.get(D0, 0) >= SHARED // BS)
+        stats0 = s.call(s.workers[2].stats())
+        assert stats0.name == D0
+
+        [w0] = [w for w in s.router.decode.workers if w.handle.name == D0]
+
+        async def shrink(n: int) -> None:  # D0 looks fuller than D1, yet has room
+            w0.pending_blocks += n
+
+        s.call(shrink(8))
+        try:
+            warm = s.generate(a2)
+        finally:
+            s.call(shrink(-8))
+        assert warm.complete is not None and warm.complete.decode_worker == D0
+        after0 = s.call(s.workers[2].stats())
+        shared = after0.extra["kv_blocks_shared_total"] - stats0.extra["kv_blocks_shared_total"]
+        moved = after0.extra["kv_bytes_received_total"] - stats0.extra["kv_bytes_received_total"]
+        num_blocks = PROMPT_LEN // BS
+        assert shared == SHARED // BS
+        assert moved == (num_blocks - SHARED // BS) * after0.kv_bytes_per_block
+
+        cold = s.generate(a2, salt="delta-cold")  # a salt shares nothing: every block moves
+        assert cold.complete is not None and warm.token_ids == cold.token_ids
+        dc = cold.complete.decode_worker
+        [wc] = [w for w in s.workers if w.name == dc]
+        assert s.call(wc.check_integrity()) >= 0
+        assert d1 in {w.handle.name for w in s.router.decode.workers}
