@@ -14,7 +14,8 @@ Run: ``.venv/bin/python benchmarks/kv_transfer.py`` (``make bench-transfer``). O
 2. **TTFT share.** The ``small`` preset (bf16) prefills 512- and 2048-token prompts in the
    sender process (``prefill_only=True``, whole prompt in one step) and ships the prompt's
    pages to a receiver process that reserved blocks, either layer by layer from
-   ``engine.layer_hook`` while later layers compute (overlap) or all at once after prefill (no
+   ``engine.layer_hook`` (``KVSender.push_async``, the prefill worker's path: frames go out on the
+   sender's thread) while later layers compute (overlap) or all at once after prefill (no
    overlap). TTFT = prefill start -> transfer acknowledged; the added share is
    ``(TTFT - prefill) / prefill`` against interleaved prefill-only runs.
 
@@ -450,7 +451,7 @@ class TxPeer:
             if not out:
                 src = eng.blocks.block_table(rid)[:nblocks]
                 out.append(sender.start(t, src))
-            sender.push(out[0], layer + 1)
+            sender.push_async(out[0], layer + 1)  # as the prefill worker does
             hook_s[0] += time.perf_counter() - h0
 
         self._push = push if mode == "overlap" else None
@@ -1029,7 +1030,8 @@ def report(
                 )
         w(
             "   hook ms: wall time the prefill thread spent blocked inside engine.layer_hook "
-            "(KVSender.start/push) per overlapped request"
+            "(KVSender.start and push_async, which only enqueues: the pushes run on the "
+            "sender thread, as in the prefill worker) per overlapped request"
         )
     w("=" * 96)
     return "\n".join(lines)
