@@ -48,7 +48,7 @@ import grpc
 import numpy as np
 from tqdm import tqdm
 
-from pdserve.client import make_request
+from pdserve.client import ClientTLS, add_tls_args, auth_metadata, make_request, open_aio_channel
 from protos.pdserve.v1 import generation_pb2 as gen
 from protos.pdserve.v1 import generation_pb2_grpc as gen_grpc
 
@@ -105,6 +105,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="sent as `authorization: Bearer KEY` (default: env PDSERVE_API_KEY or OPENAI_API_KEY)",
     )
     p.add_argument("--label", default=None, help="result label (default: the backend)")
+    add_tls_args(p)  # --tls-ca: TLS to --target, or the CA for an https:// --base-url
 
     d = p.add_argument_group("dataset")
     d.add_argument(
@@ -452,12 +453,13 @@ class GrpcBackend:
         model: str | None,
         request_timeout_s: float | None,
         api_key: str | None = None,
+        tls: ClientTLS | None = None,
     ) -> None:
-        self.channel = grpc.aio.insecure_channel(target)
+        self.channel = open_aio_channel(target, tls)
         self.stub = gen_grpc.GenerationStub(self.channel)
         self.model = model or ""
         self.timeout_s = request_timeout_s
-        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        self.metadata = auth_metadata(api_key)
 
     async def model_info(self, timeout_s: float) -> ServedModel:
         try:
@@ -534,6 +536,7 @@ class OpenAIBackend:
         model: str | None,
         request_timeout_s: float | None,
         api_key: str | None = None,
+        tls: ClientTLS | None = None,
     ) -> None:
         import aiohttp
 
@@ -543,7 +546,10 @@ class OpenAIBackend:
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=request_timeout_s or 6 * 3600),
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+            # https:// without --tls-ca checks the server against the system's CAs
+            connector=aiohttp.TCPConnector(ssl=tls.ssl_context()) if tls else None,
         )
+        self.server_name = tls.server_name if tls else None  # checked in the cert, not the URL's
 
     async def model_info(self, timeout_s: float) -> ServedModel:
         import aiohttp
@@ -554,6 +560,7 @@ class OpenAIBackend:
                 async with self.session.get(
                     self.base_url + "/v1/models",
                     timeout=aiohttp.ClientTimeout(total=max(deadline - time.monotonic(), 0.1)),
+                    server_hostname=self.server_name,
                 ) as resp:
                     resp.raise_for_status()
                     body = await resp.json()
@@ -584,7 +591,9 @@ class OpenAIBackend:
         usage: dict[str, Any] | None = None
         out.start_time = time.perf_counter()
         try:
-            async with self.session.post(self.url, json=payload, headers=headers) as resp:
+            async with self.session.post(
+                self.url, json=payload, headers=headers, server_hostname=self.server_name
+            ) as resp:
                 if resp.status != 200:
                     out.status = f"HTTP_{resp.status}"
                     out.error = f"{resp.status} {resp.reason}: {(await resp.text())[:500]}"
@@ -881,14 +890,15 @@ async def bench_async(args: argparse.Namespace) -> int:
     arrival_rng = np.random.default_rng(args.seed + 1)
     offsets = arrival_offsets(args.num_prompts, args.request_rate, args.burstiness, arrival_rng)
     api_key = args.api_key or os.environ.get("PDSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    tls = ClientTLS.from_args(args)
     backend: Backend
     if args.base_url:
         backend = OpenAIBackend(
-            args.base_url, args.endpoint, args.model, args.request_timeout, api_key
+            args.base_url, args.endpoint, args.model, args.request_timeout, api_key, tls
         )
     else:
         target = args.target or "127.0.0.1:50051"
-        backend = GrpcBackend(target, args.model, args.request_timeout, api_key)
+        backend = GrpcBackend(target, args.model, args.request_timeout, api_key, tls)
     try:
         try:
             served = await backend.model_info(args.ready_check_timeout_sec)

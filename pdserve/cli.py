@@ -65,11 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the disaggregated service (gRPC)")
     _add_serve_flags(serve)
 
+    from pdserve.client import add_tls_args
+
     client = sub.add_parser("client", help="stream one request from a running server")
     client.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT")
     client.add_argument("--max-tokens", type=int, default=None)
     client.add_argument("--temperature", type=float, default=None)
     client.add_argument("--json", action="store_true", help="print the final message as JSON")
+    client.add_argument(
+        "--api-key", default=None, help="sent as `authorization: Bearer KEY` (env PDSERVE_API_KEY)"
+    )
+    add_tls_args(client)
     client.add_argument("prompt", metavar="PROMPT")
 
     from pdserve.bench import add_cli_args as add_bench_args
@@ -95,6 +101,9 @@ SERVE_FLAGS: dict[str, tuple[str, str]] = {
     "grpc_port": ("router", "grpc_port"),
     "http_port": ("router", "http_port"),
     "api_key": ("router", "api_key"),
+    "tls_cert": ("router", "tls_cert"),
+    "tls_key": ("router", "tls_key"),
+    "tls_client_ca": ("router", "tls_client_ca"),
     "local_prefill_threshold": ("router", "local_prefill_threshold"),
     "ray_address": ("ray", "address"),
     "redis_url": ("index", "redis_url"),
@@ -126,6 +135,15 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help="require `Authorization: Bearer KEY` on HTTP /v1/* and gRPC (env PDSERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--tls-cert", default=None, help="PEM certificate chain: serve gRPC and HTTP over TLS"
+    )
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert (unencrypted)")
+    p.add_argument(
+        "--tls-client-ca",
+        default=None,
+        help="PEM CA bundle: require client certificates it signed on both ports (mTLS)",
     )
     p.add_argument(
         "--local-prefill-threshold",
@@ -186,9 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "client":
             from pdserve.client import run_client
 
-            return run_client(
-                args.target, args.prompt, args.max_tokens, args.temperature, args.json
-            )
+            return run_client(args)
         if args.command == "bench":
             from pdserve.bench import run_bench
 

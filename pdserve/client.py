@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import ssl
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -63,14 +67,96 @@ class Completion:
         }
 
 
+@dataclass(frozen=True)
+class ClientTLS:
+    """TLS to a router started with `--tls-cert` (router/tls.py): the CA to trust and, for a
+    router with `--tls-client-ca`, this client's own certificate and key (PEM files)."""
+
+    ca_file: str  # the CA (bundle) that signed the server's certificate
+    cert_file: str | None = None  # client certificate chain (mTLS), with key_file
+    key_file: str | None = None
+    server_name: str | None = None  # check the server's certificate for this name, not the host
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        for flag, path in (
+            ("--tls-ca", self.ca_file),
+            ("--tls-cert", self.cert_file),
+            ("--tls-key", self.key_file),
+        ):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{flag} {path}: no such file")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ClientTLS | None:
+        """From `add_tls_args` flags; None (plaintext) without --tls-ca."""
+        if args.tls_ca is None:
+            if args.tls_cert or args.tls_key or args.tls_server_name:
+                raise ValueError("--tls-cert, --tls-key and --tls-server-name need --tls-ca")
+            return None
+        return cls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+
+    def grpc_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=Path(self.ca_file).read_bytes(),
+            private_key=Path(self.key_file).read_bytes() if self.key_file else None,
+            certificate_chain=Path(self.cert_file).read_bytes() if self.cert_file else None,
+        )
+
+    def grpc_options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same trust and identity for HTTPS clients."""
+        ctx = ssl.create_default_context(cafile=self.ca_file)
+        if self.cert_file and self.key_file:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        return ctx
+
+
+def add_tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", default=None, help="PEM CA to trust: connect over TLS")
+    p.add_argument("--tls-cert", default=None, help="PEM client certificate (mTLS)")
+    p.add_argument("--tls-key", default=None, help="PEM key of --tls-cert")
+    p.add_argument(
+        "--tls-server-name",
+        default=None,
+        help="name the server certificate must carry (default: the target's host)",
+    )
+
+
+def open_channel(target: str, tls: ClientTLS | None) -> grpc.Channel:
+    if tls is None:
+        return grpc.insecure_channel(target)
+    return grpc.secure_channel(target, tls.grpc_credentials(), options=tls.grpc_options())
+
+
+def open_aio_channel(target: str, tls: ClientTLS | None) -> grpc.aio.Channel:
+    if tls is None:
+        return grpc.aio.insecure_channel(target)
+    return grpc.aio.secure_channel(target, tls.grpc_credentials(), options=tls.grpc_options())
+
+
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
 class Client:
-    def __init__(self, target: str, timeout_s: float | None = None) -> None:
-        self.channel = grpc.insecure_channel(target)
+    def __init__(
+        self,
+        target: str,
+        timeout_s: float | None = None,
+        tls: ClientTLS | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        self.channel = open_channel(target, tls)
         self.stub = gen_grpc.GenerationStub(self.channel)
         self.timeout_s = timeout_s
+        self.metadata = auth_metadata(api_key)
 
     def stream(self, request: gen.GenerateRequest) -> Iterator[gen.GenerateResponse]:
-        return self.stub.Generate(request, timeout=self.timeout_s)
+        return self.stub.Generate(request, timeout=self.timeout_s, metadata=self.metadata)
 
     def generate(self, prompt: str | list[int], **kwargs: Any) -> Completion:
         out = Completion()
@@ -88,20 +174,20 @@ class Client:
         self.channel.close()
 
 
-def run_client(
-    target: str, prompt: str, max_tokens: int | None, temperature: float | None, as_json: bool
-) -> int:
-    client = Client(target)
+def run_client(args: argparse.Namespace) -> int:
+    """`pdserve client`: stream one request to the terminal."""
+    api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
+    client = Client(args.target, tls=ClientTLS.from_args(args), api_key=api_key)
     out = Completion()
     try:
         for resp in client.stream(
-            make_request(prompt, max_tokens=max_tokens, temperature=temperature)
+            make_request(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature)
         ):
             out.request_id = resp.request_id
             if resp.HasField("chunk"):
                 out.token_ids.extend(resp.chunk.token_ids)
                 out.text += resp.chunk.text
-                if not as_json:
+                if not args.json:
                     print(resp.chunk.text, end="", flush=True)
             else:
                 out.complete = resp.complete
@@ -110,7 +196,7 @@ def run_client(
         return 1
     finally:
         client.close()
-    if as_json:
+    if args.json:
         print(json.dumps(out.to_json()))
     else:
         c = out.complete

@@ -12,6 +12,7 @@ from pdserve.launch import Deployment
 from router.http import HTTPServer, start_http_server
 from router.metrics import RouterMetrics
 from router.service import Router, start_server
+from router.tls import ServerTLS
 
 
 async def serve(cfg: ServeConfig, deployment: Deployment, router: Router) -> int:
@@ -45,6 +46,11 @@ async def serve(cfg: ServeConfig, deployment: Deployment, router: Router) -> int
 
 
 def run(cfg: ServeConfig) -> int:
+    tls = ServerTLS.of(cfg.router)
+    if tls is not None:
+        tls.check()  # a bad certificate fails here, not after the workers loaded the model
+        mtls = ", client certificates required (mTLS)" if tls.mutual else ""
+        print(f"pdserve: TLS on gRPC and HTTP{mtls}", file=sys.stderr, flush=True)
     deployment = Deployment(cfg)
     router = deployment.start()  # on the main thread: Ray installs its signal handlers here
     return asyncio.run(serve(cfg, deployment, router))

@@ -39,6 +39,7 @@ from protos.pdserve.v1 import generation_pb2 as gen
 from router.auth import bearer_ok
 from router.metrics import RouterMetrics
 from router.service import ActiveRequest, RequestFailed, Router
+from router.tls import ServerTLS
 
 T = TypeVar("T")
 
@@ -802,7 +803,9 @@ class HTTPServer:
 async def start_http_server(
     router: Router, host: str, port: int, graceful_s: int = 1
 ) -> HTTPServer:
-    """Serve the OpenAI API on host:port in the running loop; returns once it listens."""
+    """Serve the OpenAI API on host:port in the running loop; returns once it listens.
+    HTTPS (and mTLS) when the router's config has a certificate (router/tls.py)."""
+    tls = ServerTLS.of(router.cfg)
     sock = bind_socket(host, port)
     bound = int(sock.getsockname()[1])
     config = uvicorn.Config(
@@ -812,6 +815,7 @@ async def start_http_server(
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=graceful_s,
+        **(tls.uvicorn_options() if tls else {}),
     )
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -1,7 +1,8 @@
 """`pdserve serve --grpc-port 0 --http-port 0` as a subprocess, for the HTTP tests.
 
-Used by tests/test_http.py and tests/test_metrics.py: each module runs one server on the
-tiny preset (generated under a temporary PDSERVE_HOME), reads the two ports from its
+Used by tests/test_http.py, tests/test_metrics.py and tests/test_tls.py (HTTPS, with
+`ssl_context`): each module runs one server on the tiny preset (generated under a temporary
+PDSERVE_HOME), reads the two ports from its
 `pdserve: gRPC listening on HOST:PORT` / `pdserve: HTTP listening on HOST:PORT` lines, and
 stops it with SIGTERM (the drain path) at the end.
 """
@@ -13,6 +14,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -33,8 +35,10 @@ class ServeProcess:
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         start_timeout_s: float = 240.0,
+        ssl_context: ssl.SSLContext | None = None,  # HTTPS: a server started with --tls-cert
     ) -> None:
         self.home = home
+        self.ssl_context = ssl_context
         for attempt in range(2):  # a loaded host can time Ray's startup out: retry once
             self.log_path = home / f"serve-{attempt}.stderr"
             if self._start(extra_args, env, start_timeout_s):
@@ -43,7 +47,8 @@ class ServeProcess:
                 self.stop()
                 raise RuntimeError(f"pdserve serve did not start: {self.stdout}\n{self.log_tail()}")
         self.grpc_target = f"127.0.0.1:{self.ports['gRPC']}"
-        self.base_url = f"http://127.0.0.1:{self.ports['HTTP']}"
+        scheme = "https" if ssl_context else "http"
+        self.base_url = f"{scheme}://127.0.0.1:{self.ports['HTTP']}"
 
     def _start(
         self, extra_args: tuple[str, ...], env: dict[str, str] | None, timeout_s: float
@@ -130,7 +135,7 @@ class ServeProcess:
         if data is not None and "Content-Type" not in (headers or {}):
             req.add_header("Content-Type", "application/json")
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout_s, context=self.ssl_context) as resp:
                 return resp.status, dict(resp.headers), resp.read()
         except urllib.error.HTTPError as e:
             return e.code, dict(e.headers), e.read()

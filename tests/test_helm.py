@@ -1,7 +1,8 @@
 """The Helm chart (k8s/helm/pdserve), rendered offline with the Helm SDK (helm-python-sdk).
 
-Three profiles: the defaults (CPU, bundled Redis), a GPU profile (2 prefill x 1 GPU, 4 decode
-x 1 GPU, GPU node pools) and an external Redis (redis.url + redis.existingSecret). Helm lint
+Five profiles: the defaults (CPU, bundled Redis), a GPU profile (2 prefill x 1 GPU, 4 decode
+x 1 GPU, GPU node pools), an external Redis (redis.url + redis.existingSecret), and TLS on
+the router's ports without and with client certificates (tls, mtls). Helm lint
 finds no error, the values schema refuses bad values, every core Kubernetes object passes
 kubernetes-validate (the CRDs, RayCluster and ServiceMonitor, are checked structurally here),
 the ConfigMap's config loads with `ServeConfig.load`, and the two shell scripts the chart
@@ -87,7 +88,16 @@ PROFILES: dict[str, dict[str, Any]] = {
         "rayAuth": {"existingSecret": "ray-token"},
         "router": {"apiKey": {"existingSecret": "pdserve-api", "key": "key"}},
     },
+    "tls": {
+        "tls": {"enabled": True, "secretName": "pd-tls"},
+        "serviceMonitor": {
+            "enabled": True,
+            "tlsConfig": {"ca": {"secret": {"name": "pd-tls", "key": "ca.crt"}}},
+        },
+    },
+    "mtls": {"tls": {"enabled": True, "secretName": "pd-tls", "clientCA": "pd-client-ca"}},
 }
+TLS_DIR, CLIENT_CA_DIR = "/etc/pdserve-tls", "/etc/pdserve-client-ca"
 
 
 # ---- rendering ------------------------------------------------------------------------------
@@ -167,6 +177,8 @@ def test_lint_reports_no_errors(profile: str) -> None:
         {"router": {"service": {"type": "ExternalName"}}},
         {"redis": {"url": "http://redis:6379"}},
         {"image": {"tag": ""}},
+        {"tls": {"enabled": "yes"}},
+        {"tls": {"caSecret": "x"}},
     ],
 )
 def test_schema_rejects_bad_values(chart: Any, bad: dict[str, Any]) -> None:
@@ -199,6 +211,9 @@ def test_schema_config_sections_are_the_serve_config_tree(chart: Any) -> None:
             "must not hold a password",
         ),
         ({"prefill": {"gpusPerWorker": 1}}, "one device kind"),
+        ({"config": {"router": {"tls_cert": "/c.pem"}}}, "config.router.tls_cert"),
+        ({"tls": {"enabled": True}}, "tls.enabled needs tls.secretName"),
+        ({"tls": {"clientCA": "ca"}}, "tls.clientCA .mTLS. needs tls.enabled"),
     ],
 )
 def test_chart_refuses_values_it_cannot_honour(
@@ -318,6 +333,13 @@ def test_configmap_config_loads_as_serve_config(
     assert cfg.prefill.max_restarts == cfg.decode.max_restarts == -1
     if profile == "gpu":
         assert (cfg.model.model, cfg.model.dtype) == ("/models/llama-8b", "bfloat16")
+    tls = (cfg.router.tls_cert, cfg.router.tls_key, cfg.router.tls_client_ca)
+    if profile == "tls":
+        assert tls == (f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", None)
+    elif profile == "mtls":
+        assert tls == (f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", f"{CLIENT_CA_DIR}/ca.crt")
+    else:
+        assert tls == (None, None, None)
 
 
 # ---- exposure -------------------------------------------------------------------------------
@@ -393,10 +415,60 @@ def test_router_probes(rendered: dict[str, list[dict[str, Any]]], profile: str) 
     router = containers(head)["router"]
     ports = {p["name"]: p["containerPort"] for p in router["ports"]}
     assert ports == {"grpc": 50051, "http": 8000}
-    assert router["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    readiness = router["readinessProbe"]
+    if profile == "mtls":  # the kubelet has no client certificate: the router probes itself
+        assert "httpGet" not in readiness
+        assert readiness["exec"]["command"] == [
+            "python3",
+            "/etc/pdserve/health-probe.py",
+            "8000",
+            f"{TLS_DIR}/tls.crt",
+            f"{TLS_DIR}/tls.key",
+        ]
+    elif profile == "tls":
+        assert readiness["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
+    else:
+        assert readiness["httpGet"] == {"path": "/health", "port": "http"}
+    # TCP connects: unaffected by TLS
     assert router["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
     assert router["startupProbe"]["tcpSocket"] == {"port": "grpc"}
     assert router["command"] == ["/bin/sh", "/etc/pdserve/start-router.sh"]
+
+
+@pytest.mark.parametrize("profile", ["default", "tls", "mtls"])
+def test_tls_secrets_are_mounted_where_the_config_points(
+    rendered: dict[str, list[dict[str, Any]]], profile: str
+) -> None:
+    docs = rendered[profile]
+    spec = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["name"]: m for m in containers({"spec": spec})["router"]["volumeMounts"]}
+    expected = {"tls": (TLS_DIR, "pd-tls", ["tls.crt", "tls.key"])}
+    if profile == "mtls":
+        expected["client-ca"] = (CLIENT_CA_DIR, "pd-client-ca", ["ca.crt"])
+    if profile == "default":
+        expected = {}
+    assert {"tls", "client-ca"} & set(volumes) == set(expected)
+    for name, (path, secret, keys) in expected.items():
+        assert mounts[name] == {"name": name, "mountPath": path, "readOnly": True}
+        assert volumes[name]["secret"]["secretName"] == secret
+        assert [i["path"] for i in volumes[name]["secret"]["items"]] == keys
+    # The probe script in the ConfigMap is the file tests/test_tls.py runs against a router.
+    cm = one(docs, "ConfigMap", f"{FULLNAME}-config")
+    script = CHART / "files" / "health-probe.py"
+    assert cm["data"]["health-probe.py"] == script.read_text()
+    # Only the router container sees the TLS key.
+    rc = one(docs, "RayCluster")
+    for g in rc["spec"]["workerGroupSpecs"]:
+        assert not {"tls", "client-ca"} & {v["name"] for v in g["template"]["spec"]["volumes"]}
+
+
+def test_service_monitor_scrapes_https_with_tls(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    (endpoint,) = one(rendered["tls"], "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == {"ca": {"secret": {"name": "pd-tls", "key": "ca.crt"}}}
 
 
 def test_bundled_redis_password_comes_from_the_secret(

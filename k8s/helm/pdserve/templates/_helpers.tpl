@@ -84,6 +84,26 @@ pdserve.io/ray-cluster: {{ include "pdserve.fullname" . }}
       key: auth-token
 {{- end }}
 
+{{/*
+TLS on the router's two ports: where the Secrets are mounted in the router container. Empty
+when tls.enabled is off; refuses a half-configured tls.* block.
+*/}}
+{{- define "pdserve.tlsDir" -}}
+{{- if .Values.tls.enabled }}
+{{- if not .Values.tls.secretName }}
+{{- fail "tls.enabled needs tls.secretName: a kubernetes.io/tls Secret (tls.crt, tls.key)" }}
+{{- end }}
+{{- print "/etc/pdserve-tls" }}
+{{- else if .Values.tls.clientCA }}
+{{- fail "tls.clientCA (mTLS) needs tls.enabled and tls.secretName" }}
+{{- end }}
+{{- end }}
+
+{{/* Where the client CA bundle (ca.crt of the tls.clientCA Secret) is mounted, or "". */}}
+{{- define "pdserve.clientCADir" -}}
+{{- if and (include "pdserve.tlsDir" .) .Values.tls.clientCA }}/etc/pdserve-client-ca{{ end }}
+{{- end }}
+
 {{/* 1 when the pools run on GPUs, 0 on CPU; mixing is refused (model.device is one key). */}}
 {{- define "pdserve.onGpu" -}}
 {{- $p := .Values.prefill.gpusPerWorker | float64 }}
@@ -113,7 +133,7 @@ group offers exactly one, so every pod runs one actor.
 {{- $owned := dict
   "prefill" (list "num_workers" "num_gpus" "resources")
   "decode" (list "num_workers" "num_gpus" "resources")
-  "router" (list "host" "grpc_port" "http_port")
+  "router" (list "host" "grpc_port" "http_port" "tls_cert" "tls_key" "tls_client_ca")
   "ray" (list "address")
   "index" (list "redis_url")
   "model" (list "device") }}
@@ -140,6 +160,13 @@ group offers exactly one, so every pod runs one actor.
 {{- $_ := set $router "host" "0.0.0.0" }}
 {{- $_ := set $router "grpc_port" (int .Values.router.grpcPort) }}
 {{- $_ := set $router "http_port" (int .Values.router.httpPort) }}
+{{- with include "pdserve.tlsDir" . }}
+{{- $_ := set $router "tls_cert" (printf "%s/tls.crt" .) }}
+{{- $_ := set $router "tls_key" (printf "%s/tls.key" .) }}
+{{- end }}
+{{- with include "pdserve.clientCADir" . }}
+{{- $_ := set $router "tls_client_ca" (printf "%s/ca.crt" .) }}
+{{- end }}
 {{- $_ := set $cfg "router" $router }}
 {{- $ray := index $cfg "ray" | default dict }}
 {{- $_ := set $ray "address" "auto" }}
