@@ -88,7 +88,9 @@ class Served:
             return WorkerConfig(name, ecfg, cfg.transfer, cfg.index, served_name(cfg), role=role)
 
         prefill = [PrefillWorker(wcfg(f"pdserve-prefill-{i}", "prefill")) for i in range(2)]
-        decode = [DecodeWorker(wcfg(f"pdserve-decode-{i}", "decode")) for i in range(self.num_decode)]
+        decode = [
+            DecodeWorker(wcfg(f"pdserve-decode-{i}", "decode")) for i in range(self.num_decode)
+        ]
         self.workers = [*prefill, *decode]
         return build_router(
             cfg,
