@@ -87,7 +87,12 @@ class DecodeWorker:
         self.engine = engine or LLMEngine.from_config(cfg.engine)
         transfer_cfg = cfg.transfer
         engine_cfg = cfg.engine
-        transport = get_transport(transfer_cfg.transport, transfer_cfg.timeout_s, engine_cfg.device)
+        transport = get_transport(
+            transfer_cfg.transport,
+            transfer_cfg.timeout_s,
+            engine_cfg.device,
+            transfer_cfg.resolve_secret(),
+        )
         self.receiver = KVReceiver(
             self.engine.cache,
             self.engine.blocks,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from engine.engine import EngineConfig
+from kv_transfer.auth import SECRET_ENV, check_secret
 
 TRANSPORT_NAMES = ("torch_dist", "grpc", "local")
 
@@ -17,12 +19,30 @@ class TransferConfig:
     max_channels: int = 32  # open (prefill, decode) pair channels per sender, LRU-closed
     layers_per_frame: int = 1  # layers pushed per frame as the prompt pass proceeds
     host: str = "127.0.0.1"  # address the decode worker's endpoint binds and advertises
+    # Channels must prove this secret before any frame lands (kv_transfer/auth.py). None:
+    # env PDSERVE_KV_SECRET in the worker's process, else no authentication. Never logged.
+    shared_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORT_NAMES:
             raise ValueError(f"transport={self.transport!r}: choose from {TRANSPORT_NAMES}")
         if self.timeout_s <= 0 or self.lease_s <= 0:
             raise ValueError("transfer timeout_s and lease_s must be positive")
+        if self.shared_secret is not None:
+            check_secret(self.shared_secret, "transfer.shared_secret")
+
+    def resolve_secret(self) -> str | None:
+        """The secret this worker's channels use: the config's, else env PDSERVE_KV_SECRET.
+
+        Called once, where a worker builds its transport; the env var lets a Kubernetes
+        Secret reach the pods without riding the config (or Ray's actor arguments).
+        """
+        if self.shared_secret is not None:
+            return self.shared_secret
+        secret = os.environ.get(SECRET_ENV)
+        if secret is not None:
+            check_secret(secret, SECRET_ENV)
+        return secret
 
 
 @dataclass(frozen=True)

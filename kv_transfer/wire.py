@@ -33,6 +33,11 @@ class TransferRejected(TransferError):
     """A header failed validation; no byte of its payload was written."""
 
 
+class TransferUnauthenticated(TransferError):
+    """The receiver refused this channel for want of the cluster's shared secret (no frame
+    of it landed), or the receiver could not prove it holds the secret (kv_transfer/auth.py)."""
+
+
 def layout_to_pb(spec: KVCacheSpec) -> pb.KVCacheLayout:
     return pb.KVCacheLayout(
         model_fingerprint=spec.model_fingerprint,

@@ -50,7 +50,12 @@ class PrefillWorker:
         self.engine = engine or LLMEngine.from_config(cfg.engine)
         transfer_cfg = cfg.transfer
         engine_cfg = cfg.engine
-        transport = get_transport(transfer_cfg.transport, transfer_cfg.timeout_s, engine_cfg.device)
+        transport = get_transport(
+            transfer_cfg.transport,
+            transfer_cfg.timeout_s,
+            engine_cfg.device,
+            transfer_cfg.resolve_secret(),
+        )
         self.sender = KVSender(
             self.engine.cache,
             cfg.name,

@@ -1,8 +1,9 @@
 """The Helm chart (k8s/helm/pdserve), rendered offline with the Helm SDK (helm-python-sdk).
 
 Five profiles: the defaults (CPU, bundled Redis), a GPU profile (2 prefill x 1 GPU, 4 decode
-x 1 GPU, GPU node pools), an external Redis (redis.url + redis.existingSecret), and TLS on
-the router's ports without and with client certificates (tls, mtls). Helm lint
+x 1 GPU, GPU node pools), an external Redis (redis.url + redis.existingSecret, with every
+other secret from an existing Secret too, the KV transfer shared secret among them), and TLS
+on the router's ports without and with client certificates (tls, mtls). Helm lint
 finds no error, the values schema refuses bad values, every core Kubernetes object passes
 kubernetes-validate (the CRDs, RayCluster and ServiceMonitor, are checked structurally here),
 the ConfigMap's config loads with `ServeConfig.load`, and the two shell scripts the chart
@@ -87,6 +88,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         },
         "rayAuth": {"existingSecret": "ray-token"},
         "router": {"apiKey": {"existingSecret": "pdserve-api", "key": "key"}},
+        "kvTransfer": {"sharedSecret": {"existingSecret": "pdserve-kv", "key": "secret"}},
     },
     "tls": {
         "tls": {"enabled": True, "secretName": "pd-tls"},
@@ -172,6 +174,8 @@ def test_lint_reports_no_errors(profile: str) -> None:
         {"replicaCount": 3},  # unknown top-level key
         {"prefill": {"gpus": 1}},  # unknown key in a pool
         {"redis": {"password": "inline"}},  # no inline password key at all
+        {"kvTransfer": {"sharedSecret": {"value": "inline"}}},  # nor an inline KV secret
+        {"kvTransfer": {"sharedSecret": {"existingSecret": "kv", "key": ""}}},
         {"config": {"caches": {}}},  # not a section of the config tree
         {"router": {"grpcPort": 70000}},
         {"router": {"service": {"type": "ExternalName"}}},
@@ -205,6 +209,11 @@ def test_schema_config_sections_are_the_serve_config_tree(chart: Any) -> None:
         ({"config": {"decode": {"resources": {"x": 1}}}}, "config.decode.resources"),
         ({"config": {"router": {"grpc_port": 1}}}, "config.router.grpc_port"),
         ({"config": {"index": {"redis_url": "redis://h"}}}, "config.index.redis_url"),
+        # a secret in the ConfigMap would be readable by anyone who can read ConfigMaps
+        (
+            {"config": {"transfer": {"shared_secret": "0123456789abcdef"}}},
+            "config.transfer.shared_secret",
+        ),
         ({"config": {"model": {"device": "cuda"}}}, "config.model.device"),
         (
             {"redis": {"enabled": False, "url": "redis://:hunter2@redis:6379/0"}},
@@ -547,6 +556,29 @@ def test_ray_token_auth_everywhere(rendered: dict[str, list[dict[str, Any]]], pr
             }
             names.append(c["name"])
     assert sorted(names) == ["ray-head", "ray-worker", "ray-worker", "router"]
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_kv_transfer_secret_reaches_the_worker_pods_only(
+    rendered: dict[str, list[dict[str, Any]]], profile: str
+) -> None:
+    """Set: a secretKeyRef in both pools' workers (they hold the KV channels), not in the
+    head pod (router and Ray head move no KV); unset: no PDSERVE_KV_SECRET anywhere."""
+    docs = rendered[profile]
+    rc = one(docs, "RayCluster")
+    for c in rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"]:
+        assert "PDSERVE_KV_SECRET" not in env_of(c)
+    for role, group in groups(docs).items():
+        env = env_of(containers(group["template"])["ray-worker"])
+        if profile == "external-redis":
+            assert env["PDSERVE_KV_SECRET"] == {
+                "name": "PDSERVE_KV_SECRET",
+                "valueFrom": {"secretKeyRef": {"name": "pdserve-kv", "key": "secret"}},
+            }, role
+        else:
+            assert "PDSERVE_KV_SECRET" not in env, role
+    config_yaml = one(docs, "ConfigMap", f"{FULLNAME}-config")["data"]["config.yaml"]
+    assert "shared_secret" not in config_yaml
 
 
 @pytest.mark.parametrize("profile", list(PROFILES))

@@ -7,6 +7,7 @@ geometry and page patterns shared by both are in tests/kv_procs.py.
 
 from __future__ import annotations
 
+import datetime
 import filecmp
 import functools
 import os
@@ -28,13 +29,17 @@ import kv_procs
 from engine.block_manager import BlockManager
 from engine.engine import LLMEngine
 from engine.kv_cache import PagedKVCache
+from kv_transfer import auth
+from kv_transfer.config import TransferConfig
 from kv_transfer.receiver import KVReceiver, ReservationState
 from kv_transfer.sender import KVSender, SenderLeases
-from kv_transfer.transports.base import get_transport
-from kv_transfer.transports.grpc_stream import consume_stream, frame_chunks
+from kv_transfer.transports.base import Endpoint, get_transport
+from kv_transfer.transports.grpc_stream import GrpcEndpoint, consume_stream, frame_chunks
+from kv_transfer.transports.torch_dist import TorchDistEndpoint
 from kv_transfer.wire import (
     TransferError,
     TransferRejected,
+    TransferUnauthenticated,
     block_runs,
     frame_regions,
     layout_to_pb,
@@ -670,6 +675,171 @@ def test_broken_streams_fail_cleanly(mutation: tuple[Any, ...]) -> None:
     else:  # unless the stream broke before naming it: then nothing of it landed either
         assert res.state is ReservationState.RESERVED and not res.received and not changed
         rx.blocks.check_integrity()
+
+
+# ---- the shared secret: channels that cannot prove it land nothing -----------------------
+SECRET = "test-kv-secret-0123456789abcdef"
+WRONG_SECRET = "another-secret-0123456789abcdef"
+AUTH_TIMEOUT_S = 5.0
+AUTH_TRANSPORTS = ("torch_dist", "grpc", "local")
+
+
+def _num_refused(endpoint: Endpoint) -> int | None:
+    """The endpoint's count of refused channels, where the transport keeps one."""
+    if isinstance(endpoint, TorchDistEndpoint):
+        return endpoint.refused_pairs
+    if isinstance(endpoint, GrpcEndpoint):
+        return endpoint.servicer.num_refused
+    return None
+
+
+def _sender(
+    transport: str, name: str, secret: str | None, timeout_s: float = AUTH_TIMEOUT_S
+) -> KVSender:
+    return KVSender(src_cache(), name, get_transport(transport, timeout_s, secret=secret))
+
+
+@pytest.mark.parametrize("transport", AUTH_TRANSPORTS)
+def test_only_senders_with_the_shared_secret_land_frames(
+    transport: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No secret, then a wrong one: refused with TransferUnauthenticated before any byte
+    lands, the reservation untouched; then a sender with the secret, on the same receiver and
+    the same ticket, lands every page bit for bit."""
+    rx = Rx()
+    tr = get_transport(transport, AUTH_TIMEOUT_S, secret=SECRET)
+    endpoint = tr.listen(rx.receiver)
+    rx.receiver.address = endpoint.address
+    ticket = rx.receiver.reserve("r", 16 * 3 + 5)
+    dst = list(ticket.dst_block_ids)
+    src_ids = kv_procs.spread_ids(len(dst))
+    before = rx.snapshot()
+    free_before = rx.blocks.num_free_blocks
+    senders = []
+    try:
+        for i, secret in enumerate((None, WRONG_SECRET)):
+            senders.append(intruder := _sender(transport, f"intruder-{i}", secret))
+            with pytest.raises(TransferUnauthenticated, match="authentication failed"):
+                intruder.send(ticket, src_ids)
+            assert rx.changed_blocks(before) == set()
+            res = rx.receiver.get(ticket.transfer_id)
+            assert res is not None and res.state is ReservationState.RESERVED
+            assert not res.received and res.bytes_received == 0
+            assert rx.blocks.num_free_blocks == free_before
+            rx.blocks.check_integrity()
+        assert _num_refused(endpoint) in (2, None)
+        senders.append(sender := _sender(transport, "p", SECRET))
+        ack = sender.send(ticket, src_ids)
+        assert ack.status == pb.TRANSFER_STATUS_COMPLETE
+        assert kv_procs.same_bytes(rx.cache.data[:, :, dst], expected_pages("float32", src_ids))
+        assert rx.changed_blocks(before) <= set(dst)
+        rx.blocks.free(rx.receiver.take(ticket.transfer_id).request_id)
+        rx.assert_released()
+        assert SECRET not in caplog.text and WRONG_SECRET not in caplog.text
+    finally:
+        for s in senders:
+            s.close()
+        endpoint.close()
+
+
+@pytest.mark.parametrize("transport", AUTH_TRANSPORTS)
+def test_a_sender_with_the_secret_refuses_an_open_receiver(transport: str) -> None:
+    """Misconfiguration fails loudly: the receiver must prove the secret back. (The open
+    torch_dist receiver then waits `timeout_s` for a group the sender never joins.)"""
+    rx = Rx()
+    endpoint = get_transport(transport, 1.0).listen(rx.receiver)
+    rx.receiver.address = endpoint.address
+    sender = _sender(transport, "p", SECRET, 1.0)
+    try:
+        ticket = rx.receiver.reserve("r", 16 * 2)
+        with pytest.raises(TransferUnauthenticated, match=r"failed authentication|secret"):
+            sender.send(ticket, kv_procs.spread_ids(len(ticket.dst_block_ids)))
+        rx.receiver.fail(ticket.transfer_id, "test over")
+        rx.assert_released()
+    finally:
+        sender.close()
+        endpoint.close()
+
+
+def test_torch_dist_refuses_records_forged_into_its_store() -> None:
+    """The TCPStore is plaintext: a record written there by anyone but the pair's sender
+    fails its seal, and the pair is dropped before the frame could land."""
+    import torch.distributed as dist
+
+    rx = Rx()
+    endpoint = get_transport("torch_dist", AUTH_TIMEOUT_S, secret=SECRET).listen(rx.receiver)
+    assert isinstance(endpoint, TorchDistEndpoint)
+    rx.receiver.address = endpoint.address
+    victim = _sender("torch_dist", "p0", SECRET)
+    sender = _sender("torch_dist", "p1", SECRET)
+    try:
+        ticket = rx.receiver.reserve("r", 16 * 2)
+        src_ids = kv_procs.spread_ids(len(ticket.dst_block_ids))
+        victim.channel(endpoint.address)  # pair 0, authenticated, no frame sent yet
+        before = rx.snapshot()
+        host, port = endpoint.address.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=5))
+        h, _ = frame(src_cache(), ticket, src_ids, 0)
+        store.set("ctl/0/frame/0", bytes(auth.TAG_BYTES) + h.SerializeToString())
+        deadline = time.monotonic() + AUTH_TIMEOUT_S
+        while endpoint.broken_pairs == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert endpoint.broken_pairs == 1
+        assert rx.changed_blocks(before) == set()
+        res = rx.receiver.get(ticket.transfer_id)
+        assert res is not None and res.state is ReservationState.RESERVED
+        assert sender.send(ticket, src_ids).status == pb.TRANSFER_STATUS_COMPLETE
+        rx.blocks.free(rx.receiver.take(ticket.transfer_id).request_id)
+        rx.assert_released()
+    finally:
+        victim.close()
+        sender.close()
+        endpoint.close()
+
+
+def test_grpc_stream_carries_only_its_authenticated_transfer() -> None:
+    rx = Rx()
+    ticket, _, chunks = _stream(rx)
+    other = rx.receiver.reserve("r2", 16)
+    before = rx.snapshot()
+    ack = consume_stream(rx.receiver, iter(chunks), other.transfer_id)
+    assert ack.status == pb.TRANSFER_STATUS_REJECTED and "authenticated for" in ack.error
+    assert rx.changed_blocks(before) == set()
+    res = rx.receiver.get(ticket.transfer_id)
+    assert res is not None and res.state is ReservationState.RESERVED and not res.received
+
+
+@FUZZ
+@given(
+    body=st.binary(max_size=64),
+    flips=st.lists(st.tuples(st.integers(0, 200), st.integers(1, 255)), min_size=1, max_size=4),
+)
+def test_tampered_or_forged_records_never_open(body: bytes, flips: list[tuple[int, int]]) -> None:
+    seal = auth.RecordSeal(auth.mac(SECRET, "records"))
+    record = seal.seal("ctl/0/frame/3", body)
+    assert seal.open("ctl/0/frame/3", record) == body
+    assert seal.open("ctl/0/frame/4", record) is None  # bound to where it is stored
+    assert auth.RecordSeal(auth.mac(WRONG_SECRET, "records")).open("ctl/0/frame/3", record) is None
+    buf = bytearray(record)
+    for pos, x in flips:
+        buf[pos % len(buf)] ^= x
+    assert seal.open("ctl/0/frame/3", bytes(buf)) is None or bytes(buf) == record
+    assert seal.open("ctl/0/frame/3", bytes(auth.TAG_BYTES) + body) is None
+
+
+def test_shared_secret_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    assert TransferConfig().resolve_secret() is None
+    cfg = TransferConfig(shared_secret=SECRET)
+    assert cfg.resolve_secret() == SECRET and SECRET not in repr(cfg)
+    monkeypatch.setenv(auth.SECRET_ENV, WRONG_SECRET)
+    assert cfg.resolve_secret() == SECRET  # the config's own wins
+    assert TransferConfig().resolve_secret() == WRONG_SECRET
+    monkeypatch.setenv(auth.SECRET_ENV, "")  # set but empty must not mean "no auth"
+    with pytest.raises(ValueError, match="at least"):
+        TransferConfig().resolve_secret()
+    with pytest.raises(ValueError, match="at least"):
+        TransferConfig(shared_secret="short")
 
 
 # ---- packaging ---------------------------------------------------------------------------------

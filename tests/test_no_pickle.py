@@ -1,8 +1,9 @@
 """No pickle on any wire pdserve owns: KV frames and the public APIs are protobuf/JSON.
 
 Ray's own actor calls pickle inside the cluster (its business); this scans the code that
-builds or parses what crosses *our* wires, so a `pickle.loads` (vLLM CVE-2025-47277's class
-of bug) cannot creep into a transport or the router.
+builds or parses what crosses *our* wires (KV transfer, the protos, the router's gRPC/HTTP
+APIs, the prefill and decode workers that feed the transports, and `pdserve`: client, CLI,
+checkpoint loading), so a `pickle.loads` (vLLM CVE-2025-47277's class of bug) cannot creep in.
 """
 
 from __future__ import annotations
@@ -13,7 +14,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-WIRE_PACKAGES = ("kv_transfer", "router", "protos", "engine")
+WIRE_PACKAGES = (
+    "kv_transfer",
+    "router",
+    "protos",
+    "engine",
+    "prefill_workers",
+    "decode_workers",
+    "pdserve",
+)
+MUST_SCAN = (
+    "kv_transfer/transports/torch_dist.py",
+    "kv_transfer/transports/grpc_stream.py",
+    "kv_transfer/auth.py",
+    "router/http.py",
+    "prefill_workers/worker.py",
+    "decode_workers/worker.py",
+)
 FORBIDDEN = re.compile(
     r"\b(import\s+(c?pickle|dill|cloudpickle|marshal|shelve)|from\s+(c?pickle|dill|cloudpickle)"
     r"\s+import|pickle\.|torch\.(load|save)\(|numpy\.load\(|np\.load\(|allow_pickle)"
@@ -23,6 +40,8 @@ FORBIDDEN = re.compile(
 def wire_sources() -> list[Path]:
     files = [p for pkg in WIRE_PACKAGES for p in (ROOT / pkg).rglob("*.py")]
     assert len(files) > 20, "the scan must see the wire code"
+    missed = [m for m in MUST_SCAN if ROOT / m not in files]
+    assert not missed, f"the scan misses {missed}"
     return files
 
 

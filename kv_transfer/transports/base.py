@@ -54,9 +54,14 @@ class Endpoint(ABC):
 class Transport(ABC):
     name: ClassVar[str]
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu") -> None:
+    def __init__(
+        self, timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu", secret: str | None = None
+    ) -> None:
         self.timeout_s = timeout_s
         self.device = torch.device(device)  # where the caches live: picks NCCL vs gloo
+        # The cluster's shared secret (kv_transfer/auth.py): an endpoint with one refuses
+        # channels that cannot prove it; a channel with one talks only to endpoints that can.
+        self.secret = secret
 
     @abstractmethod
     def listen(self, receiver: KVReceiver, host: str = "127.0.0.1") -> Endpoint: ...
@@ -80,10 +85,10 @@ def register(cls: type[Transport]) -> type[Transport]:
 
 
 def get_transport(
-    name: str, timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu"
+    name: str, timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu", secret: str | None = None
 ) -> Transport:
     """Instantiate a transport by name."""
     if name not in _MODULES:
         raise ValueError(f"transport {name!r}: choose from {sorted(_MODULES)}")
     importlib.import_module(_MODULES[name])
-    return TRANSPORTS[name](timeout_s=timeout_s, device=device)
+    return TRANSPORTS[name](timeout_s=timeout_s, device=device, secret=secret)

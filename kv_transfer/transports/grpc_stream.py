@@ -5,10 +5,16 @@ same headers as every transport; each header is followed by its payload in data 
 most 1 MiB. The receiver writes chunks straight into the validated destination pages as they
 arrive; a stream that ends mid-frame, overflows a frame, or breaks off fails the transfer and
 releases its blocks.
+
+With a shared secret (kv_transfer/auth.py) the call's metadata carries the transfer id, the
+sender's id and an HMAC over both; the servicer checks it before reading a single chunk
+(UNAUTHENTICATED otherwise) and then accepts frames of that transfer only. It answers with
+its own proof in the trailing metadata, which a sender holding the secret requires.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import warnings
@@ -19,9 +25,10 @@ import grpc
 import numpy as np
 import torch
 
+from kv_transfer import auth
 from kv_transfer.receiver import KVReceiver, Reservation, ack_of
 from kv_transfer.transports.base import Endpoint, SendChannel, Transport, register
-from kv_transfer.wire import TransferError, TransferRejected, as_bytes
+from kv_transfer.wire import TransferError, TransferRejected, TransferUnauthenticated, as_bytes
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -32,6 +39,12 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 _SKIP_LIMIT_BYTES = 1 << 32
+# Call metadata keys (lowercase, as gRPC requires).
+MD_TRANSFER = "pdserve-kv-transfer-id"
+MD_SENDER = "pdserve-kv-sender"
+MD_PROOF = "pdserve-kv-proof"
+
+log = logging.getLogger(__name__)
 
 
 class _FrameWriter:
@@ -77,17 +90,20 @@ class _FrameWriter:
         return self.remaining == 0
 
 
-def consume_stream(receiver: KVReceiver, chunks: Iterator[pb.KVChunk]) -> pb.TransferAck:
+def consume_stream(
+    receiver: KVReceiver, chunks: Iterator[pb.KVChunk], only_transfer_id: str | None = None
+) -> pb.TransferAck:
     """Land every frame of one Push stream; the servicer's whole job, testable without gRPC.
 
     One stream carries one transfer, so a stream that breaks off, ends before every layer
     landed, or violates the framing anywhere (even after the last frame) fails its transfer:
     the blocks are released rather than left to the lease. The first rejection's reason is
-    the one reported.
+    the one reported. `only_transfer_id`: the transfer the call authenticated for; a header
+    naming any other is a framing violation.
     """
     writer: _FrameWriter | None = None
     skip = 0
-    transfer_id = ""
+    transfer_id = only_transfer_id or ""
     ack: pb.TransferAck | None = None
 
     def rejected(error: str) -> pb.TransferAck:
@@ -109,6 +125,11 @@ def consume_stream(receiver: KVReceiver, chunks: Iterator[pb.KVChunk]) -> pb.Tra
                 if writer is not None or skip:
                     raise TransferRejected(
                         "a header arrived before the previous frame's payload was complete"
+                    )
+                if only_transfer_id is not None and h.transfer_id != only_transfer_id:
+                    raise TransferRejected(
+                        f"frame of transfer {h.transfer_id!r} on a stream authenticated "
+                        f"for {only_transfer_id!r}"
                     )
                 transfer_id = h.transfer_id
                 if h.abort:
@@ -177,22 +198,41 @@ def consume_stream(receiver: KVReceiver, chunks: Iterator[pb.KVChunk]) -> pb.Tra
 
 
 class _Servicer(pb_grpc.KVTransferServicer):
-    def __init__(self, receiver: KVReceiver) -> None:
+    def __init__(self, receiver: KVReceiver, secret: str | None) -> None:
         self.receiver = receiver
+        self.secret = secret
+        self.num_refused = 0  # calls refused for failing authentication
 
     def Push(
         self, request_iterator: Iterator[pb.KVChunk], context: grpc.ServicerContext
     ) -> pb.TransferAck:
-        return consume_stream(self.receiver, request_iterator)
+        if self.secret is None:
+            return consume_stream(self.receiver, request_iterator)
+        md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        transfer_id, sender = md.get(MD_TRANSFER, ""), md.get(MD_SENDER, "")
+        if not auth.verify(self.secret, md.get(MD_PROOF, ""), "grpc/sender", transfer_id, sender):
+            self.num_refused += 1
+            log.warning(
+                "kv push from %r (%s) refused: authentication failed", sender, context.peer()
+            )
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "kv transfer authentication failed (no or wrong shared secret)",
+            )
+        context.set_trailing_metadata(
+            ((MD_PROOF, auth.proof(self.secret, "grpc/receiver", transfer_id, sender)),)
+        )
+        return consume_stream(self.receiver, request_iterator, transfer_id)
 
 
 class GrpcEndpoint(Endpoint):
-    def __init__(self, receiver: KVReceiver, host: str) -> None:
+    def __init__(self, receiver: KVReceiver, host: str, secret: str | None = None) -> None:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kv-grpc"),
             options=GRPC_OPTIONS,
         )
-        pb_grpc.add_KVTransferServicer_to_server(_Servicer(receiver), self.server)
+        self.servicer = _Servicer(receiver, secret)
+        pb_grpc.add_KVTransferServicer_to_server(self.servicer, self.server)
         port = self.server.add_insecure_port(f"{host}:0")
         self.server.start()
         self.address = f"{host}:{port}"
@@ -213,11 +253,13 @@ def frame_chunks(header: pb.KVFrameHeader, regions: Sequence[torch.Tensor]) -> I
 class _Call:
     """One in-flight Push: frames are queued as layers finish and streamed by gRPC's thread."""
 
-    def __init__(self, stub: pb_grpc.KVTransferStub, timeout_s: float) -> None:
+    def __init__(
+        self, stub: pb_grpc.KVTransferStub, timeout_s: float, metadata: tuple[tuple[str, str], ...]
+    ) -> None:
         self.frames: queue.Queue[tuple[pb.KVFrameHeader, Sequence[torch.Tensor]] | None] = (
             queue.Queue()
         )
-        self.future = stub.Push.future(self._chunks(), timeout=timeout_s)
+        self.future = stub.Push.future(self._chunks(), timeout=timeout_s, metadata=metadata)
 
     def _chunks(self) -> Iterator[pb.KVChunk]:
         while (item := self.frames.get()) is not None:
@@ -225,9 +267,13 @@ class _Call:
 
 
 class GrpcChannel(SendChannel):
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(
+        self, address: str, timeout_s: float, sender_id: str = "", secret: str | None = None
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.sender_id = sender_id
+        self._secret = secret
         self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self.stub = pb_grpc.KVTransferStub(self.channel)
         self._calls: dict[str, _Call] = {}
@@ -236,8 +282,28 @@ class GrpcChannel(SendChannel):
     def _call(self, transfer_id: str) -> _Call:
         with self._lock:
             if transfer_id not in self._calls:
-                self._calls[transfer_id] = _Call(self.stub, self.timeout_s)
+                self._calls[transfer_id] = _Call(
+                    self.stub, self.timeout_s, self._metadata(transfer_id)
+                )
             return self._calls[transfer_id]
+
+    def _metadata(self, transfer_id: str) -> tuple[tuple[str, str], ...]:
+        if self._secret is None:
+            return ()
+        answer = auth.proof(self._secret, "grpc/sender", transfer_id, self.sender_id)
+        return ((MD_TRANSFER, transfer_id), (MD_SENDER, self.sender_id), (MD_PROOF, answer))
+
+    def _check_receiver(self, transfer_id: str, call: _Call) -> None:
+        """With a secret, the acknowledgement must come from a receiver that holds it too."""
+        if self._secret is None:
+            return
+        trailing = {k: v for k, v in call.future.trailing_metadata() or () if isinstance(v, str)}
+        presented = trailing.get(MD_PROOF, "")
+        if not auth.verify(self._secret, presented, "grpc/receiver", transfer_id, self.sender_id):
+            raise TransferUnauthenticated(
+                f"transfer {transfer_id}: {self.address} failed authentication "
+                "(it has no or a different shared secret)"
+            )
 
     def send_frame(self, header: pb.KVFrameHeader, regions: Sequence[torch.Tensor]) -> None:
         self._call(header.transfer_id).frames.put((header, regions))
@@ -255,9 +321,15 @@ class GrpcChannel(SendChannel):
             # One call failing is one transfer failing; an unreachable server is the channel.
             code = e.code() if isinstance(e, grpc.RpcError) else None
             self.broken = code == grpc.StatusCode.UNAVAILABLE
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                raise TransferUnauthenticated(
+                    f"transfer {transfer_id}: {self.address} refused the push: "
+                    f"authentication failed (no or wrong shared secret)"
+                ) from e
             raise TransferError(
                 f"transfer {transfer_id}: push to {self.address} failed: {e}"
             ) from e
+        self._check_receiver(transfer_id, call)
         if ack.status == pb.TRANSFER_STATUS_REJECTED:
             raise TransferRejected(f"transfer {transfer_id}: {ack.error}")
         if ack.status != pb.TRANSFER_STATUS_COMPLETE:
@@ -280,7 +352,7 @@ class GrpcTransport(Transport):
     name = "grpc"
 
     def listen(self, receiver: KVReceiver, host: str = "127.0.0.1") -> Endpoint:
-        return GrpcEndpoint(receiver, host)
+        return GrpcEndpoint(receiver, host, self.secret)
 
     def connect(self, address: str, sender_id: str) -> SendChannel:
-        return GrpcChannel(address, self.timeout_s)
+        return GrpcChannel(address, self.timeout_s, sender_id, self.secret)

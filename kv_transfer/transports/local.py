@@ -1,5 +1,6 @@
 """In-process transport: copies pages between two caches in one process (colocated mode,
-unit tests). It still goes through `KVReceiver.begin_frame`, so the same checks apply."""
+unit tests). It still goes through `KVReceiver.begin_frame`, so the same checks apply, and
+connecting compares the two sides' shared secrets as the other transports' handshakes do."""
 
 from __future__ import annotations
 
@@ -9,20 +10,23 @@ from collections.abc import Sequence
 
 import torch
 
+from kv_transfer.auth import same_secret
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.transports.base import Endpoint, SendChannel, Transport, register
-from kv_transfer.wire import TransferError, TransferRejected
+from kv_transfer.wire import TransferError, TransferRejected, TransferUnauthenticated
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 
-_ENDPOINTS: dict[str, KVReceiver] = {}
+_ENDPOINTS: dict[str, LocalEndpoint] = {}
 _LOCK = threading.Lock()
 
 
 class LocalEndpoint(Endpoint):
-    def __init__(self, receiver: KVReceiver) -> None:
+    def __init__(self, receiver: KVReceiver, secret: str | None = None) -> None:
         self.address = f"local/{uuid.uuid4().hex[:12]}"
+        self.receiver = receiver
+        self.secret = secret
         with _LOCK:
-            _ENDPOINTS[self.address] = receiver
+            _ENDPOINTS[self.address] = self
 
     def close(self) -> None:
         with _LOCK:
@@ -36,10 +40,10 @@ class LocalChannel(SendChannel):
 
     def _receiver(self) -> KVReceiver:
         with _LOCK:
-            receiver = _ENDPOINTS.get(self.address)
-        if receiver is None:
+            endpoint = _ENDPOINTS.get(self.address)
+        if endpoint is None:
             raise TransferError(f"local endpoint {self.address} is closed")
-        return receiver
+        return endpoint.receiver
 
     def send_frame(self, header: pb.KVFrameHeader, regions: Sequence[torch.Tensor]) -> None:
         receiver = self._receiver()
@@ -73,7 +77,14 @@ class LocalTransport(Transport):
     name = "local"
 
     def listen(self, receiver: KVReceiver, host: str = "127.0.0.1") -> Endpoint:
-        return LocalEndpoint(receiver)
+        return LocalEndpoint(receiver, self.secret)
 
     def connect(self, address: str, sender_id: str) -> SendChannel:
+        with _LOCK:
+            endpoint = _ENDPOINTS.get(address)
+        if endpoint is not None and not same_secret(endpoint.secret, self.secret):
+            raise TransferUnauthenticated(
+                f"local endpoint {address} refused {sender_id!r}: "
+                "authentication failed (the shared secrets differ)"
+            )
         return LocalChannel(address)

@@ -10,6 +10,15 @@ sender registers pair number ``i`` under ``pair/<i>`` and both sides build a gro
 * payload regions go over the group as raw uint8 sends, straight from the sender's pages
   into the receiver's reserved pages, after the receiver validated the header.
 
+Before either side builds the group, the pair authenticates under ``auth/<i>/...``
+(kv_transfer/auth.py): the receiver writes a fresh ``nonce``, the sender answers with a
+``proof`` (an HMAC under the shared secret, or empty without one), and the receiver writes a
+``verdict``: its own proof, ``open`` (it has no secret) or ``refused: ...``. A refused pair
+never gets a group. Every ``ctl`` record is sealed with a per-pair key derived from the
+nonce, so records written into the store by anyone else are refused. The store itself is
+plaintext and unauthenticated: the secret gates pairing and control records, not the gloo or
+NCCL payload connections (docs/lifecycle.md, "Channel authentication").
+
 A pair that breaks (peer died, stalled past the timeout, undecodable frame) fails the
 transfers it carried and is dropped; other pairs are separate groups and carry on.
 """
@@ -27,11 +36,14 @@ from typing import Protocol, cast
 import torch
 import torch.distributed as dist
 
+from kv_transfer import auth
+from kv_transfer.auth import RecordSeal
 from kv_transfer.receiver import KVReceiver, ack_of
 from kv_transfer.transports.base import Endpoint, SendChannel, Transport, register
 from kv_transfer.wire import (
     TransferError,
     TransferRejected,
+    TransferUnauthenticated,
     as_bytes,
     block_runs,
 )
@@ -40,6 +52,8 @@ from protos.pdserve.v1 import kv_transfer_pb2 as pb
 log = logging.getLogger(__name__)
 
 CLOSE_REASON = "pair closed"
+VERDICT_OPEN = "open"  # the receiver has no secret: the pair is not authenticated
+VERDICT_REFUSED = "refused: "
 _ELEM_BYTES = {pb.KV_DTYPE_FLOAT32: 4, pb.KV_DTYPE_BFLOAT16: 2, pb.KV_DTYPE_FLOAT16: 2}
 _MAX_DRAIN_BYTES = 1 << 30
 _POLL_ACTIVE_S = 0.0005
@@ -73,10 +87,29 @@ def _ctl(pair: int, what: str) -> str:
     return f"ctl/{pair}/{what}"
 
 
+def _auth(pair: int, what: str) -> str:
+    return f"auth/{pair}/{what}"
+
+
+def _put(store: dist.Store, key: str, record: bytes) -> None:
+    """Store raw bytes (c10d takes them; its type stub says str)."""
+    store.set(key, cast(str, record))
+
+
+def _pair_seal(secret: str | None, nonce: str, pair: int, sender: str) -> RecordSeal:
+    """The key both sides derive for the pair's control records (None without a secret)."""
+    if secret is None:
+        return RecordSeal(None)
+    return RecordSeal(auth.mac(secret, "torch_dist/records", nonce, str(pair), sender))
+
+
 class TorchDistEndpoint(Endpoint):
-    def __init__(self, receiver: KVReceiver, host: str, timeout_s: float) -> None:
+    def __init__(
+        self, receiver: KVReceiver, host: str, timeout_s: float, secret: str | None = None
+    ) -> None:
         self.receiver = receiver
         self.timeout_s = timeout_s
+        self._secret = secret
         self.store = dist.TCPStore(
             host, 0, None, True, timeout=_td(max(timeout_s, 30.0)), wait_for_workers=False
         )
@@ -84,6 +117,8 @@ class TorchDistEndpoint(Endpoint):
         self._closed = threading.Event()
         self.num_pairs = 0
         self.broken_pairs = 0
+        self.refused_pairs = 0  # failed authentication: never given a group
+        self._seals: dict[int, RecordSeal] = {}  # pair -> its control records' seal
         self._threads = [threading.Thread(target=self._accept, name="kv-accept", daemon=True)]
         self._threads[0].start()
 
@@ -102,7 +137,39 @@ class TorchDistEndpoint(Endpoint):
             i += 1
             self.num_pairs = i
 
+    def _challenge(self, pair: int, sender: str) -> RecordSeal | None:
+        """Authenticate the pair's sender; its records' seal, or None when refused."""
+        nonce = auth.new_nonce()
+        self.store.set(_auth(pair, "nonce"), nonce)
+        try:
+            self.store.wait([_auth(pair, "proof")], _td(self.timeout_s))
+            presented = self.store.get(_auth(pair, "proof"))
+            self.store.delete_key(_auth(pair, "proof"))
+        except Exception:
+            self._refuse(pair, sender, f"no answer to the challenge within {self.timeout_s} s")
+            return None
+        self.store.delete_key(_auth(pair, "nonce"))
+        secret = self._secret
+        if secret is None:
+            self.store.set(_auth(pair, "verdict"), VERDICT_OPEN)
+            return RecordSeal(None)
+        if not auth.verify(secret, presented, "torch_dist/sender", nonce, str(pair), sender):
+            self._refuse(pair, sender, "authentication failed (no or wrong shared secret)")
+            return None
+        accept = auth.proof(secret, "torch_dist/receiver", nonce, str(pair), sender)
+        self.store.set(_auth(pair, "verdict"), accept)
+        return _pair_seal(secret, nonce, pair, sender)
+
+    def _refuse(self, pair: int, sender: str, why: str) -> None:
+        self.refused_pairs += 1
+        self.store.set(_auth(pair, "verdict"), VERDICT_REFUSED + why)
+        log.warning("kv pair %d from %r refused: %s", pair, sender, why)
+
     def _serve_pair(self, pair: int, sender: str) -> None:
+        seal = self._challenge(pair, sender)
+        if seal is None:
+            return
+        self._seals[pair] = seal
         try:
             group = make_pair_group(
                 dist.PrefixStore(f"pg/{pair}", self.store),
@@ -121,9 +188,12 @@ class TorchDistEndpoint(Endpoint):
                 self._expire_stalled(active, sender)
                 time.sleep(_POLL_ACTIVE_S if active else _POLL_IDLE_S)
                 continue
-            raw = self.store.get(key)
+            raw = seal.open(key, self.store.get(key))
             self.store.delete_key(key)
             seq += 1
+            if raw is None:
+                self._break(pair, active, f"frame record {seq - 1} failed authentication")
+                return
             try:
                 header = pb.KVFrameHeader.FromString(raw)
             except Exception:
@@ -211,7 +281,7 @@ class TorchDistEndpoint(Endpoint):
         key = _ctl(pair, f"ack/{ack.transfer_id}")
         if ack.status == pb.TRANSFER_STATUS_REJECTED and self.store.check([key]):
             return  # the transfer's first answer stands (later frames are rejected as unknown)
-        self.store.set(key, ack.SerializeToString())
+        _put(self.store, key, self._seals[pair].seal(key, ack.SerializeToString()))
 
     def close(self) -> None:
         """Stop accepting and serving; waits for the pair threads, so every pair's group is
@@ -237,7 +307,12 @@ def _region_sizes(h: pb.KVFrameHeader) -> list[int] | None:
 
 class TorchDistChannel(SendChannel):
     def __init__(
-        self, address: str, sender_id: str, device: torch.device, timeout_s: float
+        self,
+        address: str,
+        sender_id: str,
+        device: torch.device,
+        timeout_s: float,
+        secret: str | None = None,
     ) -> None:
         host, port = address.rsplit(":", 1)
         self.address = address
@@ -249,6 +324,7 @@ class TorchDistChannel(SendChannel):
         self.store = dist.TCPStore(host, int(port), None, False, timeout=_td(timeout_s))
         self.pair = int(self.store.add("next_pair", 1)) - 1
         self.store.set(f"pair/{self.pair}", sender_id)
+        self.seal = self._answer(sender_id, secret)
         self.group = make_pair_group(
             dist.PrefixStore(f"pg/{self.pair}", self.store), 0, device, timeout_s
         )
@@ -257,8 +333,34 @@ class TorchDistChannel(SendChannel):
         self._works: dict[str, list[dist.Work]] = {}
         self.broken = False
 
+    def _answer(self, sender_id: str, secret: str | None) -> RecordSeal:
+        """Answer the receiver's challenge and check its verdict (before any group exists)."""
+        pair = self.pair
+        nonce = self.store.get(_auth(pair, "nonce")).decode()  # blocks until it is written
+        parts = (nonce, str(pair), sender_id)
+        answer = "" if secret is None else auth.proof(secret, "torch_dist/sender", *parts)
+        self.store.set(_auth(pair, "proof"), answer)
+        verdict = self.store.get(_auth(pair, "verdict")).decode(errors="replace")
+        self.store.delete_key(_auth(pair, "verdict"))
+        if verdict.startswith(VERDICT_REFUSED):
+            raise TransferUnauthenticated(
+                f"{self.address} refused the pair: {verdict[len(VERDICT_REFUSED) :]}"
+            )
+        if secret is None:
+            if verdict != VERDICT_OPEN:
+                raise TransferUnauthenticated(
+                    f"{self.address} requires authentication; this sender has no shared secret"
+                )
+            return RecordSeal(None)
+        if not auth.verify(secret, verdict, "torch_dist/receiver", *parts):
+            raise TransferUnauthenticated(
+                f"{self.address} failed authentication (it has no or a different shared secret)"
+            )
+        return _pair_seal(secret, nonce, pair, sender_id)
+
     def _put_header(self, header: pb.KVFrameHeader) -> None:
-        self.store.set(_ctl(self.pair, f"frame/{self._seq}"), header.SerializeToString())
+        key = _ctl(self.pair, f"frame/{self._seq}")
+        _put(self.store, key, self.seal.seal(key, header.SerializeToString()))
         self._seq += 1
 
     def send_frame(self, header: pb.KVFrameHeader, regions: Sequence[torch.Tensor]) -> None:
@@ -279,9 +381,12 @@ class TorchDistChannel(SendChannel):
         key = _ctl(self.pair, f"ack/{transfer_id}")
         if not self.store.check([key]):
             return None
-        ack = pb.TransferAck.FromString(self.store.get(key))
+        body = self.seal.open(key, self.store.get(key))
         self.store.delete_key(key)
-        return ack
+        if body is None:  # not the receiver's: wait for the real one
+            log.warning("kv pair %d: dropped an ack record that failed authentication", self.pair)
+            return None
+        return pb.TransferAck.FromString(body)
 
     def finish(self, transfer_id: str, timeout_s: float) -> pb.TransferAck:
         try:
@@ -341,10 +446,12 @@ class TorchDistTransport(Transport):
     name = "torch_dist"
 
     def listen(self, receiver: KVReceiver, host: str = "127.0.0.1") -> Endpoint:
-        return TorchDistEndpoint(receiver, host, self.timeout_s)
+        return TorchDistEndpoint(receiver, host, self.timeout_s, self.secret)
 
     def connect(self, address: str, sender_id: str) -> SendChannel:
         try:
-            return TorchDistChannel(address, sender_id, self.device, self.timeout_s)
+            return TorchDistChannel(address, sender_id, self.device, self.timeout_s, self.secret)
+        except TransferUnauthenticated:
+            raise
         except Exception as e:  # unreachable store, failed rendezvous
             raise TransferError(f"cannot open a pair with {address}: {e}") from e

@@ -73,6 +73,19 @@ pdserve.io/ray-cluster: {{ include "pdserve.fullname" . }}
 {{- end }}
 {{- end }}
 
+{{/* The KV transfer shared secret for a worker container, or nothing when none is set. */}}
+{{- define "pdserve.kvSecretEnv" -}}
+{{- with .Values.kvTransfer.sharedSecret }}
+{{- if .existingSecret }}
+- name: PDSERVE_KV_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ .existingSecret }}
+      key: {{ .key }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* Ray token auth for a container: mode and token from the Secret. */}}
 {{- define "pdserve.rayAuthEnv" -}}
 - name: RAY_AUTH_MODE
@@ -135,6 +148,7 @@ group offers exactly one, so every pod runs one actor.
   "decode" (list "num_workers" "num_gpus" "resources")
   "router" (list "host" "grpc_port" "http_port" "tls_cert" "tls_key" "tls_client_ca")
   "ray" (list "address")
+  "transfer" (list "shared_secret")
   "index" (list "redis_url")
   "model" (list "device") }}
 {{- range $section, $keys := $owned }}
