@@ -15,6 +15,7 @@ the product ride in their epilogues). HF tensor names live only in the loader.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import sys
 from collections.abc import Callable
@@ -429,7 +430,7 @@ class LlamaModel:
             if seg.prefix_slots is not None:
                 pk, pv = cache.gather(layer, seg.prefix_slots)  # [prefix_len, Hkv, D]
                 ks, vs = torch.cat((pk, ks)), torch.cat((pv, vs))  # [ctx_len, Hkv, D]
-            mask = _prefill_mask(seg, window, q.device)
+            mask = _prefill_mask(seg, window, q.device, q.dtype)
             o = F.scaled_dot_product_attention(
                 qs.transpose(0, 1).unsqueeze(0),  # [1, H, q_len, D]
                 ks.transpose(0, 1).unsqueeze(0),  # [1, Hkv, ctx_len, D]
@@ -470,14 +471,25 @@ class LlamaModel:
 
 
 def _prefill_mask(
-    seg: PrefillSegment, window: int | None, device: torch.device
+    seg: PrefillSegment, window: int | None, device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor | None:
-    """[q_len, ctx_len] bool mask, or None when plain causal attention is exact."""
+    """[q_len, ctx_len] additive mask (0 / -inf), or None when plain causal attention is
+    exact. Every layer of a step asks for the same mask, so it is built once (`_mask`)."""
     if seg.q_len == seg.ctx_len and (window is None or window >= seg.ctx_len):
         return None
-    q_pos = torch.arange(seg.ctx_len - seg.q_len, seg.ctx_len, device=device)[:, None]
-    k_pos = torch.arange(seg.ctx_len, device=device)[None, :]
-    mask = k_pos <= q_pos
+    return _mask(seg.ctx_len, seg.q_len, window, device, dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def _mask(
+    ctx_len: int, q_len: int, window: int | None, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    # Additive, in the query dtype: SDPA would otherwise turn a bool mask into this on
+    # every call (one `where` over [q_len, ctx_len] per layer).
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+    k_pos = torch.arange(ctx_len, device=device)[None, :]
+    keep = k_pos <= q_pos
     if window is not None:
-        mask &= k_pos > q_pos - window
-    return mask
+        keep &= k_pos > q_pos - window
+    mask = torch.zeros(q_len, ctx_len, dtype=dtype, device=device)
+    return mask.masked_fill_(~keep, float("-inf"))
