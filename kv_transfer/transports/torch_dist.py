@@ -331,6 +331,10 @@ class TorchDistChannel(SendChannel):
         self._seq = 0
         self._lock = threading.Lock()
         self._works: dict[str, list[dist.Work]] = {}
+        # Sends of aborted transfers, kept until done: a dropped gloo Work cancels its send,
+        # and the receiver, waiting for those bytes, would close the pair under every other
+        # transfer on it after `timeout_s`.
+        self._orphans: list[dist.Work] = []
         self.broken = False
 
     def _answer(self, sender_id: str, secret: str | None) -> RecordSeal:
@@ -430,7 +434,8 @@ class TorchDistChannel(SendChannel):
 
     def abort(self, header: pb.KVFrameHeader) -> None:
         with self._lock:
-            self._works.pop(header.transfer_id, None)
+            self._orphans = [w for w in self._orphans if not w.is_completed()]
+            self._orphans += self._works.pop(header.transfer_id, [])
             self._put_header(header)
 
     def close(self) -> None:
