@@ -10,8 +10,9 @@ receivers holding the same one. Which nonce:
 * grpc: the ticket's transfer id (random, chosen by the receiver at reservation); the stream
   may then carry frames of that transfer only.
 
-torch_dist also seals every control record (frame headers, acks) with a per-pair key, so a
-process that reaches the plaintext TCPStore cannot inject frames into an authenticated pair.
+torch_dist also seals its control connection's hello and every record on it (frame headers,
+acks) with a per-pair key, so a process that reaches the plaintext control port cannot
+inject frames into an authenticated pair.
 What this does not give: confidentiality, or integrity of payload bytes on the gloo/NCCL
 connections. Network policy (k8s/README.md) stays the first line; see docs/lifecycle.md.
 """

@@ -7,7 +7,6 @@ geometry and page patterns shared by both are in tests/kv_procs.py.
 
 from __future__ import annotations
 
-import datetime
 import filecmp
 import functools
 import os
@@ -761,10 +760,12 @@ def test_a_sender_with_the_secret_refuses_an_open_receiver(transport: str) -> No
         endpoint.close()
 
 
-def test_torch_dist_refuses_records_forged_into_its_store() -> None:
-    """The TCPStore is plaintext: a record written there by anyone but the pair's sender
-    fails its seal, and the pair is dropped before the frame could land."""
-    import torch.distributed as dist
+def test_torch_dist_refuses_forged_control_connections() -> None:
+    """The control port is plaintext and anyone may connect: a connection claiming a pair
+    with a hello it cannot seal (or a pair that already has its connection) is refused, and
+    no frame it sends can land; the real pairs carry on."""
+    import socket
+    import struct
 
     rx = Rx()
     endpoint = get_transport("torch_dist", AUTH_TIMEOUT_S, secret=SECRET).listen(rx.receiver)
@@ -777,14 +778,20 @@ def test_torch_dist_refuses_records_forged_into_its_store() -> None:
         src_ids = kv_procs.spread_ids(len(ticket.dst_block_ids))
         victim.channel(endpoint.address)  # pair 0, authenticated, no frame sent yet
         before = rx.snapshot()
-        host, port = endpoint.address.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=5))
+        host, _ = endpoint.address.rsplit(":", 1)
+        ctl_port = endpoint._listener.getsockname()[1]
         h, _ = frame(src_cache(), ticket, src_ids, 0)
-        store.set("ctl/0/frame/0", bytes(auth.TAG_BYTES) + h.SerializeToString())
-        deadline = time.monotonic() + AUTH_TIMEOUT_S
-        while endpoint.broken_pairs == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert endpoint.broken_pairs == 1
+        for claim in (b"0:", b"7:"):  # a pair that has its connection, and one that never will
+            with socket.create_connection((host, ctl_port)) as s:
+                for record in (
+                    claim + bytes(auth.TAG_BYTES) + b"hello",
+                    bytes(auth.TAG_BYTES) + h.SerializeToString(),
+                ):
+                    s.sendall(struct.pack("!I", len(record)) + record)
+                s.settimeout(AUTH_TIMEOUT_S + 2)
+                assert s.recv(1) == b""  # the endpoint hung up
+        assert endpoint.refused_connections == 2
+        assert endpoint.broken_pairs == 0
         assert rx.changed_blocks(before) == set()
         res = rx.receiver.get(ticket.transfer_id)
         assert res is not None and res.state is ReservationState.RESERVED

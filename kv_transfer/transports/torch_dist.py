@@ -5,8 +5,13 @@ no global world: the decode worker hosts a `TCPStore` (its ticket's `channel_add
 sender registers pair number ``i`` under ``pair/<i>`` and both sides build a group on
 ``PrefixStore("pg/<i>", store)``. Control and data take separate paths:
 
-* headers (and acks, and abort/close frames) go through the store under ``ctl/<i>/...``,
-  so an idle pair holds no posted receive and no collective timeout can fire while idle;
+* headers (and acks, and abort/close frames) go over a plain TCP **control connection** per
+  pair, to a port the decode worker publishes in its store (``ctl_port``), as length-prefixed
+  sealed protobuf records. Each side reads it with blocking socket reads: nothing polls, so
+  an idle or waiting pair costs no CPU (on a small box, polling threads steal cycles from the
+  prefill they overlap), a header or ack is seen one loopback hop after it is written, and a
+  peer that dies closes the connection, which fails its transfers at once. An idle pair
+  holds no posted gloo receive, so no collective timeout can fire while idle;
 * payload regions go over the group as raw uint8 sends, straight from the sender's pages
   into the receiver's reserved pages, after the receiver validated the header.
 
@@ -14,10 +19,11 @@ Before either side builds the group, the pair authenticates under ``auth/<i>/...
 (kv_transfer/auth.py): the receiver writes a fresh ``nonce``, the sender answers with a
 ``proof`` (an HMAC under the shared secret, or empty without one), and the receiver writes a
 ``verdict``: its own proof, ``open`` (it has no secret) or ``refused: ...``. A refused pair
-never gets a group. Every ``ctl`` record is sealed with a per-pair key derived from the
-nonce, so records written into the store by anyone else are refused. The store itself is
-plaintext and unauthenticated: the secret gates pairing and control records, not the gloo or
-NCCL payload connections (docs/lifecycle.md, "Channel authentication").
+never gets a group. The control connection opens with a ``hello`` sealed with a per-pair key
+derived from the nonce, and every record on it is sealed too, so a connection claiming a pair
+it did not authenticate is refused. The store and the control connection are plaintext: the
+secret gates pairing and control records, not the gloo or NCCL payload connections
+(docs/lifecycle.md, "Channel authentication").
 
 A pair that breaks (peer died, stalled past the timeout, undecodable frame) fails the
 transfers it carried and is dropped; other pairs are separate groups and carry on.
@@ -25,12 +31,15 @@ transfers it carried and is dropped; other pairs are separate groups and carry o
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import socket
+import struct
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol, cast
 
 import torch
@@ -56,8 +65,9 @@ VERDICT_OPEN = "open"  # the receiver has no secret: the pair is not authenticat
 VERDICT_REFUSED = "refused: "
 _ELEM_BYTES = {pb.KV_DTYPE_FLOAT32: 4, pb.KV_DTYPE_BFLOAT16: 2, pb.KV_DTYPE_FLOAT16: 2}
 _MAX_DRAIN_BYTES = 1 << 30
-_POLL_ACTIVE_S = 0.0005
-_POLL_IDLE_S = 0.005
+_MAX_RECORD_BYTES = 1 << 24  # a control record (header or ack) larger than this is garbage
+_POLL_PAIRS_S = 0.01  # how often the endpoint looks for new pairs in its store
+_LEN = struct.Struct("!I")
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -96,6 +106,43 @@ def _put(store: dist.Store, key: str, record: bytes) -> None:
     store.set(key, cast(str, record))
 
 
+class _Records:
+    """Length-prefixed records on a socket. `read` keeps a partial record across timeouts,
+    so a timeout (the stall check) never loses the stream's framing."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buf = bytearray()
+
+    def write(self, record: bytes) -> None:
+        self.sock.sendall(_LEN.pack(len(record)) + record)
+
+    def read(self, timeout_s: float | None) -> bytes | None:
+        """The next record; None on timeout. Raises EOFError when the peer closed."""
+        self.sock.settimeout(timeout_s)
+        while True:
+            if len(self._buf) >= _LEN.size:
+                (n,) = _LEN.unpack_from(self._buf)
+                if n > _MAX_RECORD_BYTES:
+                    raise EOFError(f"control record of {n} bytes")
+                if len(self._buf) >= _LEN.size + n:
+                    record = bytes(self._buf[_LEN.size : _LEN.size + n])
+                    del self._buf[: _LEN.size + n]
+                    return record
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except TimeoutError:
+                return None
+            if not chunk:
+                raise EOFError("control connection closed")
+            self._buf += chunk
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
 def _pair_seal(secret: str | None, nonce: str, pair: int, sender: str) -> RecordSeal:
     """The key both sides derive for the pair's control records (None without a secret)."""
     if secret is None:
@@ -114,19 +161,32 @@ class TorchDistEndpoint(Endpoint):
             host, 0, None, True, timeout=_td(max(timeout_s, 30.0)), wait_for_workers=False
         )
         self.address = f"{host}:{self.store.port}"
+        self._listener = socket.create_server((host, 0))
+        self.store.set("ctl_port", str(self._listener.getsockname()[1]))
         self._closed = threading.Event()
         self.num_pairs = 0
         self.broken_pairs = 0
         self.refused_pairs = 0  # failed authentication: never given a group
-        self._seals: dict[int, RecordSeal] = {}  # pair -> its control records' seal
-        self._threads = [threading.Thread(target=self._accept, name="kv-accept", daemon=True)]
-        self._threads[0].start()
+        self.refused_connections = 0  # control connections claiming a pair they cannot seal
+        self._lock = threading.Lock()
+        self._seals: dict[int, RecordSeal] = {}  # pair -> its records' seal (after auth)
+        self._pending: dict[int, _PairSlot] = {}  # pair -> its control connection, once here
+        self._threads = [
+            threading.Thread(target=self._accept, name="kv-accept", daemon=True),
+            threading.Thread(target=self._accept_control, name="kv-accept-ctl", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _slot(self, pair: int) -> _PairSlot:
+        with self._lock:
+            return self._pending.setdefault(pair, _PairSlot())
 
     def _accept(self) -> None:
         i = 0
         while not self._closed.is_set():
             if not self.store.check([f"pair/{i}"]):
-                time.sleep(_POLL_IDLE_S)
+                time.sleep(_POLL_PAIRS_S)
                 continue
             sender = self.store.get(f"pair/{i}").decode()
             t = threading.Thread(
@@ -136,6 +196,41 @@ class TorchDistEndpoint(Endpoint):
             self._threads.append(t)
             i += 1
             self.num_pairs = i
+
+    def _accept_control(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(
+                target=self._hello, args=(conn,), name="kv-ctl-hello", daemon=True
+            ).start()
+
+    def _hello(self, conn: socket.socket) -> None:
+        """Bind a control connection to the pair its sealed hello names, or refuse it."""
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        records = _Records(conn)
+        try:
+            record = records.read(self.timeout_s)
+            pair = int((record or b"-1")[:10].split(b":")[0])
+        except (OSError, EOFError, ValueError):
+            records.close()
+            return
+        slot = self._slot(pair)
+        seal = slot.sealed.wait(self.timeout_s) and self._seals.get(pair)
+        name = f"hello/{pair}"
+        body = seal.open(name, record[record.index(b":") + 1 :]) if seal and record else None
+        with self._lock:
+            ok = body == b"hello" and slot.records is None and not self._closed.is_set()
+            if ok:
+                slot.records = records
+        if not ok:
+            self.refused_connections += 1
+            log.warning("kv control connection claiming pair %d refused", pair)
+            records.close()
+            return
+        slot.connected.set()
 
     def _challenge(self, pair: int, sender: str) -> RecordSeal | None:
         """Authenticate the pair's sender; its records' seal, or None when refused."""
@@ -169,7 +264,9 @@ class TorchDistEndpoint(Endpoint):
         seal = self._challenge(pair, sender)
         if seal is None:
             return
+        slot = self._slot(pair)
         self._seals[pair] = seal
+        slot.sealed.set()
         try:
             group = make_pair_group(
                 dist.PrefixStore(f"pg/{pair}", self.store),
@@ -180,17 +277,41 @@ class TorchDistEndpoint(Endpoint):
         except Exception as e:
             log.warning("kv pair %d from %s: rendezvous failed: %s", pair, sender, e)
             return
+        if not slot.connected.wait(self.timeout_s) or slot.records is None:
+            log.warning("kv pair %d from %s: no control connection", pair, sender)
+            return
+        records = slot.records
+        try:
+            self._serve_frames(pair, sender, seal, group, records)
+        finally:
+            records.close()
+            with self._lock:
+                self._pending.pop(pair, None)
+
+    def _serve_frames(
+        self, pair: int, sender: str, seal: RecordSeal, group: PairGroup, records: _Records
+    ) -> None:
+        acks = _AckWriter(records, seal)
         active: dict[str, float] = {}  # transfer id -> time of its last frame
         seq = 0
         while not self._closed.is_set():
-            key = _ctl(pair, f"frame/{seq}")
-            if not self.store.check([key]):
+            # Block until the next header, or until the oldest active transfer would stall.
+            oldest = min(active.values(), default=None)
+            wait_s = (
+                None if oldest is None else max(oldest + self.timeout_s - time.monotonic(), 1e-3)
+            )
+            try:
+                record = records.read(wait_s)
+            except (OSError, EOFError) as e:
+                if active and not self._closed.is_set():
+                    self._break(pair, active, f"control connection from {sender} lost: {e}")
+                return
+            if record is None:
                 self._expire_stalled(active, sender)
-                time.sleep(_POLL_ACTIVE_S if active else _POLL_IDLE_S)
                 continue
-            raw = seal.open(key, self.store.get(key))
-            self.store.delete_key(key)
+            key = _ctl(pair, f"frame/{seq}")
             seq += 1
+            raw = seal.open(key, record)
             if raw is None:
                 self._break(pair, active, f"frame record {seq - 1} failed authentication")
                 return
@@ -205,12 +326,13 @@ class TorchDistEndpoint(Endpoint):
                 self.receiver.fail(header.transfer_id, f"aborted by sender: {header.abort_reason}")
                 active.pop(header.transfer_id, None)
                 continue
-            if not self._receive(pair, group, header, active, sender):
+            if not self._receive(pair, acks, group, header, active, sender):
                 return
 
     def _receive(
         self,
         pair: int,
+        acks: _AckWriter,
         group: PairGroup,
         header: pb.KVFrameHeader,
         active: dict[str, float],
@@ -220,7 +342,7 @@ class TorchDistEndpoint(Endpoint):
         try:
             res, regions = self.receiver.begin_frame(header)
         except TransferRejected as e:
-            self._send_ack(
+            acks.send(
                 pair,
                 pb.TransferAck(
                     transfer_id=header.transfer_id, status=pb.TRANSFER_STATUS_REJECTED, error=str(e)
@@ -243,7 +365,7 @@ class TorchDistEndpoint(Endpoint):
         self.receiver.end_frame(res, header)
         if res.done.is_set():
             active.pop(header.transfer_id, None)
-            self._send_ack(pair, ack_of(res))
+            acks.send(pair, ack_of(res))
         else:
             active[header.transfer_id] = time.monotonic()
         return True
@@ -266,7 +388,7 @@ class TorchDistEndpoint(Endpoint):
     def _expire_stalled(self, active: dict[str, float], sender: str) -> None:
         now = time.monotonic()
         for tid, last in list(active.items()):
-            if now - last > self.timeout_s:
+            if now - last >= self.timeout_s:
                 self.receiver.fail(tid, f"sender {sender} stalled for {self.timeout_s:.1f} s")
                 del active[tid]
 
@@ -277,18 +399,53 @@ class TorchDistEndpoint(Endpoint):
         active.clear()
         log.warning("kv pair %d: %s", pair, why)
 
-    def _send_ack(self, pair: int, ack: pb.TransferAck) -> None:
-        key = _ctl(pair, f"ack/{ack.transfer_id}")
-        if ack.status == pb.TRANSFER_STATUS_REJECTED and self.store.check([key]):
-            return  # the transfer's first answer stands (later frames are rejected as unknown)
-        _put(self.store, key, self._seals[pair].seal(key, ack.SerializeToString()))
-
     def close(self) -> None:
         """Stop accepting and serving; waits for the pair threads, so every pair's group is
-        torn down here (a group still alive at interpreter exit aborts the process)."""
-        self._closed.set()
+        torn down here (a group still alive at interpreter exit aborts the process). Closing
+        the sockets wakes every thread blocked on one."""
+        with self._lock:
+            self._closed.set()
+            slots = list(self._pending.values())
+        with contextlib.suppress(OSError):  # shutdown, not just close, wakes accept()
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for slot in slots:
+            slot.sealed.set()
+            slot.connected.set()
+            if slot.records is not None:
+                slot.records.close()
         for t in self._threads:
             t.join(self.timeout_s + 1.0)
+
+
+@dataclass
+class _PairSlot:
+    """Rendezvous of a pair's thread (after authentication) and its control connection."""
+
+    sealed: threading.Event = field(default_factory=threading.Event)
+    connected: threading.Event = field(default_factory=threading.Event)
+    records: _Records | None = None
+
+
+class _AckWriter:
+    """The receiving side's acknowledgements for one pair; the first answer stands."""
+
+    def __init__(self, records: _Records, seal: RecordSeal) -> None:
+        self.records = records
+        self.seal = seal
+        self.num_sent = 0
+        self._answered: set[str] = set()
+
+    def send(self, pair: int, ack: pb.TransferAck) -> None:
+        if ack.transfer_id in self._answered:
+            return  # later frames of a rejected transfer (they are rejected as unknown)
+        if len(self._answered) >= 4096:  # bounded; transfer ids are never reused
+            self._answered.clear()
+        self._answered.add(ack.transfer_id)
+        key = _ctl(pair, f"ack/{self.num_sent}")
+        with contextlib.suppress(OSError):  # the sender is gone: nobody waits for it
+            self.records.write(self.seal.seal(key, ack.SerializeToString()))
+        self.num_sent += 1
 
 
 def _region_sizes(h: pb.KVFrameHeader) -> list[int] | None:
@@ -303,6 +460,12 @@ def _region_sizes(h: pb.KVFrameHeader) -> list[int] | None:
     if sum(sizes) != h.payload_bytes or sum(sizes) > _MAX_DRAIN_BYTES:
         return None
     return sizes
+
+
+@dataclass
+class _AckSlot:
+    done: threading.Event = field(default_factory=threading.Event)
+    ack: pb.TransferAck | None = None
 
 
 class TorchDistChannel(SendChannel):
@@ -328,6 +491,12 @@ class TorchDistChannel(SendChannel):
         self.group = make_pair_group(
             dist.PrefixStore(f"pg/{self.pair}", self.store), 0, device, timeout_s
         )
+        ctl_port = int(self.store.get("ctl_port"))
+        sock = socket.create_connection((host, ctl_port), timeout=timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._records = _Records(sock)
+        hello = self.seal.seal(f"hello/{self.pair}", b"hello")
+        self._records.write(f"{self.pair}:".encode() + hello)
         self._seq = 0
         self._lock = threading.Lock()
         self._works: dict[str, list[dist.Work]] = {}
@@ -335,7 +504,14 @@ class TorchDistChannel(SendChannel):
         # and the receiver, waiting for those bytes, would close the pair under every other
         # transfer on it after `timeout_s`.
         self._orphans: list[dist.Work] = []
+        self._slots: dict[str, _AckSlot] = {}  # transfer id -> its answer, once it came
+        self._reader_error: str | None = None
+        self._closing = False
         self.broken = False
+        self._reader = threading.Thread(
+            target=self._read_acks, name=f"kv-acks-{self.pair}", daemon=True
+        )
+        self._reader.start()
 
     def _answer(self, sender_id: str, secret: str | None) -> RecordSeal:
         """Answer the receiver's challenge and check its verdict (before any group exists)."""
@@ -362,9 +538,46 @@ class TorchDistChannel(SendChannel):
             )
         return _pair_seal(secret, nonce, pair, sender_id)
 
+    # ---- acknowledgements ----------------------------------------------------------------
+    def _read_acks(self) -> None:
+        n = 0
+        while True:
+            try:
+                record = self._records.read(None)
+            except (OSError, EOFError) as e:
+                if not self._closing:
+                    self._fail_waiters(f"lost {self.address} awaiting acknowledgements: {e}")
+                return
+            if record is None:
+                continue
+            key = _ctl(self.pair, f"ack/{n}")
+            body = self.seal.open(key, record)
+            if body is None:
+                self._fail_waiters(f"an ack from {self.address} failed authentication")
+                return
+            n += 1
+            try:
+                ack = pb.TransferAck.FromString(body)
+            except Exception:
+                self._fail_waiters(f"undecodable acknowledgement from {self.address}")
+                return
+            with self._lock:
+                slot = self._slots.get(ack.transfer_id)  # none: aborted, or finish gave up
+            if slot is not None and slot.ack is None:
+                slot.ack = ack
+                slot.done.set()
+
+    def _fail_waiters(self, why: str) -> None:
+        self.broken = True
+        with self._lock:
+            self._reader_error = why
+            slots = list(self._slots.values())
+        for slot in slots:
+            slot.done.set()
+
     def _put_header(self, header: pb.KVFrameHeader) -> None:
         key = _ctl(self.pair, f"frame/{self._seq}")
-        _put(self.store, key, self.seal.seal(key, header.SerializeToString()))
+        self._records.write(self.seal.seal(key, header.SerializeToString()))
         self._seq += 1
 
     def send_frame(self, header: pb.KVFrameHeader, regions: Sequence[torch.Tensor]) -> None:
@@ -372,60 +585,46 @@ class TorchDistChannel(SendChannel):
             raise TransferError(f"channel to {self.address} is broken")
         try:
             with self._lock:
+                self._slots.setdefault(header.transfer_id, _AckSlot())
                 self._put_header(header)
                 works = [self.group.send([as_bytes(r)], 1, 0) for r in regions]
                 self._works.setdefault(header.transfer_id, []).extend(works)
-        except Exception as e:  # store or gloo pair gone: the receiver died
+        except Exception as e:  # control connection or gloo pair gone: the receiver died
             self.broken = True
             raise TransferError(
                 f"transfer {header.transfer_id}: send to {self.address} failed: {e}"
             ) from e
 
-    def _take_ack(self, transfer_id: str) -> pb.TransferAck | None:
-        key = _ctl(self.pair, f"ack/{transfer_id}")
-        if not self.store.check([key]):
-            return None
-        body = self.seal.open(key, self.store.get(key))
-        self.store.delete_key(key)
-        if body is None:  # not the receiver's: wait for the real one
-            log.warning("kv pair %d: dropped an ack record that failed authentication", self.pair)
-            return None
-        return pb.TransferAck.FromString(body)
-
     def finish(self, transfer_id: str, timeout_s: float) -> pb.TransferAck:
+        with self._lock:
+            slot = self._slots.setdefault(transfer_id, _AckSlot())
+            if self._reader_error is not None:
+                slot.done.set()
         try:
-            for w in self._works.pop(transfer_id, []):
-                w.wait(_td(timeout_s))
-        except Exception as e:
-            self.broken = True
-            # A receiver that rejected a frame it cannot drain (its header does not say how
-            # the payload splits) drops the pair; its REJECTED ack names the reason.
             try:
-                rejection = self._take_ack(transfer_id)
-            except Exception:  # the receiver (and its store) may be gone altogether
-                rejection = None
-            if rejection is not None and rejection.status == pb.TRANSFER_STATUS_REJECTED:
-                raise TransferRejected(f"transfer {transfer_id}: {rejection.error}") from e
-            raise TransferError(
-                f"transfer {transfer_id}: send to {self.address} failed: {e}"
-            ) from e
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                ack = self._take_ack(transfer_id)
-            except Exception as e:  # the receiver's store is gone: so is the receiver
+                for w in self._works.pop(transfer_id, []):
+                    w.wait(_td(timeout_s))
+            except Exception as e:
                 self.broken = True
+                # A receiver that rejected a frame it cannot drain (its header does not say
+                # how the payload splits) drops the pair; its REJECTED ack names the reason.
+                slot.done.wait(min(timeout_s, 1.0))
+                if slot.ack is not None and slot.ack.status == pb.TRANSFER_STATUS_REJECTED:
+                    raise TransferRejected(f"transfer {transfer_id}: {slot.ack.error}") from e
                 raise TransferError(
-                    f"transfer {transfer_id}: lost {self.address} awaiting its ack: {e}"
+                    f"transfer {transfer_id}: send to {self.address} failed: {e}"
                 ) from e
-            if ack is not None:
-                break
-            if time.monotonic() > deadline:
+            if not slot.done.wait(timeout_s):
                 raise TransferError(
                     f"transfer {transfer_id}: no acknowledgement from "
                     f"{self.address} within {timeout_s:.1f} s"
                 )
-            time.sleep(_POLL_ACTIVE_S)
+        finally:
+            with self._lock:
+                self._slots.pop(transfer_id, None)
+        ack = slot.ack
+        if ack is None:
+            raise TransferError(f"transfer {transfer_id}: {self._reader_error or 'no answer'}")
         if ack.status == pb.TRANSFER_STATUS_REJECTED:
             raise TransferRejected(f"transfer {transfer_id}: {ack.error}")
         if ack.status != pb.TRANSFER_STATUS_COMPLETE:
@@ -436,14 +635,18 @@ class TorchDistChannel(SendChannel):
         with self._lock:
             self._orphans = [w for w in self._orphans if not w.is_completed()]
             self._orphans += self._works.pop(header.transfer_id, [])
+            self._slots.pop(header.transfer_id, None)
             self._put_header(header)
 
     def close(self) -> None:
-        try:
-            with self._lock:
-                self._put_header(pb.KVFrameHeader(abort=True, abort_reason=CLOSE_REASON))
-        except Exception:
-            pass
+        self._closing = True
+        with contextlib.suppress(Exception), self._lock:
+            self._put_header(pb.KVFrameHeader(abort=True, abort_reason=CLOSE_REASON))
+        self._records.close()  # wakes the ack reader
+        # Let it finish here: a reader still holding this channel at interpreter exit could
+        # drop the last reference to the gloo group on a dying thread (std::terminate).
+        if self._reader is not threading.current_thread():
+            self._reader.join(self.timeout_s)
 
 
 @register
