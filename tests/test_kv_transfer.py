@@ -33,7 +33,13 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.receiver import KVReceiver, ReservationState
 from kv_transfer.sender import KVSender, SenderLeases
 from kv_transfer.transports.base import Endpoint, get_transport
-from kv_transfer.transports.grpc_stream import GrpcEndpoint, consume_stream, frame_chunks
+from kv_transfer.transports.grpc_stream import (
+    GrpcEndpoint,
+    consume_stream,
+    decode_chunk,
+    encode_data_chunk,
+    frame_chunks,
+)
 from kv_transfer.transports.torch_dist import TorchDistEndpoint
 from kv_transfer.wire import (
     TransferError,
@@ -609,17 +615,44 @@ def _stream(rx: Rx) -> tuple[pb.TransferTicket, list[int], list[pb.KVChunk]]:
     chunks = []
     for layer in range(L):
         h, regions = frame(src, ticket, src_ids, layer)
-        chunks += list(frame_chunks(h, regions))
+        chunks += [pb.KVChunk.FromString(raw) for raw in frame_chunks(h, regions)]
     return ticket, src_ids, chunks
 
 
-def test_intact_stream_completes() -> None:
+@pytest.mark.parametrize("decode", ["generated", "fast"])
+def test_intact_stream_completes(decode: str) -> None:
+    """The frames' chunks land bit-exact whether the receiver decodes them with the
+    generated class or with `decode_chunk` (zero-copy data views), as the servicer does."""
     rx = Rx()
     ticket, src_ids, chunks = _stream(rx)
-    ack = consume_stream(rx.receiver, iter(chunks))
+    if decode == "fast":
+        fast = [decode_chunk(c.SerializeToString()) for c in chunks]
+        assert sum(isinstance(c, memoryview) for c in fast) == sum(
+            c.HasField("data") for c in chunks
+        )
+        ack = consume_stream(rx.receiver, iter(fast))
+    else:
+        ack = consume_stream(rx.receiver, iter(chunks))
     assert ack.status == pb.TRANSFER_STATUS_COMPLETE, ack
     dst = list(ticket.dst_block_ids)
     assert kv_procs.same_bytes(rx.cache.data[:, :, dst], expected_pages("float32", src_ids))
+
+
+@given(payload=st.binary(max_size=300), big=st.sampled_from([0, 127, 128, 16383, 16384, 1 << 20]))
+def test_hand_encoded_data_chunks_are_kvchunks(payload: bytes, big: int) -> None:
+    """`encode_data_chunk` writes exactly the generated class's bytes (the wire contract),
+    and `decode_chunk` reads them back as the same payload; anything else falls back."""
+    for data in (payload, bytes(big)):
+        raw = encode_data_chunk(memoryview(data))
+        assert raw == pb.KVChunk(data=data).SerializeToString()
+        got = decode_chunk(raw)
+        assert isinstance(got, memoryview) and bytes(got) == data
+    header = pb.KVChunk(header=pb.KVFrameHeader(request_id="r", payload_bytes=3))
+    got_h = decode_chunk(header.SerializeToString())
+    assert isinstance(got_h, pb.KVChunk) and got_h.header.request_id == "r"
+    two = pb.KVChunk(data=payload).SerializeToString() + pb.KVChunk(data=b"x").SerializeToString()
+    got_2 = decode_chunk(two)  # a repeated field: the generated class decides (last wins)
+    assert isinstance(got_2, pb.KVChunk) and got_2.data == b"x"
 
 
 def _broken(chunks: list[pb.KVChunk]) -> Iterator[pb.KVChunk]:
@@ -908,7 +941,7 @@ def test_cuda_caches_local_and_grpc_writer(dtype: str) -> None:
             ack = KVSender(src, "p", get_transport("local")).send(ticket, src_ids)
         else:  # the gRPC receiver's device path: chunks copied into CUDA pages
             frames = [frame(src, ticket, src_ids, layer) for layer in range(L)]
-            ack = consume_stream(rx, (c for f in frames for c in frame_chunks(*f)))
+            ack = consume_stream(rx, (decode_chunk(c) for f in frames for c in frame_chunks(*f)))
         assert ack.status == pb.TRANSFER_STATUS_COMPLETE
         torch.cuda.synchronize()
         dst_ids = list(ticket.dst_block_ids)

@@ -1,10 +1,16 @@
 """gRPC transport: one client-streaming `KVTransfer.Push` call per transfer.
 
 For when NCCL/gloo cannot reach (across clusters, through firewalls). The stream carries the
-same headers as every transport; each header is followed by its payload in data chunks of at
-most 1 MiB. The receiver writes chunks straight into the validated destination pages as they
-arrive; a stream that ends mid-frame, overflows a frame, or breaks off fails the transfer and
-releases its blocks.
+same headers as every transport; each header is followed by its payload in data chunks of
+1 MiB (the last one shorter; a chunk may span the frame's regions). The receiver writes
+chunks straight into the validated destination pages as they arrive; a stream that ends
+mid-frame, overflows a frame, or breaks off fails the transfer and releases its blocks.
+
+Data chunks are encoded and decoded by hand (`encode_data_chunk`, `decode_chunk`): the bytes on
+the wire are exactly a serialized `KVChunk{data}`, but the sender builds them with one copy
+out of the pages and the receiver writes a zero-copy view of the received message into the
+destination pages, where the generated classes would copy each MiB twice more per side.
+Header chunks go through the generated classes.
 
 With a shared secret (kv_transfer/auth.py) the call's metadata carries the transfer id, the
 sender's id and an HMAC over both; the servicer checks it before reading a single chunk
@@ -30,7 +36,6 @@ from kv_transfer.receiver import KVReceiver, Reservation, ack_of
 from kv_transfer.transports.base import Endpoint, SendChannel, Transport, register
 from kv_transfer.wire import TransferError, TransferRejected, TransferUnauthenticated, as_bytes
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
-from protos.pdserve.v1 import kv_transfer_pb2_grpc as pb_grpc
 
 CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 64 << 20
@@ -45,6 +50,41 @@ MD_SENDER = "pdserve-kv-sender"
 MD_PROOF = "pdserve-kv-proof"
 
 log = logging.getLogger(__name__)
+
+PUSH_METHOD = "/pdserve.v1.KVTransfer/Push"
+_DATA_TAG = 0x12  # KVChunk.data: field 2, wire type 2 (length-delimited)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def encode_data_chunk(*parts: memoryview) -> bytes:
+    """A serialized `KVChunk(data=b"".join(parts))`, with one copy of the payload."""
+    n = sum(len(p) for p in parts)
+    return b"".join((bytes((_DATA_TAG,)), _varint(n), *parts))
+
+
+def decode_chunk(raw: bytes) -> pb.KVChunk | memoryview:
+    """A received KVChunk: a data chunk as a zero-copy view of its bytes; anything else
+    (headers, or an encoding this fast path does not expect) through the generated class."""
+    if raw[:1] == bytes((_DATA_TAG,)):
+        n, shift, i = 0, 0, 1
+        while i < len(raw) and i <= 10:
+            b = raw[i]
+            n |= (b & 0x7F) << shift
+            shift += 7
+            i += 1
+            if not b & 0x80:
+                if i + n == len(raw):
+                    return memoryview(raw)[i:]
+                break
+    return pb.KVChunk.FromString(raw)
 
 
 class _FrameWriter:
@@ -62,7 +102,7 @@ class _FrameWriter:
         self.off = 0
         self.remaining = int(header.payload_bytes)
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         if len(data) > self.remaining:
             raise TransferRejected(
                 f"frame overflows its payload_bytes by {len(data) - self.remaining}"
@@ -91,7 +131,9 @@ class _FrameWriter:
 
 
 def consume_stream(
-    receiver: KVReceiver, chunks: Iterator[pb.KVChunk], only_transfer_id: str | None = None
+    receiver: KVReceiver,
+    chunks: Iterator[pb.KVChunk | memoryview],
+    only_transfer_id: str | None = None,
 ) -> pb.TransferAck:
     """Land every frame of one Push stream; the servicer's whole job, testable without gRPC.
 
@@ -120,7 +162,13 @@ def consume_stream(
 
     try:
         for chunk in chunks:
-            if chunk.HasField("header"):
+            data: bytes | memoryview | None = None
+            if isinstance(chunk, memoryview):
+                data = chunk
+            elif chunk.HasField("data"):
+                data = chunk.data
+            if data is None and chunk.HasField("header"):  # type: ignore[union-attr]
+                assert not isinstance(chunk, memoryview)
                 h = chunk.header
                 if writer is not None or skip:
                     raise TransferRejected(
@@ -152,15 +200,15 @@ def consume_stream(
                 if writer.done:  # pragma: no cover - empty frames are rejected upstream
                     receiver.end_frame(res, h)
                     writer = None
-            elif chunk.HasField("data"):
+            elif data is not None:
                 if writer is not None:
-                    writer.write(chunk.data)
+                    writer.write(data)
                     if writer.done:
                         receiver.end_frame(writer.res, writer.header)
                         ack = ack_of(writer.res)  # before the engine may take the blocks
                         writer = None
                 elif skip:
-                    skip = max(0, skip - len(chunk.data))
+                    skip = max(0, skip - len(data))
                 else:
                     raise TransferRejected("data chunk without a frame header")
     except TransferRejected as e:
@@ -197,14 +245,14 @@ def consume_stream(
     return ack
 
 
-class _Servicer(pb_grpc.KVTransferServicer):
+class _Servicer:
     def __init__(self, receiver: KVReceiver, secret: str | None) -> None:
         self.receiver = receiver
         self.secret = secret
         self.num_refused = 0  # calls refused for failing authentication
 
     def Push(
-        self, request_iterator: Iterator[pb.KVChunk], context: grpc.ServicerContext
+        self, request_iterator: Iterator[pb.KVChunk | memoryview], context: grpc.ServicerContext
     ) -> pb.TransferAck:
         if self.secret is None:
             return consume_stream(self.receiver, request_iterator)
@@ -232,7 +280,15 @@ class GrpcEndpoint(Endpoint):
             options=GRPC_OPTIONS,
         )
         self.servicer = _Servicer(receiver, secret)
-        pb_grpc.add_KVTransferServicer_to_server(self.servicer, self.server)
+        # The generated service, with `decode_chunk` as its request deserializer.
+        push = grpc.stream_unary_rpc_method_handler(
+            self.servicer.Push,
+            request_deserializer=decode_chunk,
+            response_serializer=pb.TransferAck.SerializeToString,
+        )
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("pdserve.v1.KVTransfer", {"Push": push}),)
+        )
         port = self.server.add_insecure_port(f"{host}:0")
         self.server.start()
         self.address = f"{host}:{port}"
@@ -241,27 +297,43 @@ class GrpcEndpoint(Endpoint):
         self.server.stop(grace=None)
 
 
-def frame_chunks(header: pb.KVFrameHeader, regions: Sequence[torch.Tensor]) -> Iterator[pb.KVChunk]:
-    """A header chunk, then the regions' bytes in <= 1 MiB data chunks (one copy each)."""
-    yield pb.KVChunk(header=header)
+def frame_chunks(header: pb.KVFrameHeader, regions: Sequence[torch.Tensor]) -> Iterator[bytes]:
+    """Serialized KVChunks: the header, then the regions' bytes back to back in data chunks
+    of CHUNK_BYTES (the last one shorter). A chunk may span regions (the receiver's writer
+    walks them in the same order), so small pages do not mean small messages."""
+    yield pb.KVChunk(header=header).SerializeToString()
+    parts: list[memoryview] = []
+    size = 0
     for region in regions:
         flat = as_bytes(region.cpu() if region.device.type != "cpu" else region).numpy()
-        for start in range(0, flat.shape[0], CHUNK_BYTES):
-            yield pb.KVChunk(data=flat[start : start + CHUNK_BYTES].tobytes())
+        view = memoryview(flat.data)
+        while view:
+            take = view[: CHUNK_BYTES - size]
+            parts.append(take)
+            size += len(take)
+            view = view[len(take) :]
+            if size == CHUNK_BYTES:
+                yield encode_data_chunk(*parts)
+                parts, size = [], 0
+    if parts:
+        yield encode_data_chunk(*parts)
 
 
 class _Call:
     """One in-flight Push: frames are queued as layers finish and streamed by gRPC's thread."""
 
     def __init__(
-        self, stub: pb_grpc.KVTransferStub, timeout_s: float, metadata: tuple[tuple[str, str], ...]
+        self,
+        push: grpc.StreamUnaryMultiCallable,
+        timeout_s: float,
+        metadata: tuple[tuple[str, str], ...],
     ) -> None:
         self.frames: queue.Queue[tuple[pb.KVFrameHeader, Sequence[torch.Tensor]] | None] = (
             queue.Queue()
         )
-        self.future = stub.Push.future(self._chunks(), timeout=timeout_s, metadata=metadata)
+        self.future = push.future(self._chunks(), timeout=timeout_s, metadata=metadata)
 
-    def _chunks(self) -> Iterator[pb.KVChunk]:
+    def _chunks(self) -> Iterator[bytes]:
         while (item := self.frames.get()) is not None:
             yield from frame_chunks(*item)
 
@@ -275,7 +347,10 @@ class GrpcChannel(SendChannel):
         self.sender_id = sender_id
         self._secret = secret
         self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-        self.stub = pb_grpc.KVTransferStub(self.channel)
+        # KVTransfer.Push taking already-serialized KVChunks (`frame_chunks`).
+        self.push = self.channel.stream_unary(
+            PUSH_METHOD, response_deserializer=pb.TransferAck.FromString
+        )
         self._calls: dict[str, _Call] = {}
         self._lock = threading.Lock()
 
@@ -283,7 +358,7 @@ class GrpcChannel(SendChannel):
         with self._lock:
             if transfer_id not in self._calls:
                 self._calls[transfer_id] = _Call(
-                    self.stub, self.timeout_s, self._metadata(transfer_id)
+                    self.push, self.timeout_s, self._metadata(transfer_id)
                 )
             return self._calls[transfer_id]
 
