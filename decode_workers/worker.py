@@ -255,7 +255,15 @@ class DecodeWorker:
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.push, out)
 
+    def _forget_lapsed(self) -> None:
+        """Drop reservations the receiver no longer knows (its lease ran out and freed the
+        blocks) that nobody will `start` or release, e.g. because their router died."""
+        for request_id, (_, transfer_id) in list(self.reserved.items()):
+            if self.receiver.get(transfer_id) is None:
+                self.reserved.pop(request_id, None)
+
     def _stats(self) -> WorkerStats:
+        self._forget_lapsed()  # the router asks for stats a few times a second
         return WorkerStats.of_engine(
             self.name,
             self.role,

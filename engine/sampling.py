@@ -24,6 +24,12 @@ class InvalidParameterError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def __reduce__(self) -> tuple[type[InvalidParameterError], tuple[str, str]]:
+        # Raised in a worker, it crosses Ray pickled; the default reduce would call
+        # __init__ with the one formatted string and fail to rebuild it there.
+        return (type(self), (self.field, self.message))
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 class RouterConfig:
     host: str = "127.0.0.1"
     grpc_port: int = 50051  # 0 picks a free port
-    max_queue_len: int = 256  # requests admitted but not yet on a decode worker
+    # Admitted requests that have not sent their first token yet (waiting for KV room,
+    # prefilling, transferring): one more is refused at once with RESOURCE_EXHAUSTED.
+    max_queue_len: int = 256
     queue_timeout_s: float = (
         30.0  # how long a request may wait for KV room: then RESOURCE_EXHAUSTED
     )

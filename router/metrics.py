@@ -200,7 +200,7 @@ class WorkerCollector(Collector):
         )
         waiting = GaugeMetricFamily(
             PREFIX + "num_requests_waiting",
-            "Requests waiting in a worker's scheduler (role=router: waiting for KV room).",
+            "Requests waiting in a worker's scheduler (role=router: admitted, no token sent yet).",
             labels=labels,
         )
         usage = GaugeMetricFamily(

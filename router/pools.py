@@ -21,6 +21,11 @@ from kv_transfer.messages import WorkerStats
 log = logging.getLogger(__name__)
 
 
+class WorkerUnavailable(Exception):
+    """The worker's process is gone or restarting: the call never ran there, or its answer
+    was lost with the process. Another worker of the pool may take the request."""
+
+
 class WorkerHandle:
     """Calls a worker's async methods by name."""
 
@@ -47,7 +52,12 @@ class RayHandle(WorkerHandle):
         self.actor = actor
 
     async def call(self, method: str, *args: Any) -> Any:
-        return await getattr(self.actor, method).remote(*args)
+        from ray.exceptions import RayActorError
+
+        try:
+            return await getattr(self.actor, method).remote(*args)
+        except RayActorError as e:  # died, or unavailable while Ray restarts it
+            raise WorkerUnavailable(f"{self.name}: {e}") from e
 
 
 @dataclass

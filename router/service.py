@@ -11,9 +11,11 @@ blocks on both pools.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,20 +43,57 @@ from protos.pdserve.v1 import kv_transfer_pb2 as kvpb
 from router.auth import api_key_interceptors
 from router.config import RouterConfig
 from router.metrics import RequestObserver
-from router.pools import PairCost, Pool, WorkerLoad, rank_pairs
+from router.pools import PairCost, Pool, WorkerLoad, WorkerUnavailable, rank_pairs
 from router.tls import add_port
 from router.validation import ModelLimits, prepare
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.Generation"
-_RESERVE_BACKOFF_S = 0.005
+_RESERVE_BACKOFF_S = 0.005  # first retry of a reservation; doubles up to the max
+_RESERVE_BACKOFF_MAX_S = 0.05
+_LINE_CHECK_S = 0.05  # how often a request waiting in line checks for abort and deadline
+# A prefill result may come this long after its ticket's lease ran out (clocks of two nodes,
+# the decode side's reaper period) before the router stops waiting for it.
+_LEASE_GRACE_S = 2.0
 _HELD_EVERY_N_REFRESHES = 50  # in-memory index: re-assert held blocks every ~10 s
 _FINISH = {
     "stop": gen.FINISH_REASON_STOP,
     "length": gen.FINISH_REASON_LENGTH,
     "abort": gen.FINISH_REASON_ABORT,
 }
+
+
+class WaitingLine:
+    """First come, first served among requests waiting for KV room. Only the request at the
+    head retries its reservation, so a full decode pool sees one retry at a time (with
+    backoff) rather than one per waiting request every few milliseconds."""
+
+    def __init__(self) -> None:
+        self._line: deque[asyncio.Event] = deque()
+
+    def __len__(self) -> int:
+        return len(self._line)
+
+    @contextlib.asynccontextmanager
+    async def first(self, give_up: Callable[[], None]) -> AsyncIterator[None]:
+        """Wait to be first in line. `give_up` runs every `_LINE_CHECK_S` meanwhile and
+        leaves the line by raising (abort, deadline)."""
+        turn = asyncio.Event()
+        self._line.append(turn)
+        if self._line[0] is turn:
+            turn.set()
+        try:
+            while not turn.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(turn.wait(), _LINE_CHECK_S)
+                give_up()
+            yield
+        finally:
+            was_first = self._line[0] is turn
+            self._line.remove(turn)
+            if was_first and self._line:
+                self._line[0].set()
 
 
 class RequestFailed(Exception):
@@ -79,6 +118,7 @@ class ActiveRequest:
     timings: dict[str, float] = field(default_factory=dict)
     first_sent_s: float | None = None
     last_sent_s: float | None = None
+    queued: bool = True  # counted in Router.num_queued: admitted, no token sent yet
 
 
 class Router:
@@ -108,7 +148,8 @@ class Router:
         # could apply a worker's events out of order.
         self._pull_lock = asyncio.Lock()
         self.active: dict[str, ActiveRequest] = {}
-        self.num_queued = 0
+        self.num_queued = 0  # admitted, no token sent yet (bounded by max_queue_len)
+        self._kv_line = WaitingLine()
         self.draining = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._refresher: asyncio.Task[None] | None = None
@@ -201,7 +242,14 @@ class Router:
             )
         act = ActiveRequest(wr, time.perf_counter())
         self.active[wr.request_id] = act
+        self.num_queued += 1
         return act
+
+    def _dequeue(self, act: ActiveRequest) -> None:
+        """The request left the queue (its first token went out, or it ended)."""
+        if act.queued:
+            act.queued = False
+            self.num_queued -= 1
 
     async def run(self, act: ActiveRequest) -> AsyncIterator[gen.GenerateResponse]:
         """Drive one admitted request; yields its responses."""
@@ -223,6 +271,10 @@ class Router:
                 yield resp
         except (RequestFailed, asyncio.CancelledError, GeneratorExit):
             raise
+        except InvalidParameterError as e:  # a worker refused it (e.g. its id still runs there)
+            raise RequestFailed(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{e.field}: {e.message}"
+            ) from e
         except TransferError as e:
             if act.aborted:
                 yield self._complete(act, "abort")
@@ -266,7 +318,7 @@ class Router:
         p.outstanding_tokens += n
         p.active.add(r.request_id)
         try:
-            res: PrefillResult = await p.handle.call("prefill", PrefillTask(r, ticket))
+            res = await self._prefill(p, act, ticket)
         except TransferError:
             raise
         except Exception as e:  # the prefill worker died (or its actor is gone)
@@ -298,6 +350,22 @@ class Router:
         await d.handle.call("start", DecodeStart(r.request_id, act.transfer_id, res.first_token_id))
         async for resp in self._relay(act, d):
             yield resp
+
+    async def _prefill(self, p: WorkerLoad, act: ActiveRequest, ticket: bytes) -> PrefillResult:
+        """The prompt pass and its transfer, waited for no longer than the ticket's lease:
+        past it the decode side has let the blocks go, so whatever the prefill worker still
+        does (a stalled transfer) cannot land. The caller's cleanup aborts it there."""
+        lease = kvpb.TransferTicket.FromString(ticket).deadline_unix_ms / 1e3 - time.time()
+        try:
+            res: PrefillResult = await asyncio.wait_for(
+                p.handle.call("prefill", PrefillTask(act.request, ticket)),
+                max(lease, 0.0) + _LEASE_GRACE_S,
+            )
+        except asyncio.TimeoutError as e:
+            raise TransferError(
+                f"{p.handle.name} did not finish the transfer within its lease"
+            ) from e
+        return res
 
     async def _prefill_failed(self, act: ActiveRequest, p: WorkerLoad, d: WorkerLoad,
                               matches: dict[str, int], error: Exception
@@ -341,42 +409,65 @@ class Router:
         self, act: ActiveRequest, matches: dict[str, int]
     ) -> tuple[WorkerLoad, WorkerLoad, bytes]:
         """Reserve on the decode worker of the cheapest pair (`rank_pairs`: prefill work plus
-        the KV bytes the pair would move); wait (bounded) while no decode worker has room.
-        Returns (decode worker, the pair's prefill worker, ticket)."""
+        the KV bytes the pair would move); while none has room, wait in line (bounded by
+        `queue_timeout_s`). Returns (decode worker, the pair's prefill worker, ticket)."""
+        got = await self._reserve_once(act, matches)
+        if got is not None:
+            return got
         deadline = time.monotonic() + self.cfg.queue_timeout_s
-        self.num_queued += 1
-        try:
+
+        def give_up() -> None:
+            if act.aborted:
+                raise TransferError("aborted while queued")
+            if time.monotonic() > deadline:
+                raise RequestFailed(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"no decode worker had KV room for {self.cfg.queue_timeout_s:.0f} s",
+                )
+
+        async with self._kv_line.first(give_up):
+            backoff = _RESERVE_BACKOFF_S
             while True:
-                order = self._pair_order(act, matches)
-                if not order:
-                    raise RequestFailed(
-                        grpc.StatusCode.UNAVAILABLE, "no healthy prefill and decode worker pair"
-                    )
-                for pc in order:
-                    d = pc.decode
-                    rr = await self._reserve_on(d, act)
-                    if rr.ticket is not None:
-                        ticket = kvpb.TransferTicket.FromString(rr.ticket)
-                        act.decode = d
-                        act.transfer_id = ticket.transfer_id
-                        act.decode_cached_tokens = rr.num_cached_tokens
-                        d.pending_blocks += len(ticket.dst_block_ids) + 1
-                        d.active.add(act.request.request_id)
-                        if act.aborted:  # Abort came during the call and saw no reservation
-                            await self._release(act)
-                            raise TransferError("aborted while queued")
-                        act.timings["queue_ms"] = (time.perf_counter() - act.arrival_s) * 1e3
-                        return d, pc.prefill, rr.ticket
-                if act.aborted:
-                    raise TransferError("aborted while queued")
-                if time.monotonic() > deadline:
-                    raise RequestFailed(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"no decode worker had KV room for {self.cfg.queue_timeout_s:.0f} s",
-                    )
-                await asyncio.sleep(_RESERVE_BACKOFF_S)
-        finally:
-            self.num_queued -= 1
+                give_up()
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, _RESERVE_BACKOFF_MAX_S)
+                got = await self._reserve_once(act, matches)
+                if got is not None:
+                    return got
+
+    async def _reserve_once(
+        self, act: ActiveRequest, matches: dict[str, int]
+    ) -> tuple[WorkerLoad, WorkerLoad, bytes] | None:
+        """One reservation attempt per pair, cheapest first; None when none had room."""
+        order = self._pair_order(act, matches)
+        if not order:
+            raise RequestFailed(
+                grpc.StatusCode.UNAVAILABLE, "no healthy prefill and decode worker pair"
+            )
+        for pc in order:
+            d = pc.decode
+            try:
+                rr = await self._reserve_on(d, act)
+            except WorkerUnavailable as e:  # dead or restarting: try the next pair
+                d.healthy = False  # back in rotation once its stats answer again
+                log.warning("reserve on %s failed: %s", d.handle.name, e)
+                continue
+            if rr.ticket is None:
+                continue
+            ticket = kvpb.TransferTicket.FromString(rr.ticket)
+            act.decode = d
+            act.transfer_id = ticket.transfer_id
+            act.decode_cached_tokens = rr.num_cached_tokens
+            d.pending_blocks += len(ticket.dst_block_ids) + 1
+            d.active.add(act.request.request_id)
+            if act.aborted:  # Abort came during the call and saw no reservation
+                await self._release(act)
+                raise TransferError("aborted while queued")
+            act.timings["queue_ms"] = (time.perf_counter() - act.arrival_s) * 1e3
+            return d, pc.prefill, rr.ticket
+        if act.aborted:
+            raise TransferError("aborted while queued")
+        return None
 
     async def _reserve_on(self, d: WorkerLoad, act: ActiveRequest) -> ReserveResult:
         """One reservation attempt. If the request is cancelled while the call is in flight
@@ -449,6 +540,7 @@ class Router:
         self.metrics.on_tokens(act, len(ids), now)
         if act.first_sent_s is None and ids:
             act.first_sent_s = now
+            self._dequeue(act)
         act.last_sent_s = now
         act.num_sent += len(ids)
         return gen.GenerateResponse(
@@ -497,7 +589,12 @@ class Router:
     def finish(self, act: ActiveRequest, completed: bool) -> None:
         """Forget the request; if it did not complete (cancel, deadline, error), free its
         blocks on both pools in the background."""
-        self.active.pop(act.request.request_id, None)
+        rid = act.request.request_id
+        self.active.pop(rid, None)
+        self._dequeue(act)
+        for w in (act.prefill, act.decode):  # whatever path it ended on, no load is left
+            if w is not None:
+                w.active.discard(rid)
         if not completed:
             self._spawn(self._release(act, forget=True))
 
