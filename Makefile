@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 PACKAGES := engine kv_transfer prefill_workers decode_workers router pdserve
 export PDSERVE_HOME ?= $(CURDIR)/.venv/pdserve-home
 
-.PHONY: install demo test lint bench bench-engine bench-transfer bench-prefix bench-serving redis
+.PHONY: install demo test lint bench bench-engine bench-transfer bench-prefix bench-serving redis chaos
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,11 @@ bench-transfer: $(STAMP)
 
 bench-serving: $(STAMP)
 	$(BIN)/python benchmarks/serving.py
+
+# Load while faults are injected (kill -9 of workers and redis-server, cancels, a stalled
+# transfer, 2x overload): per fault, what became of every request (docs/reliability.md).
+chaos: $(STAMP) redis
+	$(BIN)/pdserve chaos --out build/chaos
 
 # One after another (never in parallel: they share the cores), then the dated report.
 bench: $(STAMP)

@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.bench import add_cli_args as add_bench_args
 
     add_bench_args(sub.add_parser("bench", help="load-test a server like `vllm bench serve`"))
+
+    from pdserve.chaos import add_cli_args as add_chaos_args
+
+    add_chaos_args(sub.add_parser("chaos", help="load while faults are injected (make chaos)"))
     return parser
 
 
@@ -209,6 +213,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pdserve.bench import run_bench
 
             return run_bench(args)
+        if args.command == "chaos":
+            from pdserve.chaos import run_chaos
+
+            return run_chaos(args)
     except (InvalidParameterError, ValueError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2

@@ -46,5 +46,8 @@ class PrefillActor:
     async def check_integrity(self) -> int:
         return await self.worker.check_integrity()
 
+    async def inject_transfer_stall(self, stall_s: float, num_transfers: int = 1) -> None:
+        await self.worker.inject_transfer_stall(stall_s, num_transfers)
+
     async def shutdown(self) -> None:
         self.worker.shutdown()

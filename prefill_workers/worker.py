@@ -38,6 +38,7 @@ class _Job:
     started_s: float | None = None
     error: str = ""  # the transfer broke while pushing (the request fails, not the engine)
     aborted: bool = False  # _abort told the receiver and answered the router already
+    stall_s: float = 0.0  # fault injection: frames held back this long (inject_transfer_stall)
 
 
 class PrefillWorker:
@@ -74,6 +75,7 @@ class PrefillWorker:
         self.loop = EngineLoop(self.engine, self._on_outputs, cfg.name, self._on_fatal)
         self.fatal_hook: Callable[[BaseException], None] | None = None  # the actor exits
         self.feed = IndexFeed(cfg.name, cfg.index, cfg.model_name, self.loop)
+        self._stalls: list[float] = []  # fault injection, consumed one per new request
 
     # ---- API (called from the actor's event loop) ----------------------------------------
     async def prefill(self, task: PrefillTask) -> PrefillResult:
@@ -87,7 +89,10 @@ class PrefillWorker:
             req = self.engine.add_request(
                 r.request_id, r.prompt_token_ids, r.params, r.cache_salt, prefill_only=True
             )
-            self.jobs[r.request_id] = _Job(task, ticket, req, fut, arrival)
+            job = _Job(task, ticket, req, fut, arrival)
+            if self._stalls:
+                job.stall_s = self._stalls.pop()
+            self.jobs[r.request_id] = job
             self.num_requests_total += 1
 
         await self.loop.run(admit)
@@ -118,6 +123,18 @@ class PrefillWorker:
 
         return await self.loop.run(check)
 
+    async def inject_transfer_stall(self, stall_s: float, num_transfers: int = 1) -> None:
+        """Fault injection (`pdserve chaos`, tests; never called in service): the next
+        `num_transfers` prompts push no layer while they compute, and their KV leaves, whole,
+        only `stall_s` after the pass ended, as over a stalled link. Replaces what was armed
+        before (`num_transfers=0` disarms)."""
+        assert stall_s >= 0 and num_transfers >= 0, "stall_s and num_transfers must be >= 0"
+
+        def arm() -> None:
+            self._stalls = [stall_s] * num_transfers
+
+        await self.loop.run(arm)
+
     def shutdown(self) -> None:
         self.feed.cancel()
         self.loop.stop()
@@ -142,7 +159,8 @@ class PrefillWorker:
                     job.outbound = self.sender.start(
                         t, src[t.first_block : t.first_block + len(t.dst_block_ids)]
                     )
-                self.sender.push_async(job.outbound, layer + 1)
+                if not job.stall_s:
+                    self.sender.push_async(job.outbound, layer + 1)
             except Exception as e:  # a broken pair fails its transfers, never the engine step
                 job.error = f"KV push to {job.ticket.channel_address} failed: {e!r}"
                 if not isinstance(e, TransferRejected):  # the pair is suspect: rebuild it
@@ -209,6 +227,8 @@ class PrefillWorker:
     def _complete(self, job: _Job, out: RequestOutput) -> None:
         """Wait for the decode side's acknowledgement, then release and answer."""
         req = job.request
+        if job.stall_s:
+            time.sleep(job.stall_s)  # fault injection; an abort meanwhile is seen below
         if job.aborted:
             # Nothing to finish: finishing an aborted transfer fails, and the sender then
             # drops the pair's channel under every other transfer in flight on it.

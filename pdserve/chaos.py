@@ -1,0 +1,1082 @@
+"""`pdserve chaos` (`make chaos`): load while one fault at a time is injected, and what became
+of every request.
+
+It stands up a deployment in this process (`pdserve.faults.Rig`: 2 prefill + 2 decode workers
+as Ray actors with `max_restarts`, a redis-server child holding the prefix index, the router's
+gRPC server) and runs the scenarios in sequence, each a load plus one fault:
+
+- cancel: 200 streams, each cut short (client cancel or `Abort`) at a point planned in one
+  of four stages (before prefill, prefill, transfer, decode) from a calibration run's timings;
+- kill-prefill / kill-decode: 100 requests; kill -9 of prefill-0's / decode-0's process once
+  25 of them ended;
+- redis: 100 requests sharing prefixes; kill -9 of redis-server once 15 ended, a fresh one
+  after the load;
+- stall: 24 requests; 4 transfers of prefill-0 held back past the KV lease;
+- overload: capacity from a closed loop, then Poisson arrivals at 0.8x (the baseline TTFT)
+  and 2x capacity for 30 s, the router's admission bound sized from the 0.8x TTFT.
+
+Per scenario, one row: requests sent; succeeded; ended with a status (by code: a gRPC code
+name, or ABORTED for a stream that completed with finish reason abort); hung (no end within
+`--hang-bound-s`); lost (the stream closed with neither a result nor a status); blocks still
+used on each worker once the load is over and the lease has passed (stranded); time to
+recover (after a kill: until a probe is served by the restarted worker; redis: until every
+worker re-registered in the fresh Redis; otherwise until a probe is served again). Each
+scenario also checks the acceptance figures of docs/reliability.md and says which failed.
+
+Results: `chaos.json` (every request's outcome) and `chaos.png` (a timeline per scenario)
+under `--out`. Request timings are client-side (perf_counter), in seconds since the
+scenario's load started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import multiprocessing
+import os
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+from tqdm import tqdm
+
+from pdserve.client import make_request
+from protos.pdserve.v1 import generation_pb2 as gen
+from protos.pdserve.v1 import generation_pb2_grpc as gen_grpc
+
+if TYPE_CHECKING:  # torch, Ray and the router load only when a run starts
+    from pdserve.config import ServeConfig
+    from pdserve.faults import Quiescence, RedisProcess, Rig
+
+FIRST_TOKEN_ID = 4  # ids below are special tokens in pdserve's checkpoints
+STAGES = ("before prefill", "prefill", "transfer", "decode")
+OK, ABORTED, HUNG, LOST = "OK", "ABORTED", "HUNG", "LOST"
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """Sizes and bounds of one run (the acceptance figures are in docs/reliability.md)."""
+
+    preset: str = "tiny"
+    out_dir: Path = Path("build/chaos")
+    scenarios: tuple[str, ...] = (
+        "cancel",
+        "kill-prefill",
+        "kill-decode",
+        "redis",
+        "stall",
+        "overload",
+    )
+    seed: int = 0
+    transport: str = "torch_dist"
+    prompt_len: int = 256  # tokens per request (random ids)
+    output_len: int = 32  # tokens generated per request (EOS ignored)
+    num_cancel: int = 200
+    cancel_concurrency: int = 32
+    num_kill: int = 100  # requests per kill scenario and the redis scenario
+    kill_concurrency: int = 16
+    kill_after: int = 25  # the fault comes once this many requests ended
+    num_stall: int = 24
+    num_stalled: int = 4  # transfers held back on each worker of `stall_workers`
+    stall_workers: tuple[str, ...] = ("pdserve-prefill-0",)
+    stall_past_lease_s: float = 10.0  # held this long past the lease
+    overload_s: float = 30.0
+    capacity_concurrency: int = 48  # closed loop that measures capacity
+    baseline_s: float = 20.0  # the 0.8x phase
+    lease_s: float = 5.0  # transfer.lease_s (30 s in service): short, so quiescence is quick
+    hang_bound_s: float = 60.0  # a request with no end by then is hung
+    cut_bound_s: float = 2.0  # a cancelled or aborted stream must end within this
+    fault_bound_s: float = 10.0  # requests in flight at a kill must end within this
+    recover_bound_s: float = 30.0
+    rejection_bound_ms: float = 50.0
+    ttft_ratio_bound: float = 1.5
+    progress: bool = True
+
+    def serve_config(self, redis_url: str | None) -> ServeConfig:
+        from pdserve.config import ServeConfig
+
+        index: dict[str, Any] = {"refresh_interval_s": 1.0, "timeout_s": 0.1}
+        if redis_url:
+            index["redis_url"] = redis_url
+        return ServeConfig.load(
+            None,
+            {
+                "model": {"model": self.preset},
+                "router": {"grpc_port": 0, "http_enabled": False},
+                "prefill": {"num_workers": 2, "max_restarts": 5},
+                "decode": {"num_workers": 2, "max_restarts": 5},
+                "transfer": {"transport": self.transport, "lease_s": self.lease_s},
+                "index": index,
+            },
+        )
+
+
+# ---- one request -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shot:
+    """One request of a load: what to send, when, and whether to cut it short."""
+
+    request: gen.GenerateRequest
+    at_s: float = 0.0  # open loop: send this long after the load started
+    cut: str = ""  # "cancel" (client cancels the stream) | "abort" (Abort RPC) | ""
+    cut_after_s: float = 0.0  # after sending
+    stage: str = ""  # the stage the cut was planned to hit
+
+
+@dataclass
+class Outcome:
+    """What became of one request. Times are seconds since the load started."""
+
+    request_id: str
+    sent_s: float
+    status: str = LOST  # OK | ABORTED | a gRPC status code name | HUNG | LOST
+    detail: str = ""
+    ended_s: float | None = None
+    first_token_s: float | None = None
+    num_tokens: int = 0
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    server_ms: dict[str, float] = field(default_factory=dict)  # the complete's timings
+    cut: str = ""
+    planned_stage: str = ""
+    cut_s: float | None = None  # when the cut was made (None: it ended first)
+    seen_stage: str = ""  # where the router had the request at the cut
+    released_s: float | None = None  # the router stopped tracking the cut request
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.sent_s
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self.ended_s is None else self.ended_s - self.sent_s
+
+
+def random_prompt(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(n)]
+
+
+def request_of(ids: list[int], request_id: str, max_tokens: int) -> gen.GenerateRequest:
+    return make_request(
+        ids, request_id=request_id, temperature=0.0, max_tokens=max_tokens, ignore_eos=True
+    )
+
+
+class Driver:
+    """Sends shots to the router over grpc.aio and records an Outcome for each.
+
+    With a rig, a cut also notes where the router had the request and when the router
+    stopped tracking it (the server side of "the stream ended")."""
+
+    def __init__(
+        self, target: str, bound_s: float, rig: Rig | None = None, progress: bool = False
+    ) -> None:
+        self.target = target
+        self.bound_s = bound_s
+        self.rig = rig
+        self.progress = progress
+        self.t0 = time.perf_counter()
+        self.outcomes: list[Outcome] = []
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    @property
+    def num_ended(self) -> int:
+        return sum(o.ended_s is not None for o in self.outcomes)
+
+    async def wait_ended(self, n: int, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.num_ended < n and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def run(
+        self, shots: Sequence[Shot], concurrency: int | None = None, desc: str = ""
+    ) -> list[Outcome]:
+        """Send every shot (each at its `at_s`, at most `concurrency` in flight)."""
+        sem = asyncio.Semaphore(concurrency or len(shots) or 1)
+        bar = tqdm(total=len(shots), desc=desc, disable=not self.progress, leave=False)
+        async with grpc.aio.insecure_channel(self.target) as channel:
+            stub = gen_grpc.GenerationStub(channel)
+
+            async def go(shot: Shot) -> Outcome:
+                delay = shot.at_s - self.now()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                async with sem:
+                    out = await self._one(stub, shot)
+                bar.update(1)
+                return out
+
+            outs = await asyncio.gather(*(go(s) for s in shots))
+        bar.close()
+        return list(outs)
+
+    async def _one(self, stub: gen_grpc.GenerationStub, shot: Shot) -> Outcome:
+        out = Outcome(shot.request.request_id, self.now(), planned_stage=shot.stage)
+        self.outcomes.append(out)
+        call = stub.Generate(shot.request, timeout=self.bound_s)
+        cutter = asyncio.ensure_future(self._cut(stub, call, shot, out)) if shot.cut else None
+        complete: gen.GenerateComplete | None = None
+        try:
+            async for resp in call:
+                if resp.HasField("chunk"):
+                    if resp.chunk.token_ids and out.first_token_s is None:
+                        out.first_token_s = self.now()
+                    out.num_tokens += len(resp.chunk.token_ids)
+                else:
+                    complete = resp.complete
+            out.status, out.detail = _ending(complete)
+        except asyncio.CancelledError:
+            if shot.cut != "cancel":
+                raise
+            out.status = grpc.StatusCode.CANCELLED.name
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+            hung = code == grpc.StatusCode.DEADLINE_EXCEEDED
+            out.status, out.detail = (HUNG if hung else code.name), e.details() or ""
+        except Exception as e:  # the client broke: the request's fate is unknown
+            out.status, out.detail = LOST, f"{type(e).__name__}: {e}"
+        out.ended_s = self.now()
+        if complete is not None:
+            out.prefill_worker, out.decode_worker = complete.prefill_worker, complete.decode_worker
+            t = complete.timings
+            out.server_ms = {
+                "queue": t.queue_ms,
+                "prefill": t.prefill_ms,
+                "transfer": t.transfer_ms,
+                "ttft": t.ttft_ms,
+            }
+        if cutter is not None:
+            if out.cut_s is not None:  # the cut is under way: let it finish its accounting
+                await cutter
+            else:
+                cutter.cancel()
+        return out
+
+    async def _cut(
+        self, stub: gen_grpc.GenerationStub, call: Any, shot: Shot, out: Outcome
+    ) -> None:
+        await asyncio.sleep(shot.cut_after_s)
+        if call.done() or out.ended_s is not None:
+            return
+        rid = shot.request.request_id
+        out.cut, out.cut_s, out.seen_stage = shot.cut, self.now(), self._stage(rid)
+        if shot.cut == "cancel":
+            call.cancel()
+        else:
+            try:
+                found = await stub.Abort(gen.AbortRequest(request_id=rid), timeout=self.bound_s)
+            except grpc.aio.AioRpcError as e:
+                found = gen.AbortResponse(found=False)
+                out.detail = f"Abort failed: {e.code().name}"
+            if not found.found:  # not admitted yet (or just done): the request went on
+                out.cut, out.cut_s, out.seen_stage = "", None, ""
+                return
+        await self._watch_release(rid, out)
+
+    def _stage(self, request_id: str) -> str:
+        """The router's view of the request (prefill and transfer are one Ray call there)."""
+        if self.rig is None or self.rig.router is None:
+            return ""
+        act = self.rig.router.active.get(request_id)
+        if act is None:
+            return "not admitted or done"
+        if act.first_sent_s is not None:
+            return "decode"
+        return "prefill or transfer" if act.prefill is not None else "before prefill"
+
+    async def _watch_release(self, request_id: str, out: Outcome, timeout_s: float = 30) -> None:
+        if self.rig is None or self.rig.router is None:
+            return
+        active = self.rig.router.active
+        deadline = self.now() + timeout_s
+        while request_id in active and self.now() < deadline:
+            await asyncio.sleep(0.002)
+        if request_id not in active:
+            out.released_s = self.now()
+
+
+def _ending(complete: gen.GenerateComplete | None) -> tuple[str, str]:
+    if complete is None:
+        return LOST, "the stream closed without a complete message or a status"
+    if complete.finish_reason == gen.FINISH_REASON_ABORT:
+        return ABORTED, ""
+    return OK, ""
+
+
+# ---- results ---------------------------------------------------------------------------------
+@dataclass
+class ScenarioResult:
+    name: str
+    fault: str
+    outcomes: list[Outcome]
+    quiescence: Quiescence | None = None
+    recover_s: float | None = None
+    fault_s: list[float] = field(default_factory=list)  # when faults hit (load clock)
+    figures: dict[str, Any] = field(default_factory=dict)
+    checks: dict[str, bool] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    @property
+    def sent(self) -> int:
+        return len(self.outcomes)
+
+    @property
+    def succeeded(self) -> int:
+        return sum(o.status == OK for o in self.outcomes)
+
+    @property
+    def statuses(self) -> dict[str, int]:
+        c = Counter(o.status for o in self.outcomes if o.status not in (OK, HUNG, LOST))
+        return dict(sorted(c.items()))
+
+    @property
+    def hung(self) -> int:
+        return sum(o.status == HUNG for o in self.outcomes)
+
+    @property
+    def lost(self) -> int:
+        return sum(o.status == LOST for o in self.outcomes)
+
+    @property
+    def stranded(self) -> dict[str, int | None]:
+        return dict(self.quiescence.used_blocks) if self.quiescence else {}
+
+    @property
+    def passed(self) -> bool:
+        return all(self.checks.values())
+
+    def base_checks(self) -> None:
+        """What every scenario must show: no hang, no loss, nothing left behind."""
+        self.checks["0 hung"] = self.hung == 0
+        self.checks["0 lost"] = self.lost == 0
+        if self.quiescence is not None:
+            q = self.quiescence
+            self.checks["0 blocks stranded"] = all(v == 0 for v in q.used_blocks.values())
+            self.checks["no per-request state left"] = not any(q.leftovers.values()) and not (
+                q.router_active
+            )
+            self.checks["integrity"] = not q.integrity_errors
+
+    def to_json(self) -> dict[str, Any]:
+        q = self.quiescence
+        return {
+            "name": self.name,
+            "fault": self.fault,
+            "sent": self.sent,
+            "succeeded": self.succeeded,
+            "statuses": self.statuses,
+            "hung": self.hung,
+            "lost": self.lost,
+            "stranded_blocks": self.stranded,
+            "leftovers": q.leftovers if q else {},
+            "router_active_after": q.router_active if q else [],
+            "quiesce_wait_s": q.waited_s if q else None,
+            "integrity_errors": q.integrity_errors if q else {},
+            "recover_s": self.recover_s,
+            "fault_s": self.fault_s,
+            "figures": self.figures,
+            "checks": self.checks,
+            "passed": self.passed,
+            "wall_s": self.wall_s,
+            "outcomes": [asdict(o) for o in self.outcomes],
+        }
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    return float(np.percentile(np.asarray(values, dtype=float), p)) if values else None
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1e3, 1)
+
+
+# ---- the run's context -----------------------------------------------------------------------
+@dataclass
+class Chaos:
+    """One rig and what scenarios share: sizes, randomness, the model's vocabulary."""
+
+    cfg: ChaosConfig
+    rig: Rig
+    redis: RedisProcess | None = None
+    rng: random.Random = field(default_factory=random.Random)
+    probe_log: list[list[Any]] = field(default_factory=list)  # the last recovery's probes
+    _n: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        assert self.rig.router is not None
+        return int(self.rig.router.model_info.vocab_size)
+
+    def driver(self) -> Driver:
+        return Driver(self.rig.target, self.cfg.hang_bound_s, self.rig, self.cfg.progress)
+
+    def request(
+        self, tag: str, ids: list[int] | None = None, max_tokens: int | None = None
+    ) -> gen.GenerateRequest:
+        self._n += 1
+        ids = ids or random_prompt(self.rng, self.cfg.prompt_len, self.vocab_size)
+        return request_of(ids, f"chaos-{tag}-{self._n}", max_tokens or self.cfg.output_len)
+
+    def shots(self, tag: str, n: int) -> list[Shot]:
+        return [Shot(self.request(tag)) for _ in range(n)]
+
+    def quiesce(self) -> Quiescence:
+        """After the load: wait out the lease (and a reaper period) for anything held."""
+        return self.rig.quiesce(timeout_s=self.cfg.lease_s + 5.0)
+
+    async def probe(self, n: int = 1, timeout_s: float = 10.0) -> list[Outcome]:
+        d = Driver(self.rig.target, timeout_s)
+        shots = [Shot(self.request("probe", max_tokens=4)) for _ in range(n)]
+        return await d.run(shots)
+
+    async def recover(
+        self, since: float, served_by: str = "", timeout_s: float = 90.0
+    ) -> float | None:
+        """Seconds from `since` (perf_counter) until a burst of probes all succeed, one of
+        them served by `served_by` when given (a burst as wide as that worker's pool)."""
+        width = 1
+        if served_by:
+            role = "prefill" if "prefill" in served_by else "decode"
+            width = sum(role in n for n in self.rig.actors())
+        deadline = time.perf_counter() + timeout_s
+        self.probe_log = []
+        while time.perf_counter() < deadline:
+            outs = await self.probe(width)
+            names = {o.prefill_worker for o in outs} | {o.decode_worker for o in outs}
+            self.probe_log.append(
+                [round(time.perf_counter() - since, 2)]
+                + [f"{o.status} {o.prefill_worker} {o.decode_worker} {o.detail[:80]}" for o in outs]
+            )
+            if all(o.status == OK for o in outs) and (not served_by or served_by in names):
+                return time.perf_counter() - since
+            await asyncio.sleep(0.25)
+        return None
+
+
+# ---- scenarios -------------------------------------------------------------------------------
+async def _calibrate_stages(ch: Chaos, n: int) -> dict[str, tuple[float, float]]:
+    """Each stage's window, seconds after sending, from `n` uncut requests at the cancel
+    scenario's concurrency: medians of the server's queue and prefill times, then the client's
+    TTFT and end."""
+    d = ch.driver()
+    outs = await d.run(ch.shots("calib", n), ch.cfg.cancel_concurrency, "calibrate")
+    ok = [o for o in outs if o.status == OK and o.ttft_s is not None and o.latency_s]
+    if not ok:
+        raise RuntimeError(f"calibration: no request succeeded ({Counter(o.status for o in outs)})")
+    queue = float(np.median([o.server_ms["queue"] for o in ok])) / 1e3
+    prefill = queue + float(np.median([o.server_ms["prefill"] for o in ok])) / 1e3
+    ttft = max(float(np.median([o.ttft_s or 0.0 for o in ok])), prefill)
+    end = max(float(np.median([o.latency_s or 0.0 for o in ok])), ttft)
+    return {
+        "before prefill": (0.0, queue),
+        "prefill": (queue, prefill),
+        "transfer": (prefill, ttft),
+        "decode": (ttft, ttft + 0.9 * (end - ttft)),
+    }
+
+
+def scenario_cancel(ch: Chaos) -> ScenarioResult:
+    cfg = ch.cfg
+    windows = asyncio.run(_calibrate_stages(ch, max(cfg.cancel_concurrency, 8)))
+    shots = []
+    for i in range(cfg.num_cancel):
+        stage = STAGES[i % len(STAGES)]
+        lo, hi = windows[stage]
+        shots.append(
+            Shot(
+                ch.request("cancel"),
+                cut="cancel" if ch.rng.random() < 0.5 else "abort",
+                cut_after_s=ch.rng.uniform(lo, hi),
+                stage=stage,
+            )
+        )
+    d = ch.driver()
+    outs = asyncio.run(d.run(shots, cfg.cancel_concurrency, "cancel"))
+    last_cut = max((o.cut_s for o in outs if o.cut_s is not None), default=d.now())
+    res = ScenarioResult("cancel", f"{cfg.num_cancel} streams cut at random points", outs)
+    res.quiescence = ch.quiesce()
+    res.recover_s = asyncio.run(ch.recover(d.t0 + last_cut))
+    cut = [o for o in outs if o.cut_s is not None]
+    end_after = [(o.ended_s or math.inf) - (o.cut_s or 0.0) for o in cut]
+    release_after = [(o.released_s or math.inf) - (o.cut_s or 0.0) for o in cut]
+    res.figures = {
+        "stage_windows_ms": {
+            k: [round(a * 1e3, 1), round(b * 1e3, 1)] for k, (a, b) in windows.items()
+        },
+        "cut": len(cut),
+        "ended_before_cut": len(outs) - len(cut),
+        "cut_by_kind": dict(Counter(o.cut for o in cut)),
+        "cut_by_planned_stage": dict(Counter(o.planned_stage for o in cut)),
+        "cut_by_router_stage": dict(Counter(o.seen_stage for o in cut)),
+        "max_end_after_cut_ms": _ms(max(end_after, default=0.0)),
+        "p99_end_after_cut_ms": _ms(percentile(end_after, 99)),
+        "max_release_after_cut_ms": _ms(max(release_after, default=0.0)),
+        "p99_release_after_cut_ms": _ms(percentile(release_after, 99)),
+    }
+    res.base_checks()
+    res.checks[f"every cut stream ended within {cfg.cut_bound_s:g} s"] = all(
+        t <= cfg.cut_bound_s for t in end_after
+    )
+    res.checks[f"the router let go of each within {cfg.cut_bound_s:g} s"] = all(
+        t <= cfg.cut_bound_s for t in release_after
+    )
+    return res
+
+
+def scenario_kill(ch: Chaos, role: str) -> ScenarioResult:
+    cfg = ch.cfg
+    name = f"pdserve-{role}-0"
+    d = ch.driver()
+    shots = ch.shots(f"kill-{role}", cfg.num_kill)
+    fault: dict[str, float] = {}
+
+    async def body() -> list[Outcome]:
+        async def inject() -> None:
+            await d.wait_ended(cfg.kill_after)
+            fault["pid"] = await asyncio.to_thread(ch.rig.kill9, name)
+            fault["at"] = d.now()
+            rec = await ch.recover(d.t0 + fault["at"], served_by=name)
+            fault["recover"] = math.nan if rec is None else rec
+
+        outs, _ = await asyncio.gather(d.run(shots, cfg.kill_concurrency, f"kill {role}"), inject())
+        return outs
+
+    outs = asyncio.run(body())
+    t_kill = fault["at"]
+    res = ScenarioResult(
+        f"kill-{role}", f"kill -9 {name} (pid {int(fault['pid'])})", outs, fault_s=[t_kill]
+    )
+    res.recover_s = None if math.isnan(fault["recover"]) else fault["recover"]
+    res.quiescence = ch.quiesce()
+    in_flight = [o for o in outs if o.sent_s <= t_kill and (o.ended_s or math.inf) > t_kill]
+    after = [(o.ended_s or math.inf) - t_kill for o in in_flight]
+    res.figures = {
+        "in_flight_at_kill": len(in_flight),
+        "in_flight_outcomes": dict(Counter(o.status for o in in_flight)),
+        "max_end_after_kill_s": round(max(after, default=0.0), 3),
+        "new_pid": ch.rig.pid(name),
+        "probes": ch.probe_log,
+    }
+    res.base_checks()
+    res.checks["each completes or ends UNAVAILABLE"] = set(o.status for o in outs) <= {
+        OK,
+        grpc.StatusCode.UNAVAILABLE.name,
+    }
+    res.checks[f"in flight at the kill ended within {cfg.fault_bound_s:g} s"] = all(
+        t <= cfg.fault_bound_s for t in after
+    )
+    res.checks[f"serves again within {cfg.recover_bound_s:g} s"] = (
+        res.recover_s is not None and res.recover_s <= cfg.recover_bound_s
+    )
+    return res
+
+
+def scenario_redis(ch: Chaos) -> ScenarioResult:
+    cfg = ch.cfg
+    redis = ch.redis
+    assert redis is not None, "the redis scenario needs the rig's redis-server"
+    assert ch.rig.router is not None
+    bases = [random_prompt(ch.rng, cfg.prompt_len * 3 // 4, ch.vocab_size) for _ in range(10)]
+    tail = cfg.prompt_len - len(bases[0])
+    shots = [
+        Shot(ch.request("redis", bases[i % 10] + random_prompt(ch.rng, tail, ch.vocab_size)))
+        for i in range(cfg.num_kill)
+    ]
+    errors_before = ch.rig.router.index.errors
+    d = ch.driver()
+    fault: dict[str, float] = {}
+
+    async def body() -> list[Outcome]:
+        async def inject() -> None:
+            await d.wait_ended(15)
+            await asyncio.to_thread(redis.kill)
+            fault["at"] = d.now()
+
+        outs, _ = await asyncio.gather(d.run(shots, cfg.kill_concurrency, "redis"), inject())
+        return outs
+
+    outs = asyncio.run(body())
+    t_restart = time.perf_counter()
+    redis.start()
+    workers = set(ch.rig.actors())
+    res = ScenarioResult(
+        "redis", "kill -9 redis-server under load", outs, fault_s=[fault["at"], t_restart - d.t0]
+    )
+    while redis.registered_workers(ch.rig.router.model_info.served_model_name) != workers:
+        if time.perf_counter() - t_restart > 60:
+            break
+        time.sleep(0.05)
+    else:
+        res.recover_s = time.perf_counter() - t_restart
+    res.quiescence = ch.quiesce()
+    during = [o for o in outs if (o.ended_s or 0.0) > fault["at"]]
+    res.figures = {
+        "requests_ended_while_down": len(during),
+        "index_errors_at_router": ch.rig.router.index.errors - errors_before,
+        "recover_is": "all workers registered in the fresh Redis, seconds after its start",
+    }
+    res.base_checks()
+    res.checks["100% succeed"] = res.succeeded == res.sent
+    return res
+
+
+def scenario_stall(ch: Chaos) -> ScenarioResult:
+    """Transfers held back `stall_past_lease_s` past their lease: the decode side frees the
+    blocks at the lease, the router stops waiting soon after and the request fails."""
+    cfg = ch.cfg
+    stall_s = cfg.lease_s + cfg.stall_past_lease_s
+    for name in cfg.stall_workers:
+        ch.rig.stall_transfers(name, stall_s, cfg.num_stalled)
+    d = ch.driver()
+    try:
+        outs = asyncio.run(d.run(ch.shots("stall", cfg.num_stall), 8, "stall"))
+    finally:
+        for name in cfg.stall_workers:
+            ch.rig.stall_transfers(name, 0.0, 0)
+    held = f"{cfg.num_stalled} transfers on {', '.join(cfg.stall_workers)}"
+    res = ScenarioResult(
+        "stall", f"{held} held {stall_s:g} s (lease {cfg.lease_s:g} s)", outs, fault_s=[0.0]
+    )
+    res.quiescence = ch.quiesce()
+    res.recover_s = asyncio.run(ch.recover(time.perf_counter()))
+    failed = [o for o in outs if o.status != OK]
+    bound_s = cfg.lease_s + 5.0  # the router's grace is 2 s
+    res.figures = {
+        "stall_s": stall_s,
+        "lease_s": cfg.lease_s,
+        "stalled": len(failed),
+        "max_latency_failed_s": round(
+            max((o.latency_s or math.inf for o in failed), default=0.0), 3
+        ),
+        "max_latency_ok_s": round(
+            max((o.latency_s or 0.0 for o in outs if o.status == OK), default=0.0), 3
+        ),
+    }
+    res.base_checks()
+    res.checks["each completes or ends UNAVAILABLE"] = set(o.status for o in outs) <= {
+        OK,
+        grpc.StatusCode.UNAVAILABLE.name,
+    }
+    res.checks[f"stalled ones end within lease + {bound_s - cfg.lease_s:g} s"] = all(
+        (o.latency_s or math.inf) <= bound_s for o in failed
+    )
+    return res
+
+
+def _drive(
+    target: str, bound_s: float, shots: list[Shot], concurrency: int | None
+) -> list[Outcome]:
+    return asyncio.run(Driver(target, bound_s).run(shots, concurrency))
+
+
+def drive_apart(
+    ch: Chaos, shots: list[Shot], concurrency: int | None = None, offset_s: float = 0.0
+) -> list[Outcome]:
+    """Send the shots from a child process, its times shifted by `offset_s`. The load then
+    does not take turns with the router's event loop on this process's interpreter lock,
+    which would add tens of milliseconds to a rejection that the router answers at once."""
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        outs = pool.submit(_drive, ch.rig.target, ch.cfg.hang_bound_s, shots, concurrency)
+        result = outs.result()
+    for o in result:
+        for name in ("sent_s", "ended_s", "first_token_s"):
+            v = getattr(o, name)
+            if v is not None:
+                setattr(o, name, v + offset_s)
+    return result
+
+
+def _poisson(ch: Chaos, rate: float, duration_s: float, tag: str) -> list[Shot]:
+    """Arrivals at `rate` per second for `duration_s` (send times from 0)."""
+    t, shots = 0.0, list[Shot]()
+    while True:
+        t += ch.rng.expovariate(rate)
+        if t >= duration_s:
+            return shots
+        shots.append(Shot(ch.request(tag), at_s=t))
+
+
+def steady_throughput(outs: Sequence[Outcome]) -> float:
+    """Completions per second between the first and the third quarter of them: a closed
+    loop's rate without its ramp-up and its tail."""
+    ends = sorted(o.ended_s for o in outs if o.status == OK and o.ended_s is not None)
+    lo, hi = len(ends) // 4, 3 * len(ends) // 4
+    if hi <= lo or ends[hi] <= ends[lo]:
+        return 0.0
+    return (hi - lo) / (ends[hi] - ends[lo])
+
+
+def waiting_counts(outs: Sequence[Outcome], step_s: float = 0.01) -> list[int]:
+    """How many requests had been sent and had no token yet (nor an end), every `step_s`:
+    what the router's `max_queue_len` counts."""
+    spans = [(o.sent_s, o.first_token_s or o.ended_s or o.sent_s) for o in outs]
+    if not spans:
+        return []
+    t_end = max(b for _, b in spans)
+    ticks = np.arange(0.0, t_end, step_s)
+    starts = np.sort([a for a, _ in spans])
+    stops = np.sort([b for _, b in spans])
+    waiting = np.searchsorted(starts, ticks, "right") - np.searchsorted(stops, ticks, "right")
+    return [int(n) for n in waiting]
+
+
+def scenario_overload(ch: Chaos) -> ScenarioResult:
+    """The unloaded TTFT (requests one at a time) and the capacity (steady throughput of a
+    closed loop, `capacity_concurrency` in flight). Then Poisson arrivals at 0.8x capacity
+    for `baseline_s` with no admission bound to speak of (the default 256): the baseline.
+    The router's `max_queue_len` (requests admitted, no token yet) is then sized by Little's
+    law so that a full queue waits about the baseline's median TTFT: capacity x that TTFT.
+    Then arrivals at 2x capacity for `overload_s`. The load comes from a child process
+    (`drive_apart`). (A bound at the baseline's 99th percentile of waiting requests admits
+    more, about the capacity, at a higher TTFT: docs/reliability.md has both.)"""
+    cfg = ch.cfg
+    router = ch.rig.router
+    assert router is not None
+    alone = drive_apart(ch, ch.shots("unloaded", 8), 1)
+    unloaded_ttft = percentile([o.ttft_s for o in alone if o.ttft_s is not None], 50) or 0.0
+    n_cal = 4 * cfg.capacity_concurrency
+    capacity = steady_throughput(
+        drive_apart(ch, ch.shots("capacity", n_cal), cfg.capacity_concurrency)
+    )
+    print(
+        f"pdserve chaos: unloaded TTFT {unloaded_ttft * 1e3:.0f} ms, capacity "
+        f"{capacity:.1f} requests/s",
+        file=sys.stderr,
+        flush=True,
+    )
+    base = drive_apart(ch, _poisson(ch, 0.8 * capacity, cfg.baseline_s, "0.8x"))
+    base_ttft = [o.ttft_s for o in base if o.status == OK and o.ttft_s is not None]
+    queue_len = max(2, math.ceil(capacity * (percentile(base_ttft, 50) or 0.0)))
+    default = router.cfg
+    router.cfg = replace(default, max_queue_len=queue_len)
+    t_over = cfg.baseline_s + 1.0  # on the plot, the 2x phase follows the 0.8x one
+    try:
+        shots = _poisson(ch, 2 * capacity, cfg.overload_s, "2x")
+        over = drive_apart(ch, shots, None, t_over)
+    finally:
+        router.cfg = default
+    t_end = time.perf_counter()
+    base_p99 = percentile(base_ttft, 99) or 0.0
+    res = ScenarioResult(
+        "overload",
+        f"2x capacity for {cfg.overload_s:g} s",
+        over,
+        fault_s=[t_over, t_over + cfg.overload_s],
+    )
+    res.quiescence = ch.quiesce()
+    res.recover_s = asyncio.run(ch.recover(t_end))
+    rejected = [o for o in over if o.status == grpc.StatusCode.RESOURCE_EXHAUSTED.name]
+    reject_ms = [(o.latency_s or math.inf) * 1e3 for o in rejected]
+    over_ttft = [o.ttft_s for o in over if o.status == OK and o.ttft_s is not None]
+    over_p99 = percentile(over_ttft, 99)
+    ratio = (over_p99 / base_p99) if over_p99 is not None and base_p99 else None
+    res.figures = {
+        "unloaded_ttft_ms": _ms(unloaded_ttft),
+        "capacity_rps": round(capacity, 2),
+        "max_queue_len": queue_len,
+        "baseline": {
+            "sent": len(base),
+            "ok": len(base_ttft),
+            "statuses": dict(Counter(o.status for o in base)),
+            "p99_waiting": percentile(waiting_counts(base), 99),
+            "p50_ttft_ms": _ms(percentile(base_ttft, 50)),
+            "p99_ttft_ms": _ms(base_p99),
+        },
+        "overload": {
+            "sent": len(over),
+            "ok": len(over_ttft),
+            "rejected": len(rejected),
+            "p50_ttft_ms": _ms(percentile(over_ttft, 50)),
+            "p99_ttft_ms": _ms(over_p99),
+            "admitted_rps": round(len(over_ttft) / cfg.overload_s, 2),
+        },
+        "rejection_ms": {
+            "p50": _r(percentile(reject_ms, 50)),
+            "p99": _r(percentile(reject_ms, 99)),
+            "max": _r(max(reject_ms, default=0.0)),
+        },
+        "p99_ttft_ratio": None if ratio is None else round(ratio, 3),
+        "baseline_outcomes": [asdict(o) for o in base],
+    }
+    res.base_checks()
+    res.checks["excess rejected (RESOURCE_EXHAUSTED)"] = bool(rejected)
+    res.checks[f"every rejection within {cfg.rejection_bound_ms:g} ms"] = all(
+        t <= cfg.rejection_bound_ms for t in reject_ms
+    )
+    res.checks[f"admitted p99 TTFT within {cfg.ttft_ratio_bound:g}x of 0.8x load"] = (
+        ratio is not None and ratio <= cfg.ttft_ratio_bound
+    )
+    res.checks["admitted ones complete or end with a status"] = set(o.status for o in over) <= {
+        OK,
+        grpc.StatusCode.RESOURCE_EXHAUSTED.name,
+    }
+    return res
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 2)
+
+
+SCENARIOS: dict[str, Callable[[Chaos], ScenarioResult]] = {
+    "cancel": scenario_cancel,
+    "kill-prefill": lambda ch: scenario_kill(ch, "prefill"),
+    "kill-decode": lambda ch: scenario_kill(ch, "decode"),
+    "redis": scenario_redis,
+    "stall": scenario_stall,
+    "overload": scenario_overload,
+}
+
+
+# ---- report ----------------------------------------------------------------------------------
+def _stranded_text(r: ScenarioResult) -> str:
+    parts = []
+    for name, used in r.stranded.items():
+        short = name.replace("pdserve-", "").replace("prefill-", "p").replace("decode-", "d")
+        parts.append(f"{short}:{'?' if used is None else used}")
+    return " ".join(parts)
+
+
+def _key_figures(r: ScenarioResult) -> str:
+    f = r.figures
+    if r.name == "cancel":
+        return (
+            f"cut {f['cut']}; end after cut max {f['max_end_after_cut_ms']} ms; "
+            f"router release max {f['max_release_after_cut_ms']} ms"
+        )
+    if r.name.startswith("kill"):
+        return (
+            f"{f['in_flight_at_kill']} in flight; last ended "
+            f"{f['max_end_after_kill_s']} s after the kill"
+        )
+    if r.name == "redis":
+        return f"{f['requests_ended_while_down']} ended after the kill"
+    if r.name == "stall":
+        return (
+            f"{f['stalled']} stalled, ended by {f['max_latency_failed_s']} s "
+            f"(stall {f['stall_s']:g} s, lease {f['lease_s']:g} s)"
+        )
+    if r.name == "overload":
+        rej, o, b = f["rejection_ms"], f["overload"], f["baseline"]
+        return (
+            f"unloaded TTFT {f['unloaded_ttft_ms']} ms; "
+            f"cap {f['capacity_rps']}/s, queue {f['max_queue_len']}; reject p99 "
+            f"{rej['p99']} ms max {rej['max']} ms; p99 TTFT {b['p99_ttft_ms']} → "
+            f"{o['p99_ttft_ms']} ms (x{f['p99_ttft_ratio']})"
+        )
+    return ""
+
+
+def print_table(results: Sequence[ScenarioResult]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="pdserve chaos", show_lines=True)
+    for col in (
+        "scenario",
+        "sent",
+        "ok",
+        "status",
+        "hung",
+        "lost",
+        "stranded blocks",
+        "recover s",
+        "figures",
+        "verdict",
+    ):
+        table.add_column(col, overflow="fold")
+    for r in results:
+        failed = [k for k, ok in r.checks.items() if not ok]
+        verdict = "[green]pass[/]" if not failed else "[red]FAIL[/]: " + "; ".join(failed)
+        table.add_row(
+            r.name,
+            str(r.sent),
+            str(r.succeeded),
+            " ".join(f"{k} {v}" for k, v in r.statuses.items()) or "-",
+            str(r.hung),
+            str(r.lost),
+            _stranded_text(r),
+            "-" if r.recover_s is None else f"{r.recover_s:.2f}",
+            _key_figures(r),
+            verdict,
+        )
+    Console(width=200).print(table)
+
+
+def _y(r: ScenarioResult, o: Outcome) -> float:
+    """What a panel plots for a request: its TTFT in the overload panel (the figure the
+    scenario is about) when it had one, else its latency (a hung one at the top)."""
+    if r.name == "overload" and o.ttft_s is not None:
+        return o.ttft_s
+    return o.latency_s or r.wall_s
+
+
+def plot(results: Sequence[ScenarioResult], path: Path) -> None:
+    """One panel per scenario: each request's latency (overload: TTFT) against its send
+    time, by status; dashed lines mark the faults (overload: the 2x phase)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {
+        OK: "tab:green",
+        "CANCELLED": "tab:gray",
+        ABORTED: "tab:blue",
+        "UNAVAILABLE": "tab:orange",
+        "RESOURCE_EXHAUSTED": "tab:purple",
+        HUNG: "tab:red",
+        LOST: "black",
+    }
+    fig, axes = plt.subplots(len(results), 1, figsize=(10, 2.6 * len(results)), squeeze=False)
+    for ax, r in zip(axes[:, 0], results, strict=True):
+        outs = list(r.outcomes)
+        if r.name == "overload":
+            outs = [Outcome(**o) for o in r.figures.get("baseline_outcomes", [])] + outs
+        for status in sorted({o.status for o in outs}):
+            pts = [(o.sent_s, _y(r, o)) for o in outs if o.status == status]
+            ax.scatter(
+                *zip(*pts, strict=True), s=6, label=status, color=colors.get(status, "tab:brown")
+            )
+        for t in r.fault_s:
+            ax.axvline(t, color="red", lw=0.8, ls="--")
+        ax.set_yscale("log")
+        ax.set_ylabel("TTFT / latency (s)" if r.name == "overload" else "latency (s)")
+        ax.set_title(f"{r.name}: {r.fault}", fontsize=9)
+        ax.legend(fontsize=7, loc="upper right")
+    axes[-1, 0].set_xlabel("send time (s since the load started)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _log_to(path: Path) -> None:
+    """Warnings (a worker died, a call failed: expected here) go to a file, not the table."""
+    handler = logging.FileHandler(path, mode="w")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+
+
+def machine() -> dict[str, Any]:
+    import platform
+
+    return {
+        "cpus": os.cpu_count(),
+        "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+# ---- entry points ----------------------------------------------------------------------------
+def run_scenarios(ch: Chaos, names: Sequence[str]) -> list[ScenarioResult]:
+    results = []
+    for name in names:
+        t0 = time.perf_counter()
+        print(f"pdserve chaos: {name} ...", file=sys.stderr, flush=True)
+        res = SCENARIOS[name](ch)
+        res.wall_s = round(time.perf_counter() - t0, 2)
+        results.append(res)
+    return results
+
+
+def run(cfg: ChaosConfig) -> list[ScenarioResult]:
+    """Stand up the rig (with redis-server), run `cfg.scenarios`, write and print results."""
+    unknown = [s for s in cfg.scenarios if s not in SCENARIOS]
+    if unknown:
+        raise ValueError(f"--scenarios: unknown {unknown}; choose from {list(SCENARIOS)}")
+    from pdserve.faults import RedisProcess, Rig
+
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    _log_to(cfg.out_dir / "chaos.log")
+    redis = RedisProcess(cfg.out_dir / "redis").start()
+    rig = Rig(cfg.serve_config(redis.url))
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    try:
+        rig.start()
+        ch = Chaos(cfg, rig, redis, random.Random(cfg.seed))
+        results = run_scenarios(ch, cfg.scenarios)
+    finally:
+        rig.close()
+        redis.kill()
+    report = {
+        "date": datetime.now().isoformat(timespec="seconds"),
+        "machine": {**machine(), "load_avg_before": [round(x, 2) for x in load_before]},
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        "wall_s": round(time.perf_counter() - started, 1),
+        "passed": all(r.passed for r in results),
+        "scenarios": [r.to_json() for r in results],
+    }
+    (cfg.out_dir / "chaos.json").write_text(json.dumps(report, indent=1, default=str))
+    plot(results, cfg.out_dir / "chaos.png")
+    print_table(results)
+    print(
+        f"pdserve chaos: {report['wall_s']} s; results in {cfg.out_dir}/chaos.json, chaos.png",
+        file=sys.stderr,
+    )
+    return results
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    d = ChaosConfig()
+    p.add_argument("--out", default=str(d.out_dir), help="results directory (chaos.json, .png)")
+    p.add_argument(
+        "--scenarios", default=",".join(d.scenarios), help=f"comma list of {','.join(SCENARIOS)}"
+    )
+    p.add_argument("--preset", default=d.preset, choices=["tiny", "small"])
+    p.add_argument("--transport", default=d.transport, choices=["torch_dist", "grpc"])
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--num-cancel", type=int, default=d.num_cancel)
+    p.add_argument(
+        "--num-kill",
+        type=int,
+        default=d.num_kill,
+        help="requests per kill scenario and the redis scenario",
+    )
+    p.add_argument("--overload-s", type=float, default=d.overload_s)
+    p.add_argument("--baseline-s", type=float, default=d.baseline_s, help="the 0.8x phase")
+    p.add_argument("--lease-s", type=float, default=d.lease_s, help="transfer.lease_s")
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
+    p.add_argument("--output-len", type=int, default=d.output_len)
+    p.add_argument("--hang-bound-s", type=float, default=d.hang_bound_s)
+    p.add_argument("--disable-tqdm", action="store_true")
+
+
+def run_chaos(args: argparse.Namespace) -> int:
+    """`pdserve chaos`: exit 0 when every scenario met its acceptance figures, else 1."""
+    cfg = ChaosConfig(
+        preset=args.preset,
+        out_dir=Path(args.out),
+        scenarios=tuple(s.strip() for s in args.scenarios.split(",") if s.strip()),
+        seed=args.seed,
+        transport=args.transport,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        num_cancel=args.num_cancel,
+        num_kill=args.num_kill,
+        overload_s=args.overload_s,
+        baseline_s=args.baseline_s,
+        lease_s=args.lease_s,
+        hang_bound_s=args.hang_bound_s,
+        progress=not args.disable_tqdm,
+    )
+    return 0 if all(r.passed for r in run(cfg)) else 1
