@@ -312,8 +312,15 @@ def test_sigterm_drains_in_flight_requests(
         with ThreadPoolExecutor(n) as pool:
             futures = [pool.submit(one, i) for i in range(n)]
             started.wait()
+            health = health_pb2_grpc.HealthStub(server.channel)
+            check = health_pb2.HealthCheckRequest(service="")
+            assert health.Check(check, timeout=5).status == health_pb2.HealthCheckResponse.SERVING
             server.proc.send_signal(signal.SIGTERM)
             t0 = time.monotonic()
+            # Health turns NOT_SERVING within 1 s (load balancers stop sending new work).
+            while health.Check(check, timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() - t0 < 1.0, "health still SERVING 1 s after SIGTERM"
+                time.sleep(0.02)
             while "pdserve: draining" not in log.read_text() and time.monotonic() - t0 < 30:
                 time.sleep(0.05)
             # draining: new requests are refused, the ones in flight go on

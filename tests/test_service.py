@@ -83,6 +83,9 @@ PROMPTS = [
 BAD_REQUESTS = [
     ("temperature", make_request("hi", temperature=-1.0), "temperature"),
     ("top_p", make_request("hi", top_p=2.0), "top_p"),
+    ("top_p 0", make_request("hi", top_p=0.0), "top_p"),
+    ("top_p 1.5", make_request("hi", top_p=1.5), "top_p"),
+    ("top_k", make_request("hi", top_k=-5), "top_k"),
     ("n", make_request("hi", n=2), "n"),
     ("max_tokens", make_request("hi", max_tokens=0), "max_tokens"),
     ("empty text", make_request(""), "prompt"),
