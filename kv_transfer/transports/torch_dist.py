@@ -13,10 +13,7 @@ sender registers pair number ``i`` under ``pair/<i>`` and both sides build a gro
   peer that dies closes the connection, which fails its transfers at once. An idle pair
   holds no posted gloo receive, so no collective timeout can fire while idle;
 * payload regions go over the group as raw uint8 sends, straight from the sender's pages
-  into the receiver's reserved pages, after the receiver validated the header. A frame of
-  many small page runs (a fragmented destination) goes as one packed message instead,
-  gathered and scattered by one copy on each side (`_packed`: both sides decide from the
-  header alone).
+  into the receiver's reserved pages, after the receiver validated the header.
 
 Before either side builds the group, the pair authenticates under ``auth/<i>/...``
 (kv_transfer/auth.py): the receiver writes a fresh ``nonce``, the sender answers with a
@@ -69,10 +66,6 @@ VERDICT_REFUSED = "refused: "
 _ELEM_BYTES = {pb.KV_DTYPE_FLOAT32: 4, pb.KV_DTYPE_BFLOAT16: 2, pb.KV_DTYPE_FLOAT16: 2}
 _MAX_DRAIN_BYTES = 1 << 30
 _MAX_RECORD_BYTES = 1 << 24  # a control record (header or ack) larger than this is garbage
-# A frame whose regions (page runs) average below this travels as one packed gloo/NCCL
-# message instead of one per region: a scattered destination means hundreds of small runs
-# per layer, and each message costs both sides more CPU than copying its bytes once more.
-_PACK_BELOW_BYTES = 256 << 10
 _POLL_PAIRS_S = 0.01  # how often the endpoint looks for new pairs in its store
 _LEN = struct.Struct("!I")
 
@@ -148,11 +141,6 @@ class _Records:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
-
-
-def _packed(sizes: Sequence[int]) -> bool:
-    """Whether a frame with these region sizes travels as one message (both sides agree)."""
-    return len(sizes) > 1 and sum(sizes) < _PACK_BELOW_BYTES * len(sizes)
 
 
 def _pair_seal(secret: str | None, nonce: str, pair: int, sender: str) -> RecordSeal:
@@ -366,17 +354,9 @@ class TorchDistEndpoint(Endpoint):
             return True
         active[header.transfer_id] = time.monotonic()
         try:
-            views = [as_bytes(r) for r in regions]
-            sizes = [v.numel() for v in views]
-            if _packed(sizes):
-                stage = torch.empty(sum(sizes), dtype=torch.uint8, device=views[0].device)
-                group.recv([stage], 0, 0).wait(_td(self.timeout_s))
-                for v, part in zip(views, torch.split(stage, sizes), strict=True):
-                    v.copy_(part)
-            else:
-                works = [group.recv([v], 0, 0) for v in views]
-                for w in works:
-                    w.wait(_td(self.timeout_s))
+            works = [group.recv([as_bytes(r)], 0, 0) for r in regions]
+            for w in works:
+                w.wait(_td(self.timeout_s))
         except Exception as e:
             self.receiver.end_frame(res, header, error=f"peer {sender} broke off: {e}")
             active.pop(header.transfer_id, None)
@@ -395,12 +375,11 @@ class TorchDistEndpoint(Endpoint):
         sizes = _region_sizes(header)
         if sizes is None:
             return False
-        messages = [sum(sizes)] if _packed(sizes) else sizes
         scratch = torch.empty(
-            max(messages, default=0), dtype=torch.uint8, device=self.receiver.cache.device
+            max(sizes, default=0), dtype=torch.uint8, device=self.receiver.cache.device
         )
         try:
-            for n in messages:
+            for n in sizes:
                 group.recv([scratch[:n]], 0, 0).wait(_td(self.timeout_s))
         except Exception:
             return False
@@ -608,11 +587,7 @@ class TorchDistChannel(SendChannel):
             with self._lock:
                 self._slots.setdefault(header.transfer_id, _AckSlot())
                 self._put_header(header)
-                views = [as_bytes(r) for r in regions]
-                if _packed([v.numel() for v in views]):
-                    works = [self.group.send([torch.cat(views)], 1, 0)]  # one gather copy
-                else:
-                    works = [self.group.send([v], 1, 0) for v in views]
+                works = [self.group.send([as_bytes(r)], 1, 0) for r in regions]
                 self._works.setdefault(header.transfer_id, []).extend(works)
         except Exception as e:  # control connection or gloo pair gone: the receiver died
             self.broken = True
