@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from in_process import router_without_workers
 from prometheus_client.parser import text_string_to_metric_families
 from serve_proc import ServeProcess
 
@@ -322,37 +323,10 @@ def test_disconnect_mid_stream_frees_request(server: ServeProcess, oa: Any) -> N
 
 # ---- in process, no server ----------------------------------------------------------------
 def _router(**cfg: Any) -> Any:
-    from kv_transfer.messages import WorkerStats
-    from protos.pdserve.v1 import generation_pb2 as gen
     from router.config import RouterConfig
-    from router.pools import Pool, WorkerHandle
-    from router.service import Router
-    from router.validation import ModelLimits
 
-    def pool(role: str) -> Pool:
-        p = Pool(role, [WorkerHandle(f"pdserve-{role}-0", role)])
-        p.workers[0].stats = WorkerStats(
-            name=f"pdserve-{role}-0",
-            role=role,
-            num_free_blocks=6,
-            num_total_blocks=8,
-            num_running=1,
-            num_waiting=0,
-            num_reserved=0,
-            queued_prefill_tokens=0,
-            num_requests_total=3,
-            num_preemptions_total=0,
-        )
-        return p
-
-    return Router(
-        RouterConfig(**cfg),
-        ModelLimits("m", 512, 2048),
-        None,
-        gen.ModelInfo(served_model_name="m", max_context_length=2048, block_size=16),
-        pool("prefill"),
-        pool("decode"),
-        "local",
+    return router_without_workers(
+        RouterConfig(**cfg), num_free_blocks=6, num_running=1, num_requests_total=3
     )
 
 

@@ -21,7 +21,6 @@ prefill-1 with equal loads can only have been sent there by the index.
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import threading
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from in_process import start_local_ray
 from test_prefix_index import REDIS_SERVER, RedisServer
 
 from engine.block_manager import extend_block_hashes, namespace_seed
@@ -239,16 +239,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 @pytest.fixture(scope="module")
 def ray_cluster(model_dir: Path) -> Iterator[None]:
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(
-        address="local",
-        num_cpus=4,  # logical: the workers ask for 0.5 each
-        namespace="pdserve",
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        log_to_driver=False,
-    )
+    start_local_ray()
     yield
     ray.shutdown()
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import logging
 import pickle
 import random
 import sys
@@ -36,6 +35,7 @@ from typing import Any
 
 import grpc
 import pytest
+from in_process import start_local_ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kv_procs
@@ -95,16 +95,7 @@ SIZES = ChaosConfig(
 def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
     mp = pytest.MonkeyPatch()
     mp.setenv("PDSERVE_HOME", str(tmp_path_factory.mktemp("pdserve-home")))  # tiny goes here
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(
-        address="local",
-        num_cpus=4,  # logical: the workers ask for 0.5 each
-        namespace="pdserve",
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        log_to_driver=False,
-    )
+    start_local_ray()
     rig = Rig(SIZES.serve_config(None))
     try:
         rig.start()

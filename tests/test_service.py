@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import io
 import json
-import logging
 import random
 import threading
 import time
@@ -35,6 +34,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from in_process import start_local_ray
 
 from pdserve.checkpoint import write_checkpoint
 from pdserve.cli import main
@@ -285,16 +285,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def ray_cluster(model_dir: Path) -> Iterator[None]:
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(
-        address="local",  # a fresh cluster, never one found on the host
-        num_cpus=4,  # logical: the workers ask for 0.5 each
-        namespace="pdserve",
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        log_to_driver=False,
-    )
+    start_local_ray()
     yield
     ray.shutdown()
 

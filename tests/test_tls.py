@@ -42,6 +42,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from in_process import router_without_workers
 from serve_proc import ROOT, ServeProcess
 
 from pdserve.cli import build_parser, main, serve_config
@@ -191,38 +192,32 @@ def test_grpc_over_tls_with_the_key_streams_tokens(server: ServeProcess, pki: Pk
         c.close()
 
 
+def refused(client: Client) -> grpc.StatusCode:
+    """The status a generate call through `client` fails with (it must fail); closes it."""
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate("hello", max_tokens=MAX_TOKENS)
+    finally:
+        client.close()
+    return e.value.code()
+
+
 @pytest.mark.parametrize("key", [None, "wrong"])
 def test_grpc_over_tls_without_the_key_is_unauthenticated(
     server: ServeProcess, pki: Pki, key: str | None
 ) -> None:
-    c = tls_client(server, pki, key)
-    try:
-        with pytest.raises(grpc.RpcError) as e:
-            c.generate("hello", max_tokens=MAX_TOKENS)
-    finally:
-        c.close()
-    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert refused(tls_client(server, pki, key)) == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_plaintext_grpc_is_refused(server: ServeProcess) -> None:
-    c = Client(server.grpc_target, 30, None, API_KEY)
-    try:
-        with pytest.raises(grpc.RpcError) as e:
-            c.generate("hello", max_tokens=MAX_TOKENS)
-    finally:
-        c.close()
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    client = Client(server.grpc_target, 30, None, API_KEY)
+    assert refused(client) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_grpc_refuses_a_server_it_does_not_trust(server: ServeProcess, pki: Pki) -> None:
     """The client side: a CA that did not sign the server's certificate fails the handshake."""
-    c = Client(server.grpc_target, 30, ClientTLS(str(pki.other_ca)), API_KEY)
-    try:
-        with pytest.raises(grpc.RpcError) as e:
-            c.generate("hello", max_tokens=MAX_TOKENS)
-    finally:
-        c.close()
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    client = Client(server.grpc_target, 30, ClientTLS(str(pki.other_ca)), API_KEY)
+    assert refused(client) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_grpc_health_over_tls_needs_no_key(server: ServeProcess, pki: Pki) -> None:
@@ -289,35 +284,6 @@ def served_model_dir(server: ServeProcess) -> Path:
 
 
 # ---- mTLS, in process ---------------------------------------------------------------------
-def _router_without_workers(cfg: RouterConfig) -> Any:
-    """A Router whose pools report one idle, healthy worker each and never get called:
-    enough for GetModelInfo, health and the handshake."""
-    from kv_transfer.messages import WorkerStats
-    from router.pools import Pool, WorkerHandle
-    from router.service import Router
-    from router.validation import ModelLimits
-
-    def pool(role: str) -> Pool:
-        p = Pool(role, [WorkerHandle(f"pdserve-{role}-0", role)])
-        p.workers[0].stats = WorkerStats(
-            name=f"pdserve-{role}-0",
-            role=role,
-            num_free_blocks=8,
-            num_total_blocks=8,
-            num_running=0,
-            num_waiting=0,
-            num_reserved=0,
-            queued_prefill_tokens=0,
-            num_requests_total=0,
-            num_preemptions_total=0,
-        )
-        return p
-
-    info = gen.ModelInfo(served_model_name="m", max_context_length=2048, block_size=16)
-    limits = ModelLimits("m", 512, 2048)
-    return Router(cfg, limits, None, info, pool("prefill"), pool("decode"), "local")
-
-
 @dataclass
 class MtlsServers:
     grpc_target: str
@@ -339,7 +305,7 @@ def mtls(pki: Pki) -> Iterator[MtlsServers]:
     tls = ServerTLS.of(cfg)
     assert tls is not None and tls.mutual
     tls.check()
-    router = _router_without_workers(cfg)
+    router = router_without_workers(cfg)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -364,9 +330,7 @@ def mtls(pki: Pki) -> Iterator[MtlsServers]:
 
 def model_info(target: str, tls: ClientTLS) -> gen.ModelInfo:
     with open_channel(target, tls) as channel:
-        return gen_grpc.GenerationStub(channel).GetModelInfo(
-            gen.GetModelInfoRequest(), timeout=30
-        )
+        return gen_grpc.GenerationStub(channel).GetModelInfo(gen.GetModelInfoRequest(), timeout=30)
 
 
 def https_health(port: int, ctx: ssl.SSLContext) -> int:
