@@ -127,11 +127,7 @@ class DecodeWorker:
             except NoFreeBlocksError as e:
                 return ReserveResult(None, self.engine.blocks.num_free_blocks, str(e))
             self.reserved[r.request_id] = (req, ticket.transfer_id)
-            return ReserveResult(
-                ticket.SerializeToString(),
-                self.engine.blocks.num_free_blocks,
-                num_cached_tokens=ticket.first_block * self.engine.cache_config.block_size,
-            )
+            return ReserveResult(ticket.SerializeToString(), self.engine.blocks.num_free_blocks)
 
         return await self.loop.run(do)
 

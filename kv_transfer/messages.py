@@ -33,7 +33,6 @@ class ReserveResult:
     ticket: bytes | None  # serialized pdserve.v1.TransferTicket
     num_free_blocks: int
     reason: str = ""  # why there is no ticket
-    num_cached_tokens: int = 0  # prompt tokens whose K/V this worker already held (not sent)
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,12 @@ class WorkerLoad:
         free = self.stats.num_free_blocks if self.stats else 0
         return free - self.pending_blocks
 
+    def prefill_work(self, matches: dict[str, int], num_tokens: int, block_size: int) -> int:
+        """Prompt tokens this prefill worker would compute for a request (its cached prefix
+        subtracted) plus the prompt tokens already sent to it and not yet returned."""
+        todo = num_tokens - matches.get(self.handle.name, 0) * block_size
+        return todo + self.outstanding_tokens
+
 
 @dataclass(frozen=True)
 class PairCost:
@@ -118,6 +124,10 @@ def rank_pairs(
 
     `matches` maps a worker name to the number of leading prompt blocks it holds."""
     num_blocks = -(-num_tokens // block_size)
+    prefill_s = {
+        p.handle.name: p.prefill_work(matches, num_tokens, block_size) / prefill_tokens_per_s
+        for p in prefill
+    }
     pairs = []
     for d in decode:
         # The prompt's last block always moves (the receiver never shares it).
@@ -127,9 +137,7 @@ def rank_pairs(
         transfer_s = delta_blocks * per_block / transfer_bytes_per_s
         has_room = d.free_blocks >= delta_blocks + 1
         for p in prefill:
-            todo = num_tokens - matches.get(p.handle.name, 0) * block_size
-            prefill_s = (todo + p.outstanding_tokens) / prefill_tokens_per_s
-            pairs.append(PairCost(p, d, prefill_s, transfer_s, has_room))
+            pairs.append(PairCost(p, d, prefill_s[p.handle.name], transfer_s, has_room))
     return sorted(pairs, key=PairCost.sort_key)
 
 
@@ -145,17 +153,14 @@ class Pool:
         return [w for w in self.workers if w.healthy]
 
     def pick_prefill(self, matches: dict[str, int], num_tokens: int, block_size: int) -> WorkerLoad:
-        """Least prefill work: the prompt tokens it would compute (its cached prefix
-        subtracted) plus the prompt tokens already sent to it and not yet returned."""
+        """Least prefill work (`WorkerLoad.prefill_work`), then fewest active requests."""
         candidates = self.healthy()
         if not candidates:
             raise LookupError(f"no healthy {self.role} worker")
-
-        def cost(w: WorkerLoad) -> tuple[int, int]:
-            todo = num_tokens - matches.get(w.handle.name, 0) * block_size
-            return (todo + w.outstanding_tokens, len(w.active))
-
-        return min(candidates, key=cost)
+        return min(
+            candidates,
+            key=lambda w: (w.prefill_work(matches, num_tokens, block_size), len(w.active)),
+        )
 
     def best_match(self, matches: dict[str, int]) -> WorkerLoad | None:
         """The healthy worker holding the longest prefix, if any holds one."""

@@ -114,7 +114,6 @@ class ActiveRequest:
     done: bool = False
     num_sent: int = 0
     cached_tokens: int = 0  # prompt tokens the prefill side did not compute
-    decode_cached_tokens: int = 0  # prompt tokens the decode side already held (not moved)
     timings: dict[str, float] = field(default_factory=dict)
     first_sent_s: float | None = None
     last_sent_s: float | None = None
@@ -457,7 +456,6 @@ class Router:
             ticket = kvpb.TransferTicket.FromString(rr.ticket)
             act.decode = d
             act.transfer_id = ticket.transfer_id
-            act.decode_cached_tokens = rr.num_cached_tokens
             d.pending_blocks += len(ticket.dst_block_ids) + 1
             d.active.add(act.request.request_id)
             if act.aborted:  # Abort came during the call and saw no reservation

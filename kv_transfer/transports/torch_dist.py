@@ -101,11 +101,6 @@ def _auth(pair: int, what: str) -> str:
     return f"auth/{pair}/{what}"
 
 
-def _put(store: dist.Store, key: str, record: bytes) -> None:
-    """Store raw bytes (c10d takes them; its type stub says str)."""
-    store.set(key, cast(str, record))
-
-
 class _Records:
     """Length-prefixed records on a socket. `read` keeps a partial record across timeouts,
     so a timeout (the stall check) never loses the stream's framing."""
