@@ -824,6 +824,7 @@ def test_torch_dist_refuses_forged_control_connections() -> None:
                 s.settimeout(AUTH_TIMEOUT_S + 2)
                 assert s.recv(1) == b""  # the endpoint hung up
         assert endpoint.refused_connections == 2
+        assert 7 not in endpoint._pending  # no slot kept for a pair nobody authenticated
         assert endpoint.broken_pairs == 0
         assert rx.changed_blocks(before) == set()
         res = rx.receiver.get(ticket.transfer_id)

@@ -208,18 +208,22 @@ class TorchDistEndpoint(Endpoint):
         records = _Records(conn)
         try:
             record = records.read(self.timeout_s)
-            pair = int((record or b"-1")[:10].split(b":")[0])
+            if record is None:  # said nothing in time
+                raise EOFError
+            pair = int(record[:10].split(b":")[0])
         except (OSError, EOFError, ValueError):
             records.close()
             return
         slot = self._slot(pair)
         seal = slot.sealed.wait(self.timeout_s) and self._seals.get(pair)
         name = f"hello/{pair}"
-        body = seal.open(name, record[record.index(b":") + 1 :]) if seal and record else None
+        body = seal.open(name, record[record.index(b":") + 1 :]) if seal else None
         with self._lock:
             ok = body == b"hello" and slot.records is None and not self._closed.is_set()
             if ok:
                 slot.records = records
+            elif not slot.sealed.is_set() and self._pending.get(pair) is slot:
+                del self._pending[pair]  # a pair nobody authenticated: keep no slot for it
         if not ok:
             self.refused_connections += 1
             log.warning("kv control connection claiming pair %d refused", pair)
