@@ -229,12 +229,17 @@ class CacheConfig:
 
     block_size: int = 16
     num_blocks: int = 1024
+    # Cap on the decode workspace, the contiguous copy of the running requests' K/V that
+    # spares decode a per-step gather of every page (engine.decode_workspace); 0 disables it.
+    decode_workspace_mib: int = 1024
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size={self.block_size} must be a positive power of two")
         if self.num_blocks <= 0:
             raise ConfigError(f"num_kv_blocks={self.num_blocks} must be positive")
+        if self.decode_workspace_mib < 0:
+            raise ConfigError(f"decode_workspace_mib={self.decode_workspace_mib} must be >= 0")
 
 
 @dataclass(frozen=True)

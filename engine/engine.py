@@ -70,7 +70,9 @@ class LLMEngine:
         )
         self.blocks = BlockManager(cache_config.num_blocks, cache_config.block_size)
         self.scheduler = Scheduler(scheduler_config, self.blocks)
-        self.runner = ModelRunner(model, self.cache, self.blocks)
+        self.runner = ModelRunner(
+            model, self.cache, self.blocks, cache_config.decode_workspace_mib << 20
+        )
         self.requests: dict[str, Request] = {}
         # Called after each layer's K/V is written; `current_step` says what the step holds.
         self.layer_hook: LayerHook | None = None

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig, RopeScaling
+from engine.decode_workspace import DecodeWorkspace
 from engine.kv_cache import PagedKVCache
 
 LayerHook = Callable[[int], None]
@@ -72,9 +73,10 @@ class AttentionMetadata:
     """Where each token of the step writes K/V, and what it attends to.
 
     Exactly one of `prefill` (list of segments) and decode context is set. Decode context is
-    given either as block tables (`decode_block_tables`, what the runner builds: attention
-    gathers whole pages, one 8 KiB row per block instead of one row per token) or as a slot
-    grid (`decode_slots`, any slot layout at all); `decode_ctx_lens` goes with either.
+    given as a `DecodeWorkspace` (what the runner uses: no per-step copy of the context),
+    as block tables (`decode_block_tables`: attention gathers whole pages, one 8 KiB row
+    per block instead of one row per token), or as a slot grid (`decode_slots`, any slot
+    layout at all); `decode_ctx_lens` goes with each.
     """
 
     positions: torch.Tensor  # [T] absolute position of each token
@@ -86,6 +88,9 @@ class AttentionMetadata:
     decode_ctx_lens: torch.Tensor | None = None  # [B]
     # Decode, form 2: [B, max_blocks] block ids of each request, padded with 0.
     decode_block_tables: torch.Tensor | None = None
+    # Decode, form 3: rows 0 .. B-1 of a workspace hold the batch's context (positions
+    # before this step's token); the step appends its K/V there as well as to the pages.
+    decode_workspace: DecodeWorkspace | None = None
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
     _lens: list[int] | None = None
 
@@ -208,14 +213,14 @@ class Projections:
         return F.linear(h, lw.qkv, lw.qkv_bias)
 
     def o_residual(self, i: int, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x + o @ Wo^T; o [T, q], x [T, d] (updated in place here)."""
-        return x.add_(F.linear(o, self.w.layers[i].o))
+        """x + o @ Wo^T; o [T, q], x [T, d] (updated in place: the GEMM accumulates into x)."""
+        return x.addmm_(o, self.w.layers[i].o.t())
 
     def mlp_residual(self, i: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x + down(silu(gate(h)) * up(h)); h, x [T, d]."""
         lw = self.w.layers[i]
-        gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)  # [T, ffn] views
-        return x.add_(F.linear(F.silu(gate).mul_(up), lw.down))
+        gate, up = torch.mm(h, lw.gate_up.t()).chunk(2, dim=-1)  # [T, ffn] views
+        return x.addmm_(F.silu(gate).mul_(up), lw.down.t())
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         """[N, d] -> [N, V] in the model dtype."""
@@ -244,10 +249,15 @@ class OneDnnProjections(Projections):
         act  = (h @ Wu^T) * gate         binary "mul" post-op
         x    = x + act @ Wd^T            binary "add" post-op (likewise for o_proj)
 
-    Measured on the 2-vCPU dev box (small preset, bf16, one thread, CPU time, interleaved
-    A/B against `Projections`): 512-token prefill forward 1.13-1.18x, decode forward 1.2-1.35x
-    at batch 1, 8 and 32. With two threads on that (shared, busy) box the two paths were
-    within noise of each other, either way round.
+    Where it wins, measured on the 2-vCPU dev box (small preset, bf16, interleaved A/B
+    against `Projections`): with one thread (each Ray worker's setting) 512-token prefill
+    1.13-1.2x; decode at batch 1-32 with any thread count, where the step streams every
+    weight from DRAM (12 layers' matrices, M=32: 17 ms packed vs 24.5 ms `F.linear` at two
+    threads). Where it loses: prefill-sized GEMMs with two threads. oneDNN's inner product
+    hardly splits M=512 across threads for these shapes (down_proj 3.1 ms packed vs 1.7 ms
+    `aten::mm`, which scales 2x), so a 512-token prefill runs 6-7% faster on `Projections`.
+    `LlamaModel` therefore sends prefill steps to `Projections` when torch runs more than
+    one thread, and everything else here.
 
     The products are the same; rounding differs: a post-op sees the float32 accumulator, so
     bfloat16 output is rounded once where eager rounds after each op, and float32 results
@@ -362,7 +372,15 @@ class LlamaModel:
             keep_freed_memory()
         if onednn is None:
             onednn = OneDnnProjections.available(self.device, self.dtype)
-        self.proj = OneDnnProjections(weights) if onednn else Projections(weights)
+        self.proj: Projections = OneDnnProjections(weights) if onednn else Projections(weights)
+        # Multi-threaded prefill GEMMs scale better through aten::mm (see OneDnnProjections).
+        self.prefill_proj = Projections(weights) if onednn else self.proj
+
+    def projections(self, prefill: bool) -> Projections:
+        """The matmul path for a step: `prefill_proj` for prefill when torch runs >1 thread."""
+        if prefill and torch.get_num_threads() > 1:
+            return self.prefill_proj
+        return self.proj
 
     @torch.inference_mode()
     def forward(
@@ -376,17 +394,19 @@ class LlamaModel:
         """input_ids [T] -> float32 logits [len(logits_indices), V]."""
         x = self.w.embed[input_ids]  # [T, d]
         rope = self.rotary.tables(meta.positions)  # shared by every layer
+        proj = self.projections(meta.prefill is not None)
         for i, lw in enumerate(self.w.layers):
-            x = self._layer(i, lw, x, meta, cache, rope)
+            x = self._layer(i, lw, proj, x, meta, cache, rope)
             if layer_hook is not None:
                 layer_hook(i)
         x = rms_norm(x[logits_indices], self.w.norm, self.cfg.rms_norm_eps)  # [N, d]
-        return self.proj.lm_head(x).float()  # [N, V]
+        return proj.lm_head(x).float()  # [N, V]
 
     def _layer(
         self,
         i: int,
         lw: LayerWeights,
+        proj: Projections,
         x: torch.Tensor,
         meta: AttentionMetadata,
         cache: PagedKVCache,
@@ -396,21 +416,23 @@ class LlamaModel:
         cfg = self.cfg
         t = x.shape[0]
         h = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
-        qkv = self.proj.qkv(i, h)  # [T, q + 2kv]
+        qkv = proj.qkv(i, h)  # [T, q + 2kv]
         # q and k sit side by side in qkv: rotate both heads' worth in one pass.
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, -1)
         qk = self.rotary.rotate(qk, *rope)  # [T, H + Hkv, D]
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [T, H, D], [T, Hkv, D]
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, -1)  # [T, Hkv, D]
         cache.write(i, meta.slot_mapping, k, v)
+        if meta.decode_workspace is not None:
+            meta.decode_workspace.write(i, k, v)
         window = cfg.sliding_windows[i]
         if meta.prefill is not None:
             o = self._prefill_attention(i, q, k, v, meta.prefill, cache, window)
         else:
             o = self._decode_attention(i, q, meta, cache, window)
-        x = self.proj.o_residual(i, o, x)  # [T, d]
+        x = proj.o_residual(i, o, x)  # [T, d]
         h = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
-        return self.proj.mlp_residual(i, h, x)
+        return proj.mlp_residual(i, h, x)
 
     def _prefill_attention(
         self,
@@ -454,15 +476,19 @@ class LlamaModel:
         """One query per request against its whole context, gathered from the pages."""
         batch = q.shape[0]
         span = meta.decode_span()
-        if meta.decode_block_tables is not None:
-            k, v = cache.gather_blocks(layer, meta.decode_block_tables)  # [B, nb * Bs, Hkv, D]
+        if meta.decode_workspace is not None:
+            k, v = meta.decode_workspace.layer(layer, batch, span)  # [B, Hkv, span, D]
         else:
-            assert meta.decode_slots is not None
-            k, v = cache.gather(layer, meta.decode_slots)  # [B, S_max, Hkv, D]
+            if meta.decode_block_tables is not None:
+                kp, vp = cache.gather_blocks(layer, meta.decode_block_tables)  # [B, S, Hkv, D]
+            else:
+                assert meta.decode_slots is not None
+                kp, vp = cache.gather(layer, meta.decode_slots)  # [B, S_max, Hkv, D]
+            k, v = kp[:, :span].transpose(1, 2), vp[:, :span].transpose(1, 2)  # [B, Hkv, span, D]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, H, 1, D]
-            k[:, :span].transpose(1, 2),  # [B, Hkv, span, D]
-            v[:, :span].transpose(1, 2),
+            k,
+            v,
             attn_mask=meta.decode_mask(window),
             scale=self.scale,
             enable_gqa=True,

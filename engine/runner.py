@@ -12,6 +12,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import ceil_div
+from engine.decode_workspace import DecodeWorkspace
 from engine.kv_cache import PagedKVCache
 from engine.model import AttentionMetadata, LayerHook, LlamaModel, PrefillSegment
 from engine.request import Request
@@ -19,12 +20,22 @@ from engine.scheduler import PrefillChunk
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: PagedKVCache, blocks: BlockManager) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: PagedKVCache,
+        blocks: BlockManager,
+        decode_workspace_bytes: int = 0,
+    ) -> None:
+        """`decode_workspace_bytes`: cap of the `DecodeWorkspace` (0: gather pages per step)."""
         self.model = model
         self.cache = cache
         self.blocks = blocks
         self.device = model.device
         self.block_size = cache.block_size
+        self.workspace = (
+            DecodeWorkspace(cache, decode_workspace_bytes) if decode_workspace_bytes else None
+        )
 
     def _slots(self, request_id: str, positions: torch.Tensor) -> torch.Tensor:
         """Cache slot of each position: block_table[pos // bs] * bs + pos % bs."""
@@ -65,30 +76,50 @@ class ModelRunner:
         )
 
     def decode(self, requests: Sequence[Request]) -> torch.Tensor:
-        """One token per request; logits [B, V]. Each request's last token is fed.
+        """One token per request; logits [B, V] in the order of `requests`.
 
         Per-request work is plain Python on ints (no tensor ops in the loop): the inputs
-        become two tensors, the per-request row [id, position, slot, length] and the block
-        tables padded to the longest context. Attention gathers the K/V pages itself.
+        become the per-request row [id, position, slot, length] and, when the decode
+        workspace cannot hold the batch, the block tables for attention to gather from.
+        With the workspace the batch runs in its row order and the logits are put back.
         """
         bs = self.block_size
-        rows, tables = [], []
-        width = ceil_div(max(r.num_tokens for r in requests), bs)  # blocks of the longest
-        for r in requests:
+        tables = [self.blocks.block_table(r.request_id) for r in requests]
+        order = None
+        if self.workspace is not None:
+            order = self.workspace.prepare(
+                [(r.request_id, r.num_preemptions) for r in requests],
+                [r.num_tokens for r in requests],
+                tables,
+            )
+        run = range(len(requests)) if order is None else order
+        rows = []
+        for i in run:
+            r = requests[i]
             n = r.num_tokens
-            table = self.blocks.block_table(r.request_id)[:width]
             pos = n - 1
             last = (r.output_token_ids or r.prompt_token_ids)[-1]
-            rows.append((last, pos, table[pos // bs] * bs + pos % bs, n))
-            tables.append(table + [0] * (width - len(table)))
+            rows.append((last, pos, tables[i][pos // bs] * bs + pos % bs, n))
         cols = torch.tensor(list(zip(*rows, strict=True)), dtype=torch.long)  # [4, B]
         ids, positions, slots, lens = cols.to(self.device)
-        meta = AttentionMetadata(
-            positions=positions,
-            slot_mapping=slots,
-            decode_ctx_lens=lens,
-            decode_block_tables=torch.tensor(tables, dtype=torch.long, device=self.device),
-        )
-        return self.model.forward(
-            ids, meta, self.cache, torch.arange(len(requests), device=self.device)
-        )
+        meta = AttentionMetadata(positions=positions, slot_mapping=slots, decode_ctx_lens=lens)
+        if order is None:
+            width = ceil_div(max(r.num_tokens for r in requests), bs)  # blocks of the longest
+            padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=self.device)
+        else:
+            meta.decode_workspace = self.workspace
+        try:
+            logits = self.model.forward(
+                ids, meta, self.cache, torch.arange(len(requests), device=self.device)
+            )
+        except BaseException:
+            if self.workspace is not None:
+                self.workspace.reset()  # rows may be half-written
+            raise
+        if order is None or order == sorted(order):
+            return logits
+        back = [0] * len(order)
+        for row, i in enumerate(order):
+            back[i] = row
+        return logits[torch.tensor(back, device=self.device)]

@@ -8,11 +8,13 @@ a top1-top2 logit gap along the reference trajectory instead of loosening the co
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -54,12 +56,13 @@ def build_engine(
     max_num_seqs: int = 32,
     max_num_batched_tokens: int = 2048,
     max_model_len: int = 1024,
+    decode_workspace_mib: int = 1024,
 ) -> LLMEngine:
     return LLMEngine.from_config(
         EngineConfig(
             model=str(checkpoint),
             dtype="float32",
-            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+            cache=CacheConfig(block_size, num_blocks, decode_workspace_mib),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
         )
     )
@@ -228,6 +231,83 @@ def test_preemption_by_recompute_keeps_outputs(make_engine: MakeEngine) -> None:
     assert all(r.finish_reason is FinishReason.LENGTH for r in got)
     eng.blocks.check_integrity()
     assert eng.blocks.num_used_blocks == 0
+
+
+def staggered_run(eng: LLMEngine, prompts: list[list[int]]) -> tuple[list[Request], Recorder]:
+    """Requests join a few steps apart and leave at different lengths (continuous batching)."""
+    rec = Recorder(eng)
+    reqs: list[Request] = []
+    for step in range(10_000):
+        if step % 3 == 0 and len(reqs) < len(prompts):
+            i = len(reqs)
+            reqs.append(eng.add_request(f"s{i}", prompts[i], greedy(max_tokens=10 + 7 * (i % 5))))
+        eng.step()
+        if len(reqs) == len(prompts) and not eng.has_unfinished():
+            return reqs, rec
+    raise AssertionError("did not finish")
+
+
+def test_decode_workspace_matches_page_gather(make_engine: MakeEngine) -> None:
+    """The decode workspace (a contiguous copy of the batch's K/V, rows reshuffled as
+    requests come and go) gives decode exactly what gathering the pages gives."""
+    rng = random.Random(5)
+    prompts = [rand_prompt(rng, rng.randint(3, 90)) for _ in range(12)]
+    ws_eng = make_engine()
+    ws = ws_eng.runner.workspace
+    assert ws is not None
+    seen_rows: list[list[tuple[str, int]]] = []
+    prepare = ws.prepare
+
+    def recording_prepare(*args: Any) -> list[int] | None:
+        order = prepare(*args)
+        assert order is not None and sorted(order) == list(range(len(args[0])))
+        assert ws.keys == [args[0][i] for i in order]  # rows 0 .. B-1 are the batch
+        seen_rows.append(list(ws.keys))
+        return order
+
+    ws.prepare = recording_prepare  # type: ignore[method-assign]
+    got, got_rec = staggered_run(ws_eng, prompts)
+    # Rows really were reshuffled: a request left from the middle and another moved into
+    # its row; and a leaver's row went to a newcomer in the same step.
+    pairs = list(itertools.pairwise(seen_rows))
+    assert any(any(k in b and b.index(k) != a.index(k) for k in a) for a, b in pairs), (
+        "no row ever moved"
+    )
+    assert any(set(a) - set(b) and set(b) - set(a) for a, b in pairs), "no row was reused"
+    gather_eng = make_engine(decode_workspace_mib=0)
+    assert gather_eng.runner.workspace is None
+    ref, ref_rec = staggered_run(gather_eng, prompts)
+    for a, b in zip(got, ref, strict=True):
+        assert a.output_token_ids == b.output_token_ids
+        for x, y in zip(got_rec.logits[a.request_id], ref_rec.logits[b.request_id], strict=True):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+
+
+def test_decode_workspace_over_its_cap_falls_back_to_pages(make_engine: MakeEngine) -> None:
+    """A batch that outgrows the cap mid-run is decoded from the pages; the workspace lets
+    its memory go and the tokens do not change."""
+    rng = random.Random(6)
+    prompts = [rand_prompt(rng, 200) for _ in range(12)]
+    params = greedy(max_tokens=100)
+    # tiny: 2 layers x K,V x 2 kv heads x 16 dims x 4 bytes = 512 B per row and position:
+    # 16 rows x 256 positions is 2 MiB; past position 256 the batch needs 4 MiB.
+    eng = make_engine(decode_workspace_mib=2)
+    ws = eng.runner.workspace
+    assert ws is not None
+    used: list[bool] = []
+    decode = eng.runner.decode
+
+    def watching_decode(requests: Sequence[Request]) -> torch.Tensor:
+        out = decode(requests)
+        used.append(ws.data is not None)
+        return out
+
+    eng.runner.decode = watching_decode  # type: ignore[method-assign]
+    got = eng.generate(prompts, params)
+    assert used[0] and not used[-1], used
+    assert ws.data is None and ws.keys == []
+    ref = make_engine(decode_workspace_mib=0).generate(prompts, params)
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in ref]
 
 
 @pytest.fixture(scope="module")
