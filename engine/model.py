@@ -57,15 +57,16 @@ class PrefillSegment:
     """One request's chunk inside a packed prefill batch.
 
     Tokens ``[q_start, q_start + q_len)`` of the batch are positions
-    ``[ctx_len - q_len, ctx_len)`` of the request. `prefix_slots` holds the cache slots of the
-    ``ctx_len - q_len`` earlier positions (cached prefix or earlier chunks), or None if the
-    chunk starts the prompt.
+    ``[ctx_len - q_len, ctx_len)`` of the request. When the chunk does not start the prompt
+    (a cached prefix or earlier chunks come first), `context_blocks` holds the ids of the
+    blocks covering positions ``[0, ctx_len)``: attention reads the whole context, this
+    chunk's own K/V included (written just before), as whole pages in one gather.
     """
 
     q_start: int
     q_len: int
     ctx_len: int
-    prefix_slots: torch.Tensor | None
+    context_blocks: torch.Tensor | None = None  # [ceil(ctx_len / block_size)]
 
 
 @dataclass
@@ -249,15 +250,13 @@ class OneDnnProjections(Projections):
         act  = (h @ Wu^T) * gate         binary "mul" post-op
         x    = x + act @ Wd^T            binary "add" post-op (likewise for o_proj)
 
-    Where it wins, measured on the 2-vCPU dev box (small preset, bf16, interleaved A/B
-    against `Projections`): with one thread (each Ray worker's setting) 512-token prefill
-    1.13-1.2x; decode at batch 1-32 with any thread count, where the step streams every
-    weight from DRAM (12 layers' matrices, M=32: 17 ms packed vs 24.5 ms `F.linear` at two
-    threads). Where it loses: prefill-sized GEMMs with two threads. oneDNN's inner product
-    hardly splits M=512 across threads for these shapes (down_proj 3.1 ms packed vs 1.7 ms
-    `aten::mm`, which scales 2x), so a 512-token prefill runs 6-7% faster on `Projections`.
-    `LlamaModel` therefore sends prefill steps to `Projections` when torch runs more than
-    one thread, and everything else here.
+    Measured on the 2-vCPU dev box (small preset, bf16, interleaved A/B against
+    `Projections`): with one thread (each Ray worker's setting) prefill 1.13-1.2x faster;
+    decode at batch 1-32, where the step streams every weight from DRAM, faster at any
+    thread count (12 layers' matrices at M=32, two threads: 17 ms packed vs 24.5 ms
+    `F.linear`). With two threads, prefill of 128-1024 tokens was 0-20% faster packed in one
+    run; at 512 tokens, 20 alternating rounds put the two paths at parity (145 vs 143 ms
+    best), so there is no case for switching paths by phase.
 
     The products are the same; rounding differs: a post-op sees the float32 accumulator, so
     bfloat16 output is rounded once where eager rounds after each op, and float32 results
@@ -373,14 +372,6 @@ class LlamaModel:
         if onednn is None:
             onednn = OneDnnProjections.available(self.device, self.dtype)
         self.proj: Projections = OneDnnProjections(weights) if onednn else Projections(weights)
-        # Multi-threaded prefill GEMMs scale better through aten::mm (see OneDnnProjections).
-        self.prefill_proj = Projections(weights) if onednn else self.proj
-
-    def projections(self, prefill: bool) -> Projections:
-        """The matmul path for a step: `prefill_proj` for prefill when torch runs >1 thread."""
-        if prefill and torch.get_num_threads() > 1:
-            return self.prefill_proj
-        return self.proj
 
     @torch.inference_mode()
     def forward(
@@ -394,19 +385,17 @@ class LlamaModel:
         """input_ids [T] -> float32 logits [len(logits_indices), V]."""
         x = self.w.embed[input_ids]  # [T, d]
         rope = self.rotary.tables(meta.positions)  # shared by every layer
-        proj = self.projections(meta.prefill is not None)
         for i, lw in enumerate(self.w.layers):
-            x = self._layer(i, lw, proj, x, meta, cache, rope)
+            x = self._layer(i, lw, x, meta, cache, rope)
             if layer_hook is not None:
                 layer_hook(i)
         x = rms_norm(x[logits_indices], self.w.norm, self.cfg.rms_norm_eps)  # [N, d]
-        return proj.lm_head(x).float()  # [N, V]
+        return self.proj.lm_head(x).float()  # [N, V]
 
     def _layer(
         self,
         i: int,
         lw: LayerWeights,
-        proj: Projections,
         x: torch.Tensor,
         meta: AttentionMetadata,
         cache: PagedKVCache,
@@ -416,7 +405,7 @@ class LlamaModel:
         cfg = self.cfg
         t = x.shape[0]
         h = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
-        qkv = proj.qkv(i, h)  # [T, q + 2kv]
+        qkv = self.proj.qkv(i, h)  # [T, q + 2kv]
         # q and k sit side by side in qkv: rotate both heads' worth in one pass.
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, -1)
         qk = self.rotary.rotate(qk, *rope)  # [T, H + Hkv, D]
@@ -430,9 +419,9 @@ class LlamaModel:
             o = self._prefill_attention(i, q, k, v, meta.prefill, cache, window)
         else:
             o = self._decode_attention(i, q, meta, cache, window)
-        x = proj.o_residual(i, o, x)  # [T, d]
+        x = self.proj.o_residual(i, o, x)  # [T, d]
         h = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
-        return proj.mlp_residual(i, h, x)
+        return self.proj.mlp_residual(i, h, x)
 
     def _prefill_attention(
         self,
@@ -449,9 +438,9 @@ class LlamaModel:
         for seg in segments:
             sl = slice(seg.q_start, seg.q_start + seg.q_len)
             qs, ks, vs = q[sl], k[sl], v[sl]  # [q_len, H(kv), D]
-            if seg.prefix_slots is not None:
-                pk, pv = cache.gather(layer, seg.prefix_slots)  # [prefix_len, Hkv, D]
-                ks, vs = torch.cat((pk, ks)), torch.cat((pv, vs))  # [ctx_len, Hkv, D]
+            if seg.context_blocks is not None:
+                kp, vp = cache.gather_blocks(layer, seg.context_blocks[None])  # [1, nb*Bs, ..]
+                ks, vs = kp[0, : seg.ctx_len], vp[0, : seg.ctx_len]  # [ctx_len, Hkv, D]
             mask = _prefill_mask(seg, window, q.device, q.dtype)
             o = F.scaled_dot_product_attention(
                 qs.transpose(0, 1).unsqueeze(0),  # [1, H, q_len, D]

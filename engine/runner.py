@@ -53,12 +53,13 @@ class ModelRunner:
             ids.append(torch.tensor(c.request.all_token_ids[c.start : c.end], dtype=torch.long))
             positions.append(pos)
             slots.append(self._slots(c.request.request_id, pos))
-            prefix = (
-                self._slots(c.request.request_id, torch.arange(c.start)).to(self.device)
-                if c.start
-                else None
-            )
-            segments.append(PrefillSegment(q_start, c.end - c.start, c.end, prefix))
+            context = None
+            if c.start:  # the chunk attends to earlier positions: read them from the pages
+                table = self.blocks.block_table(c.request.request_id)
+                context = torch.tensor(
+                    table[: ceil_div(c.end, self.block_size)], dtype=torch.long, device=self.device
+                )
+            segments.append(PrefillSegment(q_start, c.end - c.start, c.end, context))
             q_start += c.end - c.start
             if c.completes_prompt:
                 logit_rows.append(q_start - 1)
