@@ -52,6 +52,12 @@ class DecodeWorkspace:
         self.keys: list[RowKey] = []  # row -> key, for rows 0 .. len-1
         self.lens: list[int] = []  # row -> positions 0 .. len-1 hold valid K/V
         self._write_rows = torch.empty(0, dtype=torch.long)  # see `_flat_rows`
+        self.fallbacks = 0  # steps whose batch did not fit `max_bytes` (pages gathered)
+
+    @property
+    def bytes_held(self) -> int:
+        """Memory the workspace holds now (it keeps its size between batches)."""
+        return 0 if self.data is None else self.data.numel() * self.data.element_size()
 
     @property
     def rows(self) -> int:
@@ -90,6 +96,7 @@ class DecodeWorkspace:
         want_rows = ceil_div(batch, _ROWS_STEP) * _ROWS_STEP
         if self.nbytes(max(want_rows, self.rows), max(want_cap, self.capacity)) > self.max_bytes:
             self.reset()
+            self.fallbacks += 1
             return None
         index = {k: i for i, k in enumerate(keys)}
         # Keep rows whose request is still here and whose K/V is current; compact them to

@@ -110,6 +110,13 @@ class WorkerStats:
     ) -> WorkerStats:
         """A worker's load as its engine sees it (call on the engine thread)."""
         blocks, sched = engine.blocks, engine.scheduler
+        ws = engine.runner.workspace
+        if ws is not None:
+            extra = {
+                "decode_workspace_bytes": float(ws.bytes_held),
+                "decode_workspace_fallbacks_total": float(ws.fallbacks),
+                **(extra or {}),
+            }
         return cls(
             name=name,
             role=role,

@@ -223,6 +223,16 @@ class WorkerCollector(Collector):
             "KV transfers that failed on a prefill worker.",
             labels=labels,
         )
+        ws_bytes = GaugeMetricFamily(
+            PREFIX + "decode_workspace_bytes",
+            "Memory a worker's decode workspace holds (the batch's K/V, contiguous).",
+            labels=labels,
+        )
+        ws_fallbacks = CounterMetricFamily(
+            PREFIX + "decode_workspace_fallbacks",
+            "Decode steps whose batch did not fit cache.decode_workspace_mib (pages gathered).",
+            labels=labels,
+        )
         r = self.router
         queued = r.num_queued
         running.add_metric(
@@ -243,4 +253,7 @@ class WorkerCollector(Collector):
                 xbytes.add_metric(lv, s.extra.get("transfer_bytes_total", 0.0))
             if s.role == "prefill" or "transfer_failures_total" in s.extra:
                 xfail.add_metric(lv, s.extra.get("transfer_failures_total", 0.0))
-        yield from (running, waiting, usage, preempt, xbytes, xfail)
+            if s.role != "prefill" and "decode_workspace_bytes" in s.extra:
+                ws_bytes.add_metric(lv, s.extra["decode_workspace_bytes"])
+                ws_fallbacks.add_metric(lv, s.extra.get("decode_workspace_fallbacks_total", 0.0))
+        yield from (running, waiting, usage, preempt, xbytes, xfail, ws_bytes, ws_fallbacks)

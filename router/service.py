@@ -271,9 +271,7 @@ class Router:
         except (RequestFailed, asyncio.CancelledError, GeneratorExit):
             raise
         except InvalidParameterError as e:  # a worker refused it (e.g. its id still runs there)
-            raise RequestFailed(
-                grpc.StatusCode.INVALID_ARGUMENT, f"{e.field}: {e.message}"
-            ) from e
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"{e.field}: {e.message}") from e
         except TransferError as e:
             if act.aborted:
                 yield self._complete(act, "abort")
@@ -366,9 +364,14 @@ class Router:
             ) from e
         return res
 
-    async def _prefill_failed(self, act: ActiveRequest, p: WorkerLoad, d: WorkerLoad,
-                              matches: dict[str, int], error: Exception
-                              ) -> AsyncIterator[gen.GenerateResponse]:
+    async def _prefill_failed(
+        self,
+        act: ActiveRequest,
+        p: WorkerLoad,
+        d: WorkerLoad,
+        matches: dict[str, int],
+        error: Exception,
+    ) -> AsyncIterator[gen.GenerateResponse]:
         """A prefill worker died under this request: release its reservation, then fail it
         (policy `fail`) or prefill it again, elsewhere or on the decode worker (`recompute`)."""
         r = act.request
@@ -381,10 +384,14 @@ class Router:
             yield self._complete(act, "abort")
             return
         if self.cfg.prefill_failure_policy == "fail":
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
-                                f"prefill worker {p.handle.name} died: {error}")
-        again = (self._run_disaggregated(act, matches) if self.prefill.healthy()
-                 else self._run_local(act, {}))
+            raise RequestFailed(
+                grpc.StatusCode.UNAVAILABLE, f"prefill worker {p.handle.name} died: {error}"
+            )
+        again = (
+            self._run_disaggregated(act, matches)
+            if self.prefill.healthy()
+            else self._run_local(act, {})
+        )
         async for resp in again:
             yield resp
 
@@ -511,8 +518,9 @@ class Router:
                         yield self._complete(act, "abort")
                         return
                     d.healthy = False
-                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
-                                        f"decode worker {d.handle.name} died: {e}") from e
+                    raise RequestFailed(
+                        grpc.StatusCode.UNAVAILABLE, f"decode worker {d.handle.name} died: {e}"
+                    ) from e
                 if batch.error and not act.aborted:
                     raise RequestFailed(grpc.StatusCode.UNAVAILABLE, batch.error)
                 if batch.num_cached_tokens:

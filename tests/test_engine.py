@@ -305,7 +305,8 @@ def test_decode_workspace_over_its_cap_falls_back_to_pages(make_engine: MakeEngi
     eng.runner.decode = watching_decode  # type: ignore[method-assign]
     got = eng.generate(prompts, params)
     assert used[0] and not used[-1], used
-    assert ws.data is None and ws.keys == []
+    assert ws.data is None and ws.keys == [] and ws.bytes_held == 0
+    assert ws.fallbacks == used.count(False)
     ref = make_engine(decode_workspace_mib=0).generate(prompts, params)
     assert [r.output_token_ids for r in got] == [r.output_token_ids for r in ref]
 
