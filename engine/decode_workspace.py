@@ -25,7 +25,9 @@ What must hold:
   from the pages, so a preempted and recomputed request never reads its old values.
 * Memory is bounded: rows and capacity grow on demand (capacity in 256-token steps), and
   a batch that would need more than `max_bytes` makes `prepare` return None: the caller
-  gathers pages for that step instead, and the workspace frees its memory.
+  gathers pages for that step instead, and the workspace frees its memory. The size is kept
+  while requests run (no reallocation as batches come and go) and given back when none is
+  left (`LLMEngine.step` calls `reset`).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class DecodeWorkspace:
 
     @property
     def bytes_held(self) -> int:
-        """Memory the workspace holds now (it keeps its size between batches)."""
+        """Memory the workspace holds now."""
         return 0 if self.data is None else self.data.numel() * self.data.element_size()
 
     @property

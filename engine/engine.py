@@ -208,7 +208,10 @@ class LLMEngine:
                 logits = self.runner.decode(out.decode)
                 done = list(out.decode)
             with self.lock:
-                return self._postprocess(out, done, logits, time.perf_counter() - t0)
+                outputs = self._postprocess(out, done, logits, time.perf_counter() - t0)
+                if not self.scheduler.running and self.runner.workspace is not None:
+                    self.runner.workspace.reset()  # every row is stale: give the memory back
+                return outputs
         finally:
             self.current_step = None
 

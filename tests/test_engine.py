@@ -267,6 +267,7 @@ def test_decode_workspace_matches_page_gather(make_engine: MakeEngine) -> None:
 
     ws.prepare = recording_prepare  # type: ignore[method-assign]
     got, got_rec = staggered_run(ws_eng, prompts)
+    assert ws.bytes_held == 0  # given back once the last request finished
     # Rows really were reshuffled: a request left from the middle and another moved into
     # its row; and a leaver's row went to a newcomer in the same step.
     pairs = list(itertools.pairwise(seen_rows))
@@ -281,6 +282,27 @@ def test_decode_workspace_matches_page_gather(make_engine: MakeEngine) -> None:
         assert a.output_token_ids == b.output_token_ids
         for x, y in zip(got_rec.logits[a.request_id], ref_rec.logits[b.request_id], strict=True):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+
+
+def test_worker_stats_report_the_decode_workspace(make_engine: MakeEngine) -> None:
+    """What a worker's stats (and so /metrics) say about the workspace while requests decode
+    and after they finish."""
+    from kv_transfer.messages import WorkerStats
+
+    eng = make_engine()
+    ws = eng.runner.workspace
+    assert ws is not None
+    rng = random.Random(7)
+    for i in range(3):
+        eng.add_request(f"w{i}", rand_prompt(rng, 40), greedy(max_tokens=8))
+    eng.step()  # prefill
+    eng.step()  # the first decode step fills the workspace
+    stats = WorkerStats.of_engine("w", "decode", eng, 0, 3)
+    assert stats.extra["decode_workspace_bytes"] == ws.bytes_held > 0
+    assert stats.extra["decode_workspace_fallbacks_total"] == 0
+    while eng.has_unfinished():
+        eng.step()
+    assert WorkerStats.of_engine("w", "decode", eng, 0, 3).extra["decode_workspace_bytes"] == 0
 
 
 def test_decode_workspace_over_its_cap_falls_back_to_pages(make_engine: MakeEngine) -> None:
