@@ -47,8 +47,11 @@ def wire_sources() -> list[Path]:
 
 @pytest.mark.parametrize("path", wire_sources(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_pickle_in_wire_code(path: Path) -> None:
-    hits = [f"{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
-            if FORBIDDEN.search(line) and not line.lstrip().startswith("#")]
+    hits = [
+        f"{i}: {line.strip()}"
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if FORBIDDEN.search(line) and not line.lstrip().startswith("#")
+    ]
     assert not hits, f"{path.relative_to(ROOT)} deserializes with pickle-like code: {hits}"
 
 
