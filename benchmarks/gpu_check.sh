@@ -5,4 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
-PYTHONPATH=. timeout 290 python3 benchmarks/gpu_check.py --out "$OUT/gpu_check.json" "$@"
+# As a module from the repository root: run as a file, its own folder would come first on
+# sys.path and `import engine` would find benchmarks/engine.py instead of the package.
+PYTHONPATH=. timeout 290 "${PYTHON:-python3}" -m benchmarks.gpu_check --out "$OUT/gpu_check.json" "$@"
