@@ -46,8 +46,9 @@ Counting conventions
   and norm vector once, the lm_head once, and the embedding rows of the step's tokens.
 * **KV**: `kv_bytes_written` is what the step stores in the paged cache,
   ``T * 2 * layers * kv_heads * head_dim * dtype_bytes``. Decode also reads the context back:
-  the engine gathers K and V of all ``S`` positions out of the pages into a dense copy
-  (`kv_gather`, counted in `kv_bytes_read`) that attention then reads.
+  the engine keeps the running batch's K/V contiguous in its decode workspace
+  (`engine.decode_workspace`), appends the new token there too (`kv_append`), and attention
+  reads all ``S`` positions in place (counted in `kv_bytes_read`).
 * **Roofs**: the matmul peak is the best of a few ``N^3`` matmuls in the engine's dtype (N
   grows from 2048 while a run is short); the memory bandwidth is the better of a copy of one
   256 MiB buffer (its bytes counted twice, read + write) and a read-only sum over it. The
@@ -77,6 +78,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import CacheConfig, ModelConfig, ceil_div
+from engine.decode_workspace import DecodeWorkspace
 from engine.kv_cache import PagedKVCache, dtype_name
 from engine.model import LlamaModel, rms_norm
 from engine.sampling import SamplingParams
@@ -236,7 +238,8 @@ def layer_ops(
 
     `ctx` is the context attention sees (new tokens included); `b` is bytes per element.
     Prefill is counted without a cached prefix (`trace` never reuses one), so ``ctx == t``.
-    Decode gathers the whole context out of the pages first (`kv_gather`).
+    Decode appends the new K/V to the decode workspace too (`kv_append`) and attention reads
+    the whole context from it.
     """
     d, f = cfg.hidden_size, cfg.intermediate_size
     h, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -277,14 +280,13 @@ def layer_ops(
     if decode:
         ops.append(
             OpCount(
-                "kv_gather",
+                "kv_append",
                 "memory",
-                {"cache": (2, ctx, hkv, hd)},
-                {"k": (ctx, hkv, hd), "v": (ctx, hkv, hd)},
+                {"k": (t, hkv, hd), "v": (t, hkv, hd)},
+                {"workspace": (2, hkv, t, hd)},
                 flops=0,
-                bytes_read=2 * ctx * kv * b,
-                bytes_written=2 * ctx * kv * b,
-                kv_bytes_read=2 * ctx * kv * b,
+                bytes_read=2 * t * kv * b,
+                bytes_written=2 * t * kv * b,
             )
         )
     mask = "causal" if window is None else f"causal, window {window}"
@@ -297,6 +299,9 @@ def layer_ops(
             flops=4 * h * hd * pairs,
             bytes_read=(t * q + 2 * ctx * kv) * b,
             bytes_written=t * q * b,
+            # Decode reads the context from the workspace (K/V of earlier steps); prefill
+            # without a cached prefix reads only the K/V it just computed.
+            kv_bytes_read=2 * ctx * kv * b if decode else 0,
             note=f"scores [{h},{t},{ctx}] {mask}, {pairs} pairs/head",
         ),
         _matmul_op("o_proj", "o", "y", t, q, d, b),
@@ -608,8 +613,12 @@ def time_layer_ops(
     )
     timed("kv_write", lambda: scratch.write(0, slots, k, v))
     if decode:
-        ctx_slots = torch.arange(ctx, device=dev)[None, :]  # [1, S]
-        kc, vc = timed("kv_gather", lambda: scratch.gather(0, ctx_slots))
+        # The decode workspace of a batch of one: the context copied out of the pages once
+        # (as when the request joined the batch, not timed), then this step's append.
+        ws = DecodeWorkspace(scratch, 1 << 40)
+        ws.prepare([("trace", 0)], [ctx], [list(range(scratch.num_blocks))])
+        timed("kv_append", lambda: ws.write(0, k, v))
+        kc, vc = ws.layer(0, 1, ctx)  # [1, Hkv, S, D]
         dmask = None
         if window is not None and window < ctx:
             dmask = (torch.arange(ctx, device=dev) > ctx - 1 - window).view(1, 1, 1, ctx)
@@ -617,8 +626,8 @@ def time_layer_ops(
         def attention() -> torch.Tensor:
             o = F.scaled_dot_product_attention(
                 q.unsqueeze(2),
-                kc.transpose(1, 2),
-                vc.transpose(1, 2),
+                kc,
+                vc,
                 attn_mask=dmask,
                 scale=model.scale,
                 enable_gqa=True,

@@ -133,7 +133,7 @@ def test_structure(report: dict) -> None:
         assert timed == pytest.approx(p["time_ms"], rel=0.01, abs=0.01)
         names = [op["name"] for op in p["layer_ops"]]
         assert names[0] == "embed" and names[-2:] == ["final_norm", "lm_head"]
-        assert ("kv_gather" in names) == (name == "decode")
+        assert ("kv_append" in names) == (name == "decode")
         assert all(op["time_ms"] is not None and op["time_ms"] >= 0 for op in p["layer_ops"])
 
 
@@ -185,7 +185,7 @@ def test_kv_bytes(report: dict) -> None:
     for layer in report["prefill"]["layers"]:
         assert layer["kv_bytes_written"] == t * per_token // s["layers"]
     assert report["prefill"]["kv_bytes_read"] == 0  # no cached prefix
-    assert report["decode"]["kv_bytes_read"] == (t + 1) * per_token  # gathers the context
+    assert report["decode"]["kv_bytes_read"] == (t + 1) * per_token  # attention reads the context
 
 
 def test_weights_read_once_per_step(report: dict) -> None:
