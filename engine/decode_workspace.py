@@ -47,6 +47,12 @@ _ROWS_STEP = 8
 
 
 class DecodeWorkspace:
+    """The running batch's K/V, one contiguous row per request (see the module docstring).
+
+    Used by one thread, the engine's: `ModelRunner.decode` calls `prepare`, the model calls
+    `write` and `layer` for each layer, `LLMEngine.step` calls `reset` when nothing runs.
+    """
+
     def __init__(self, cache: PagedKVCache, max_bytes: int) -> None:
         self.cache = cache
         self.max_bytes = max_bytes
