@@ -10,9 +10,11 @@ Memory layout (why it is this shape):
   consecutive block ids is one contiguous slice (coalesced into one send).
 * A token's *slot* is ``block_id * block_size + offset``; flattening ``[num_blocks,
   block_size]`` gives every layer a ``[num_slots, num_kv_heads, head_dim]`` view that
-  every step writes with one `index_copy_`. Decode reads whole pages (`gather_blocks`, one
-  `index_select` over the block dimension, K and V together); a prefill chunk reads its
-  cached prefix by slot (`gather`).
+  every step writes with one `index_copy_`. A prefill chunk after a cached prefix reads its
+  whole context as whole pages (`gather_blocks`, one `index_select` over the block
+  dimension, K and V together). Decode reads the contiguous copy the decode workspace keeps
+  (`engine.decode_workspace`, filled from whole pages once per request), or gathers pages
+  when the batch is over the workspace's cap; `gather` reads any slot layout at all.
 
 The tensor is allocated once; nothing here allocates per request. Which blocks belong to whom
 is the block manager's business (`engine.block_manager`), which imports no torch.

@@ -462,7 +462,8 @@ class LlamaModel:
         cache: PagedKVCache,
         window: int | None,
     ) -> torch.Tensor:
-        """One query per request against its whole context, gathered from the pages."""
+        """One query per request against its whole context: read in place from the decode
+        workspace, or gathered from the pages (block tables or a slot grid)."""
         batch = q.shape[0]
         span = meta.decode_span()
         if meta.decode_workspace is not None:

@@ -118,9 +118,8 @@ class ModelRunner:
             if self.workspace is not None:
                 self.workspace.reset()  # rows may be half-written
             raise
-        if order is None or order == sorted(order):
+        if order is None or order == list(range(len(order))):
             return logits
-        back = [0] * len(order)
-        for row, i in enumerate(order):
-            back[i] = row
-        return logits[torch.tensor(back, device=self.device)]
+        back = torch.empty_like(logits)
+        back[torch.tensor(order, device=self.device)] = logits  # row r was requests[order[r]]
+        return back
