@@ -29,11 +29,13 @@ redis:
 test: $(STAMP) redis
 	$(BIN)/ruff check .
 	$(BIN)/mypy $(PACKAGES)
+	$(BIN)/mypy benchmarks  # apart: benchmarks/engine.py would clash with the engine package
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy $(PACKAGES)
+	$(BIN)/mypy benchmarks  # apart: benchmarks/engine.py would clash with the engine package
 
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine.py

@@ -841,9 +841,9 @@ def bench_ttft(
             # Each transport's three runs back to back, the overlap run in the middle and the
             # order flipped every round, so neither neighbour is always the one that follows
             # an idle gap (on this box the first run of a group is often the slow one).
-            modes = ("prefill", "overlap", "after") if rnd % 2 else ("after", "overlap", "prefill")
+            order = ("prefill", "overlap", "after") if rnd % 2 else ("after", "overlap", "prefill")
             for tr in transports:
-                for mode in modes:
+                for mode in order:
                     r = one(tr, mode, n)
                     if rnd:
                         runs[tr][n][mode].append(r)
