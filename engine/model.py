@@ -382,14 +382,25 @@ class LlamaModel:
         logits_indices: torch.Tensor,
         layer_hook: LayerHook | None = None,
     ) -> torch.Tensor:
-        """input_ids [T] -> float32 logits [len(logits_indices), V]."""
+        """input_ids [T] -> float32 logits [len(logits_indices), V].
+
+        A prefill step prunes its last layer: every token's K/V is written, but only the
+        rows logits are taken from (a completing prompt's last token) go on through that
+        layer's attention, o_proj and MLP. Nothing reads the other rows' outputs (no prompt
+        logprobs), so this is exact, and it saves most of one layer of the prompt pass
+        (llama.cpp does the same). Decode keeps every row: each one gives logits.
+        """
         x = self.w.embed[input_ids]  # [T, d]
         rope = self.rotary.tables(meta.positions)  # shared by every layer
+        rows = logits_indices.tolist() if meta.prefill is not None else None
+        last = len(self.w.layers) - 1
         for i, lw in enumerate(self.w.layers):
-            x = self._layer(i, lw, x, meta, cache, rope)
+            x = self._layer(i, lw, x, meta, cache, rope, rows if i == last else None)
             if layer_hook is not None:
                 layer_hook(i)
-        x = rms_norm(x[logits_indices], self.w.norm, self.cfg.rms_norm_eps)  # [N, d]
+        if rows is None:
+            x = x[logits_indices]
+        x = rms_norm(x, self.w.norm, self.cfg.rms_norm_eps)  # [N, d]
         return self.proj.lm_head(x).float()  # [N, V]
 
     def _layer(
@@ -400,8 +411,12 @@ class LlamaModel:
         meta: AttentionMetadata,
         cache: PagedKVCache,
         rope: tuple[torch.Tensor, torch.Tensor],
+        keep: list[int] | None = None,
     ) -> torch.Tensor:
-        """One decoder layer: the residual stream `x` [T, d] in, the updated stream out."""
+        """One decoder layer: the residual stream `x` [T, d] in, the updated stream out.
+
+        `keep` (a prefill step's last layer): K/V of all T tokens are written, then only
+        these rows are carried on; the stream comes out as [len(keep), d]."""
         cfg = self.cfg
         t = x.shape[0]
         h = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
@@ -415,7 +430,16 @@ class LlamaModel:
         if meta.decode_workspace is not None:
             meta.decode_workspace.write(i, k, v)
         window = cfg.sliding_windows[i]
-        if meta.prefill is not None:
+        if keep is not None:
+            assert meta.prefill is not None
+            if len(keep) < t:
+                o = self._row_attention(i, q, k, v, keep, meta.prefill, cache, window)
+                x = x[torch.tensor(keep, dtype=torch.long, device=x.device)]  # [N, d]
+                if not keep:
+                    return x  # a chunk that completes no prompt: K/V was all it had to give
+            else:
+                o = self._prefill_attention(i, q, k, v, meta.prefill, cache, window)
+        elif meta.prefill is not None:
             o = self._prefill_attention(i, q, k, v, meta.prefill, cache, window)
         else:
             o = self._decode_attention(i, q, meta, cache, window)
@@ -453,6 +477,44 @@ class LlamaModel:
             )
             outs.append(o[0].transpose(0, 1).reshape(seg.q_len, -1))  # [q_len, H * D]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _row_attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rows: list[int],
+        segments: list[PrefillSegment],
+        cache: PagedKVCache,
+        window: int | None,
+    ) -> torch.Tensor:
+        """Attention of single query rows of a prefill step -> [len(rows), H * D].
+
+        Row r of segment s is position ``p = ctx_len - q_len + (r - q_start)``; it sees
+        keys ``[max(0, p + 1 - window), p]``, so slicing the keys replaces the mask.
+        """
+        outs = []
+        for r in rows:
+            seg = next(s for s in segments if s.q_start <= r < s.q_start + s.q_len)
+            p = seg.ctx_len - seg.q_len + (r - seg.q_start)
+            lo = 0 if window is None else max(0, p + 1 - window)
+            if seg.context_blocks is not None:
+                kp, vp = cache.gather_blocks(layer, seg.context_blocks[None])  # [1, nb*Bs, ..]
+                ks, vs = kp[0, lo : p + 1], vp[0, lo : p + 1]  # [n, Hkv, D]
+            else:  # the segment starts the prompt: position p is batch row q_start + p
+                ks, vs = k[seg.q_start + lo : r + 1], v[seg.q_start + lo : r + 1]
+            o = F.scaled_dot_product_attention(
+                q[r : r + 1].transpose(0, 1).unsqueeze(0),  # [1, H, 1, D]
+                ks.transpose(0, 1).unsqueeze(0),  # [1, Hkv, n, D]
+                vs.transpose(0, 1).unsqueeze(0),
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            outs.append(o.reshape(1, -1))  # [1, H * D]
+        if not outs:
+            return q.new_empty(0, q.shape[1] * q.shape[2])
+        return torch.cat(outs)
 
     def _decode_attention(
         self,
