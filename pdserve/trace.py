@@ -30,7 +30,8 @@ Counting conventions
   ``S`` the context length attention sees (``T`` for prefill, prompt + 1 for decode).
 * **Matmul FLOPs** are ``2 * m * n * k`` (one multiply and one add per MAC), so the four
   projections of a layer cost ``2 * T * (d*(q + 2kv) + q*d + 3*d*ffn)``; a Qwen2 bias adds
-  ``T * (q + 2kv)``. The head runs only on the rows that produce logits (1 here).
+  ``T * (q + 2kv)``. The head runs only on the rows that produce logits (1 here), and so
+  does a prefill step's last layer past its qkv projection and K/V write (the engine prunes it).
 * **Attention FLOPs** are ``4 * H * D`` per attended (query, key) pair (``QK^T`` and ``PV``);
   only pairs the mask lets through count (causal: ``T(T+1)/2`` per head in prefill, ``S`` in
   decode; a sliding window caps both). Softmax, scaling and masking are not counted.
@@ -232,49 +233,58 @@ def _residual_op(name: str, t: int, d: int, b: int) -> OpCount:
 
 
 def layer_ops(
-    cfg: ModelConfig, layer: int, t: int, ctx: int, b: int, decode: bool
+    cfg: ModelConfig,
+    layer: int,
+    t: int,
+    ctx: int,
+    b: int,
+    decode: bool,
+    rows: int | None = None,
 ) -> list[OpCount]:
     """The ops of one decoder layer, in `LlamaModel._layer` order, for `t` new tokens.
 
     `ctx` is the context attention sees (new tokens included); `b` is bytes per element.
     Prefill is counted without a cached prefix (`trace` never reuses one), so ``ctx == t``.
     Decode appends the new K/V to the decode workspace too (`kv_append`) and attention reads
-    the whole context from it.
+    the whole context from it. `rows`: how many tokens go on past the K/V write (all `t`
+    unless given: a prefill step's last layer carries on only the rows that give logits,
+    the last ones).
     """
     d, f = cfg.hidden_size, cfg.intermediate_size
     h, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q, kv = cfg.q_size, cfg.kv_size
     n_qkv = q + 2 * kv
     window = cfg.sliding_windows[layer]
+    t_in, t = t, t if rows is None else rows  # t from here on: rows past the K/V write
     pairs = attended_pairs(t, ctx, window)
 
-    qkv = _matmul_op("qkv_proj", "h", "qkv", t, d, n_qkv, b)
+    qkv = _matmul_op("qkv_proj", "h", "qkv", t_in, d, n_qkv, b)
     if cfg.attention_bias:
         qkv.inputs["bias"] = (n_qkv,)
-        qkv.flops += t * n_qkv
+        qkv.flops += t_in * n_qkv
         qkv.bytes_read += n_qkv * b
         qkv.weight_bytes += n_qkv * b
     ops = [
-        _norm_op("input_norm", t, d, b, "x", "h"),
+        _norm_op("input_norm", t_in, d, b, "x", "h"),
         qkv,
         OpCount(
             "rotary",
             "elementwise",
-            {"q": (t, h, hd), "k": (t, hkv, hd), "cos": (t, hd), "sin": (t, hd)},
-            {"q": (t, h, hd), "k": (t, hkv, hd)},
-            flops=ROTARY_FLOPS * t * (q + kv),
-            bytes_read=(t * (q + kv) + 2 * t * hd) * b,
-            bytes_written=t * (q + kv) * b,
+            {"q": (t_in, h, hd), "k": (t_in, hkv, hd), "cos": (t_in, hd), "sin": (t_in, hd)},
+            {"q": (t_in, h, hd), "k": (t_in, hkv, hd)},
+            flops=ROTARY_FLOPS * t_in * (q + kv),
+            bytes_read=(t_in * (q + kv) + 2 * t_in * hd) * b,
+            bytes_written=t_in * (q + kv) * b,
         ),
         OpCount(
             "kv_write",
             "memory",
-            {"k": (t, hkv, hd), "v": (t, hkv, hd)},
-            {"cache": (2, t, hkv, hd)},
+            {"k": (t_in, hkv, hd), "v": (t_in, hkv, hd)},
+            {"cache": (2, t_in, hkv, hd)},
             flops=0,
-            bytes_read=2 * t * kv * b,
-            bytes_written=2 * t * kv * b,
-            kv_bytes_written=2 * t * kv * b,
+            bytes_read=2 * t_in * kv * b,
+            bytes_written=2 * t_in * kv * b,
+            kv_bytes_written=2 * t_in * kv * b,
         ),
     ]
     if decode:
@@ -282,11 +292,11 @@ def layer_ops(
             OpCount(
                 "kv_append",
                 "memory",
-                {"k": (t, hkv, hd), "v": (t, hkv, hd)},
-                {"workspace": (2, hkv, t, hd)},
+                {"k": (t_in, hkv, hd), "v": (t_in, hkv, hd)},
+                {"workspace": (2, hkv, t_in, hd)},
                 flops=0,
-                bytes_read=2 * t * kv * b,
-                bytes_written=2 * t * kv * b,
+                bytes_read=2 * t_in * kv * b,
+                bytes_written=2 * t_in * kv * b,
             )
         )
     mask = "causal" if window is None else f"causal, window {window}"
@@ -701,7 +711,11 @@ def _build_phase(
     name: str, cfg: ModelConfig, t: int, ctx: int, b: int, run: StepRun, op_times: dict[str, float]
 ) -> Phase:
     decode = name == "decode"
-    layers = [layer_ops(cfg, i, t, ctx, b, decode) for i in range(cfg.num_layers)]
+    last = cfg.num_layers - 1
+    layers = [
+        layer_ops(cfg, i, t, ctx, b, decode, rows=1 if not decode and i == last else None)
+        for i in range(cfg.num_layers)
+    ]
     embed, head = embed_ops(cfg, t, b), head_ops(cfg, 1, b)
     for op in [*embed, *layers[0], *head]:
         op.time_s = op_times.get(op.name)

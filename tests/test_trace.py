@@ -149,30 +149,39 @@ def test_shapes(report: dict) -> None:
     assert ops["lm_head"]["outputs"] == {"logits": [1, s["vocab"]]}
 
 
-def _expected_flops(t: int, ctx: int) -> tuple[int, int]:
-    """(matmul, attention) FLOPs of a step of `t` new tokens at context `ctx`, head on 1 row."""
+def _expected_flops(t: int, ctx: int, prefill: bool) -> tuple[int, int]:
+    """(matmul, attention) FLOPs of a step of `t` new tokens at context `ctx`, head on 1 row.
+
+    A prefill step's last layer computes qkv for all `t` tokens (their K/V is kept) and the
+    rest (attention, o_proj, MLP) for the one row that gives logits, the last one."""
     s = _tiny_sizes()
     d, f = s["d"], s["ffn"]
     q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
-    linear_params_per_layer = d * (q + 2 * kv) + q * d + 3 * d * f
-    matmul = s["layers"] * 2 * t * linear_params_per_layer + 2 * s["vocab"] * d
+    qkv_params, rest_params = d * (q + 2 * kv), q * d + 3 * d * f
+    full = s["layers"] - (1 if prefill else 0)
+    matmul = full * 2 * t * (qkv_params + rest_params) + 2 * s["vocab"] * d
     pairs = sum(p + 1 for p in range(ctx - t, ctx))  # causal: query p sees keys 0..p
-    attention = s["layers"] * 4 * s["heads"] * s["head_dim"] * pairs
+    attention = full * 4 * s["heads"] * s["head_dim"] * pairs
+    if prefill:  # the last layer
+        matmul += 2 * t * qkv_params + 2 * 1 * rest_params
+        attention += 4 * s["heads"] * s["head_dim"] * ctx  # the last query sees all ctx keys
     return matmul, attention
 
 
 def test_flops_match_the_formula(report: dict) -> None:
     t = report["prompt"]["num_tokens"]
     for name, n_tokens, ctx in (("prefill", t, t), ("decode", 1, t + 1)):
-        matmul, attention = _expected_flops(n_tokens, ctx)
+        matmul, attention = _expected_flops(n_tokens, ctx, prefill=name == "prefill")
         p = report[name]
         assert p["matmul_flops"] == matmul, name
         assert p["attention_flops"] == attention, name
         # Elementwise work (norms, rotary, SiLU, residuals) is small next to the matmuls.
         assert 0 < p["elementwise_flops"] < 0.1 * p["flops"]
-    # The prefill attention term is the causal triangle: T(T+1)/2 pairs per head and layer.
+    # The prefill attention term is the causal triangle, T(T+1)/2 pairs per head, in every
+    # layer but the last, where only the last query (T pairs) goes on.
     s = _tiny_sizes()
-    tri = s["layers"] * 4 * s["heads"] * s["head_dim"] * t * (t + 1) // 2
+    per_pair = 4 * s["heads"] * s["head_dim"]
+    tri = (s["layers"] - 1) * per_pair * t * (t + 1) // 2 + per_pair * t
     assert report["prefill"]["attention_flops"] == tri
 
 
