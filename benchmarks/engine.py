@@ -210,16 +210,24 @@ class HfRunner:
 
 # ---- the benchmark ---------------------------------------------------------------------------
 def prefill_flops(cfg: ModelConfig, tokens: int) -> dict[str, float]:
-    """FLOPs of a causal prefill of `tokens` tokens, logits for the last position only.
+    """FLOPs a causal prefill of `tokens` tokens needs for the last position's logits.
 
-    Linear layers: 2 x (non-embedding parameters without lm_head) per token. lm_head:
-    2 x V x d once (both engines compute only the last position's logits). Attention:
-    QK^T and PV over the causal half, 2 x 2 x (T^2 / 2) x heads x head_dim per layer.
+    Linear layers: 2 x (non-embedding parameters without lm_head) per token, except that the
+    last layer needs its qkv projection for every token (their K/V is kept) and the rest
+    (o_proj, MLP) for the last position only. lm_head: 2 x V x d once. Attention: QK^T and
+    PV over the causal half, 2 x 2 x (T^2 / 2) x heads x head_dim per layer, the last layer
+    one query's worth. This is the work pdserve does (it prunes the last layer); HF computes
+    the last layer for every token, more work than counted here.
     """
-    lm_head = cfg.vocab_size * cfg.hidden_size
+    d, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    lm_head = cfg.vocab_size * d
     body = cfg.num_params(include_embeddings=False) - lm_head
-    linear = 2 * body * tokens + 2 * lm_head
-    attention = cfg.num_layers * 2 * 2 * (tokens**2 / 2) * cfg.num_heads * cfg.head_dim
+    per_layer = body / cfg.num_layers  # norms included: a rounding error next to the matmuls
+    qkv = d * (q + 2 * kv)
+    linear = 2 * (body - per_layer) * tokens + 2 * qkv * tokens + 2 * (per_layer - qkv)
+    linear += 2 * lm_head
+    per_pair = 2 * 2 * cfg.num_heads * cfg.head_dim
+    attention = (cfg.num_layers - 1) * per_pair * tokens**2 / 2 + per_pair * tokens
     return {"linear": linear, "attention": attention, "total": linear + attention}
 
 
@@ -409,9 +417,9 @@ def print_report(res: dict[str, Any], console: Console) -> None:
             f"{pre[who + '_flops_per_s'] / m['matmul_peak_flops']:.2f}",
         )
     t.caption = (
-        f"pdserve/HF speed {ratios['prefill_vs_hf']:.2f}x. FLOPs: 2 x non-embedding params "
-        "(lm_head once, last position only) x tokens + causal attention 2 x 2 x T^2/2 x H x D "
-        "per layer"
+        f"pdserve/HF speed {ratios['prefill_vs_hf']:.2f}x. FLOPs: what the last position's "
+        "logits need: 2 x non-embedding params x tokens + causal attention 2 x 2 x T^2/2 x H x "
+        "D per layer, but the last layer past qkv and lm_head for the last position only"
     )
     console.print(t)
 
