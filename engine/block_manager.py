@@ -159,7 +159,7 @@ class BlockManager:
         for b in matched:
             self._take_ref(b)
         fresh = -(-num_tokens // self.block_size) - len(matched)
-        table = matched + [self._pop_free() for _ in range(fresh)]
+        table = matched + self._take_fresh(fresh)
         self._tables[request_id] = table
         return Allocation(tuple(table), len(matched) * self.block_size)
 
@@ -173,7 +173,7 @@ class BlockManager:
             raise NoFreeBlocksError(
                 f"{request_id}: needs {need} more blocks, {self.num_free_blocks} free"
             )
-        new = [self._pop_free() for _ in range(need)]
+        new = self._take_fresh(need)
         table.extend(new)
         return new
 
@@ -242,6 +242,18 @@ class BlockManager:
         if self._ref[b] == 0:
             del self._lru[b]
         self._ref[b] += 1
+
+    def _take_fresh(self, n: int) -> list[int]:
+        """`n` blocks off the free list (then the LRU's oldest), in ascending id order.
+
+        Which blocks are taken is the free list's and the LRU's business; the order they go
+        into the table is not, and ascending ids make consecutive ids neighbours. Why: a
+        request's cached blocks enter the LRU tail first (its head stays longest), so they
+        come back out in descending order; placed as they come, every page would be a run
+        of its own and a KV transfer would send one message per block per layer (measured
+        in the TTFT benchmark: 71 runs for a 128-block prompt, ~1700 gloo messages).
+        """
+        return sorted(self._pop_free() for _ in range(n))
 
     def _pop_free(self) -> int:
         if self._free:

@@ -15,6 +15,7 @@ that prefix hits, evictions and NoFreeBlocksError all happen) and after every st
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 from dataclasses import dataclass, field
 
@@ -161,9 +162,10 @@ def test_eviction_is_lru_with_tail_blocks_first() -> None:
     bm.free("b")
     assert list(bm._lru) == [a[2], a[1], a[0], b[2], b[1], b[0]]
     assert bm.num_free_blocks == 6 and bm.num_cached_blocks == 6
-    # Two fresh blocks evict a's tail then its middle; a's head survives.
+    # Two fresh blocks evict a's tail then its middle; a's head survives. The table holds
+    # them in ascending id order (evicted tail first, placed in order).
     got = bm.allocate("c", [], 8).block_ids
-    assert got == (a[2], a[1])
+    assert got == (a[1], a[2])
     assert bm.take_events() == [BlockRemoved((ha[2],)), BlockRemoved((ha[1],))]
     assert bm.match_prefix(ha) == 1 and bm.match_prefix(hb) == 3
     # A hit refreshes recency: touching b's head moves it behind a's head.
@@ -455,3 +457,25 @@ TestBlockManagerMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_fresh_blocks_come_in_ascending_order_so_transfers_coalesce() -> None:
+    """A cached request's blocks are evicted tail first, i.e. in descending id order; the
+    next request must still get them as one ascending run (one transfer message per layer
+    rather than one per block)."""
+    bm = BlockManager(16, 4)
+    first = bm.allocate("a", [], 32).block_ids  # 8 blocks
+    bm.commit("a", hashes_of(list(range(32))))
+    bm.free("a")
+    assert bm.num_cached_blocks == 8
+    bm.allocate("fill", [], 32)  # the 8 never-used blocks
+    again = bm.allocate("b", [], 32).block_ids  # all 8 evicted from the LRU
+    assert sorted(again) == sorted(first)
+    assert list(again) == sorted(again)
+    assert all(y == x + 1 for x, y in itertools.pairwise(again))
+    bm.free("b")
+    bm.free("fill")
+    bm.allocate("c", [], 4)
+    grown = bm.grow("c", 64)  # 15 more blocks, from the free list and the LRU
+    assert grown == sorted(grown)
+    bm.check_integrity()

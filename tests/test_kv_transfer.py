@@ -129,7 +129,9 @@ def test_local_transport_bit_exact(dtype: str) -> None:
     try:
         ticket = rx.receiver.reserve("r", 16 * 5 + 7)
         dst = list(ticket.dst_block_ids)
-        assert dst != sorted(dst) and dst != list(range(dst[0], dst[0] + len(dst)))
+        # Non-contiguous (the pool is fragmented); ascending, as the block manager hands out
+        # fresh blocks. The source ids are out of order, so the mapping is still exercised.
+        assert dst == sorted(dst) and dst != list(range(dst[0], dst[0] + len(dst)))
         src_ids = kv_procs.spread_ids(len(dst))
         before = rx.snapshot()
         ack = sender.send(ticket, src_ids)
