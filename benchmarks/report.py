@@ -169,20 +169,26 @@ def engine_section(d: dict[str, Any]) -> tuple[str, list[Row]]:
 def kv_section(d: dict[str, Any]) -> tuple[str, list[Row]]:
     ratios = d.get("ratios", [])
     rows: list[Row] = []
-    by = {(x.get("transport"), x.get("size_mib")): x for x in ratios if isinstance(x, dict)}
+    # Keyed by ceiling too: a transport is also compared with other ceilings (raw gloo split
+    # into the transfer's messages), and those rows must not stand in for the target's.
+    by = {
+        (x.get("transport"), x.get("ceiling"), x.get("size_mib")): x
+        for x in ratios
+        if isinstance(x, dict)
+    }
     sizes = sorted({x.get("size_mib", 0) for x in ratios if isinstance(x, dict)})
-    big = sizes[-1] if sizes else None
     for transport, ceiling, key in (
         ("torch_dist", "raw gloo", "torch_dist_over_raw_gloo"),
         ("grpc", "raw gRPC", "grpc_over_raw_grpc"),
     ):
-        x = by.get((transport, big))
-        if x:
+        got = [(sz, by[(transport, ceiling, sz)]) for sz in sizes if (transport, ceiling, sz) in by]
+        if got:
             target = dig(d, f"targets.{key}")
             rows.append((
-                f"KV transfer {transport} vs {ceiling} ({big} MiB)",
-                num(x.get("ratio_median"), ".2f"),
-                "GB/s between the same two processes",
+                f"KV transfer {transport} vs {ceiling} ("
+                + " / ".join(str(sz) for sz, _ in got) + " MiB)",
+                " / ".join(num(x.get("ratio_median"), ".2f") for _, x in got),
+                "GB/s between the same two processes, each size",
                 f">= {target}" if target is not None else "",
             ))  # fmt: skip
     for transport, per_len in (dig(d, "ttft.transports") or {}).items():
