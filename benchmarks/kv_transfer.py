@@ -211,8 +211,9 @@ class RxPeer:
     def listen(self, key: str, transport: str, pool: str = "fresh") -> str:
         """A receiver + endpoint on the page cache. `pool` decides the destination block ids:
         "fresh": a new pool per reserve, ids ascending, one run per layer (the best case);
-        "scattered": a pool whose free list a long-running worker has shuffled (blocks freed
-        in random order), so nearly every block is a run of its own (the worst case);
+        "scattered": a fragmented pool, as a long-running worker's can be: every other block
+        held by someone else, the rest freed in random order, so every block is a run of its
+        own (the worst case; the receiving cache has twice the blocks for it);
         "live": one pool used as is, as the decode worker's."""
         assert self.cache is not None
         return self._listen(key, transport, self.cache, pool)
@@ -234,11 +235,13 @@ class RxPeer:
         if self.pool[key] != "live":
             assert rx.pending() == 0
             rx.blocks = BlockManager(rx.cache.num_blocks, rx.cache.block_size)
-        if self.pool[key] == "scattered":  # public API only: take every block, free shuffled
-            order = np.random.default_rng(self.n).permutation(rx.cache.num_blocks).tolist()
+        if self.pool[key] == "scattered":  # public API only: take every block, free the
+            # even ones in random order. The block manager hands fresh blocks out in ascending
+            # order, so shuffling alone would leave one run; the held odd blocks split them.
             for b in range(rx.cache.num_blocks):
-                rx.blocks.allocate(f"churn-{b}", [], rx.cache.block_size)
-            for b in order:
+                rx.blocks.allocate(f"churn-{b}", [], rx.cache.block_size)  # churn-b holds b
+            evens = np.arange(0, rx.cache.num_blocks, 2)
+            for b in np.random.default_rng(self.n).permutation(evens).tolist():
                 rx.blocks.free(f"churn-{b}")
         return rx.reserve(f"req-{self.n}", num_tokens, extra_tokens=0).SerializeToString()
 
@@ -1171,8 +1174,8 @@ def main(argv: list[str] | None = None) -> int:
         "--scattered",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also run each transport into scattered destination blocks (a pool whose free "
-        "list was shuffled, as a long-running worker's is): one region per page",
+        help="also run each transport into scattered destination blocks (every other block "
+        "of the pool held, the rest freed in random order): one region per page",
     )
     ap.add_argument(
         "--raw-grpc-land",
@@ -1248,7 +1251,7 @@ def main(argv: list[str] | None = None) -> int:
             local.close()
             del local
         with Peers(threads_rx=1, threads_tx=1) as peers:
-            peers.rx.call("setup_pages", num_blocks=max_blocks)
+            peers.rx.call("setup_pages", num_blocks=2 * max_blocks)  # room for "scattered"
             peers.tx.call("setup_pages", num_blocks=max_blocks)
             cases: list[Case] = [
                 RawGlooCase(peers, max(sizes) * MIB),
