@@ -39,7 +39,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # serving.py's goodput helpers
+# The repository root, not benchmarks/: with benchmarks/ on sys.path its engine.py would
+# shadow the engine package in this process and in every process it spawns.
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 BENCHES = ("engine", "kv_transfer", "prefix_cache", "serving")
 PNGS = {
@@ -269,6 +272,18 @@ def prefix_section(d: dict[str, Any]) -> tuple[str, list[Row]]:
     return "\n".join(lines), rows
 
 
+def _goodput_ratio() -> Callable[..., tuple[Any, str]]:
+    """serving.py's `goodput_ratio`, imported with benchmarks/ on sys.path only meanwhile
+    (left there, its engine.py would shadow the engine package from then on)."""
+    here = str(Path(__file__).resolve().parent)
+    sys.path.insert(0, here)
+    try:
+        from serving import goodput_ratio
+    finally:
+        sys.path.remove(here)
+    return goodput_ratio
+
+
 def serving_section(d: dict[str, Any]) -> tuple[str, list[Row]]:
     rows: list[Row] = []
     lines: list[str] = []
@@ -277,9 +292,7 @@ def serving_section(d: dict[str, Any]) -> tuple[str, list[Row]]:
         slo, wl, g = s["slo"], s["workload"], s["goodput"]
         note = dig(s, "ratios.goodput_ratio_note")
         if note is None and {"disaggregated", "colocated"} <= g.keys():
-            from serving import goodput_ratio  # older JSONs: derive the bound here
-
-            note = goodput_ratio(g["disaggregated"], g["colocated"], s)[1]
+            note = _goodput_ratio()(g["disaggregated"], g["colocated"], s)[1]  # older JSONs
         rows.append((
             "goodput disaggregated / colocated",
             f"{note}x" if note and note[-1].isdigit() else str(note),

@@ -56,3 +56,17 @@ def test_kv_headline_uses_the_targeted_ceiling_at_every_size() -> None:
     assert gloo[3] == ">= 0.8"
     assert by_name["KV transfer grpc vs raw gRPC (8 / 64 / 512 MiB)"][1] == "0.70 / 0.70 / 0.70"
     assert not any("64 msgs" in r[0] for r in rows)
+
+
+def test_report_leaves_benchmarks_off_sys_path() -> None:
+    """benchmarks/engine.py must never shadow the engine package: not after report.py is
+    imported, and not after it borrowed serving.py's goodput helper (spawned worker
+    processes inherit sys.path, and once failed to import engine.config because of it)."""
+    bench_dir = str(ROOT / "benchmarks")
+    assert bench_dir not in sys.path
+    ratio = report._goodput_ratio()
+    assert callable(ratio)
+    assert bench_dir not in sys.path
+    import engine
+
+    assert hasattr(engine, "__path__"), engine  # the package, not benchmarks/engine.py
