@@ -393,6 +393,8 @@ class LlamaModel:
         x = self.w.embed[input_ids]  # [T, d]
         rope = self.rotary.tables(meta.positions)  # shared by every layer
         rows = logits_indices.tolist() if meta.prefill is not None else None
+        if rows is not None and len(rows) == len(input_ids):
+            rows = None  # every row gives logits (one-token chunks): nothing to prune
         last = len(self.w.layers) - 1
         for i, lw in enumerate(self.w.layers):
             x = self._layer(i, lw, x, meta, cache, rope, rows if i == last else None)
@@ -432,13 +434,10 @@ class LlamaModel:
         window = cfg.sliding_windows[i]
         if keep is not None:
             assert meta.prefill is not None
-            if len(keep) < t:
-                o = self._row_attention(i, q, k, v, keep, meta.prefill, cache, window)
-                x = x[torch.tensor(keep, dtype=torch.long, device=x.device)]  # [N, d]
-                if not keep:
-                    return x  # a chunk that completes no prompt: K/V was all it had to give
-            else:
-                o = self._prefill_attention(i, q, k, v, meta.prefill, cache, window)
+            x = x[torch.tensor(keep, dtype=torch.long, device=x.device)]  # [N, d]
+            if not keep:
+                return x  # a chunk that completes no prompt: K/V was all it had to give
+            o = self._row_attention(i, q, k, v, keep, meta.prefill, cache, window)
         elif meta.prefill is not None:
             o = self._prefill_attention(i, q, k, v, meta.prefill, cache, window)
         else:
@@ -460,11 +459,8 @@ class LlamaModel:
         """Causal attention per segment: new tokens attend to the prefix and to each other."""
         outs = []
         for seg in segments:
-            sl = slice(seg.q_start, seg.q_start + seg.q_len)
-            qs, ks, vs = q[sl], k[sl], v[sl]  # [q_len, H(kv), D]
-            if seg.context_blocks is not None:
-                kp, vp = cache.gather_blocks(layer, seg.context_blocks[None])  # [1, nb*Bs, ..]
-                ks, vs = kp[0, : seg.ctx_len], vp[0, : seg.ctx_len]  # [ctx_len, Hkv, D]
+            qs = q[seg.q_start : seg.q_start + seg.q_len]  # [q_len, H, D]
+            ks, vs = _context_kv(layer, seg, k, v, cache)  # [ctx_len, Hkv, D]
             mask = _prefill_mask(seg, window, q.device, q.dtype)
             o = F.scaled_dot_product_attention(
                 qs.transpose(0, 1).unsqueeze(0),  # [1, H, q_len, D]
@@ -499,21 +495,15 @@ class LlamaModel:
             seg = next(s for s in segments if s.q_start <= r < s.q_start + s.q_len)
             p = seg.ctx_len - seg.q_len + (r - seg.q_start)
             lo = 0 if window is None else max(0, p + 1 - window)
-            if seg.context_blocks is not None:
-                kp, vp = cache.gather_blocks(layer, seg.context_blocks[None])  # [1, nb*Bs, ..]
-                ks, vs = kp[0, lo : p + 1], vp[0, lo : p + 1]  # [n, Hkv, D]
-            else:  # the segment starts the prompt: position p is batch row q_start + p
-                ks, vs = k[seg.q_start + lo : r + 1], v[seg.q_start + lo : r + 1]
+            ks, vs = _context_kv(layer, seg, k, v, cache)  # [ctx_len, Hkv, D]
             o = F.scaled_dot_product_attention(
                 q[r : r + 1].transpose(0, 1).unsqueeze(0),  # [1, H, 1, D]
-                ks.transpose(0, 1).unsqueeze(0),  # [1, Hkv, n, D]
-                vs.transpose(0, 1).unsqueeze(0),
+                ks[lo : p + 1].transpose(0, 1).unsqueeze(0),  # [1, Hkv, n, D]
+                vs[lo : p + 1].transpose(0, 1).unsqueeze(0),
                 scale=self.scale,
                 enable_gqa=True,
             )
             outs.append(o.reshape(1, -1))  # [1, H * D]
-        if not outs:
-            return q.new_empty(0, q.shape[1] * q.shape[2])
         return torch.cat(outs)
 
     def _decode_attention(
@@ -546,6 +536,19 @@ class LlamaModel:
             enable_gqa=True,
         )
         return o.view(batch, -1)  # [B, H * D]
+
+
+def _context_kv(
+    layer: int, seg: PrefillSegment, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of positions ``[0, ctx_len)`` of a segment's request, ``[ctx_len, Hkv, D]``:
+    the chunk's own rows of this step's `k`/`v` when it starts the prompt, else the whole
+    context read from the pages (this chunk's K/V was written there just before)."""
+    if seg.context_blocks is None:
+        sl = slice(seg.q_start, seg.q_start + seg.q_len)
+        return k[sl], v[sl]
+    kp, vp = cache.gather_blocks(layer, seg.context_blocks[None])  # [1, nb * Bs, Hkv, D]
+    return kp[0, : seg.ctx_len], vp[0, : seg.ctx_len]
 
 
 def _prefill_mask(
