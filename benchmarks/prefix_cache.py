@@ -120,7 +120,9 @@ def engine_ttft(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     cfg = EngineConfig(
         model=str(model_dir),
         dtype="bfloat16",
-        cache=CacheConfig(BLOCK, num_blocks=(args.rounds + 2) * 2 * (n // BLOCK + 1)),
+        cache=CacheConfig(
+            BLOCK, num_blocks=(args.rounds + args.profile_rounds + 2) * 2 * (n // BLOCK + 1)
+        ),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=n, max_model_len=n + 8),
     )
     engine = LLMEngine.from_config(cfg)
@@ -146,6 +148,14 @@ def engine_ttft(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
             cold_s.append(c)
             warm_s.append(w)
         print(f"  engine round {i}: cold {c * 1e3:8.1f} ms  warm {w * 1e3:8.1f} ms", flush=True)
+    # Where the time goes: a few more pairs under the profiler (not in the figures above).
+    parts: dict[str, list[dict[str, float]]] = {"cold": [], "warm": []}
+    for i in range(args.profile_rounds):
+        cold, warm = shared_prompts(rng, n, shared, vocab)
+        for kind, ids in (("cold", cold), ("warm", warm)):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                wall, _ = ttft(ids, f"{kind}-p{i}")
+            parts[kind].append(step_parts(prof, wall))
     return {
         "prompt_tokens": n,
         "shared_tokens": shared,
@@ -154,6 +164,43 @@ def engine_ttft(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         "warm_s": summary(warm_s),
         "ratio": statistics.median(warm_s) / statistics.median(cold_s),
         "ratio_best": min(warm_s) / min(cold_s),
+        "breakdown": breakdown(parts),
+    }
+
+
+MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm")
+
+
+def step_parts(prof: Any, wall_s: float) -> dict[str, float]:
+    """One profiled TTFT split into the model's matmuls, its attention kernels (self time of
+    the ops that do the work) and the rest (norms, RoPE, K/V writes and gathers, Python)."""
+    mm = att = 0.0
+    for ev in prof.key_averages():
+        if ev.key in MATMUL_OPS:
+            mm += ev.self_cpu_time_total / 1e3
+        elif ev.key.startswith("aten::_scaled_dot_product_") or ev.key.startswith("aten::_flash"):
+            att += ev.self_cpu_time_total / 1e3
+    total = wall_s * 1e3
+    return {"matmul_ms": mm, "attention_ms": att, "rest_ms": total - mm - att, "total_ms": total}
+
+
+def breakdown(parts: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    """Median of each part over the profiled pairs, and warm / cold per part.
+
+    `kernels_ratio` is warm / cold of matmuls plus attention alone: the ratio an engine with
+    every other cost at zero would reach with these kernels on this machine (a floor for
+    the TTFT ratio as long as the rest is a smaller share of warm than of cold)."""
+    med = {
+        kind: {k: statistics.median(p[k] for p in runs) for k in runs[0]}
+        for kind, runs in parts.items()
+    }
+    c, w = med["cold"], med["warm"]
+    return {
+        **med,
+        "warm_over_cold": {k: w[k] / c[k] for k in c},
+        "kernels_ratio": (w["matmul_ms"] + w["attention_ms"])
+        / (c["matmul_ms"] + c["attention_ms"]),
+        "n": len(parts["cold"]),
     }
 
 
@@ -418,6 +465,19 @@ def print_report(res: dict[str, Any]) -> None:
             f"  {name:10} {ms(t['cold_s']['median']):>14} {ms(t['warm_s']['median']):>14} "
             f"{t['ratio']:10.3f} {t['ratio_best']:10.3f}"
         )
+    b = res.get("engine_ttft", {}).get("breakdown")
+    if b:
+        print()
+        print(f"Where the engine's TTFT goes (ms, median of {b['n']} profiled pairs)")
+        cols = ("matmul_ms", "attention_ms", "rest_ms", "total_ms")
+        print(f"  {'':10} {'matmuls':>10} {'attention':>10} {'the rest':>10} {'total':>10}")
+        for kind in ("cold", "warm"):
+            print(f"  {kind:10} " + " ".join(f"{b[kind][k]:10.1f}" for k in cols))
+        print(f"  {'warm/cold':10} " + " ".join(f"{b['warm_over_cold'][k]:10.3f}" for k in cols))
+        print(
+            f"  matmuls + attention alone, warm/cold: {b['kernels_ratio']:.3f} "
+            "(the ratio with every other cost at zero)"
+        )
     ix = res["index_lookup"]
     print()
     print(
@@ -450,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--shared-tokens", type=int, default=1840, help="block-aligned, ~90 %%")
     p.add_argument("--rounds", type=int, default=5, help="timed cold/warm pairs")
+    p.add_argument(
+        "--profile-rounds", type=int, default=3, help="extra pairs profiled for the breakdown"
+    )
     p.add_argument("--no-service", action="store_true", help="skip the service measurement")
     p.add_argument("--redis-url", default=None, help="default: start a redis-server")
     p.add_argument("--lookups", type=int, default=2000)

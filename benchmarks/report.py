@@ -250,6 +250,17 @@ def prefix_section(d: dict[str, Any]) -> tuple[str, list[Row]]:
             f"{num(dig(x, 'warm_s.median', math.nan) * 1e3, '.0f')} ms (medians of "
             f"{dig(x, 'cold_s.n', '?')}), warm / cold {num(x.get('ratio'), '.3f')}"
         )
+    b = dig(d, "engine_ttft.breakdown")
+    if isinstance(b, dict):
+        parts = ", ".join(
+            f"{name} {num(dig(b, f'warm.{k}'), '.0f')} / {num(dig(b, f'cold.{k}'), '.0f')} ms"
+            for name, k in (("matmuls", "matmul_ms"), ("attention", "attention_ms"),
+                            ("the rest", "rest_ms"))
+        )  # fmt: skip
+        lines.append(
+            f"- engine, profiled warm / cold: {parts}; matmuls + attention alone give warm / "
+            f"cold {num(b.get('kernels_ratio'), '.3f')} (every other cost at zero)"
+        )
     ix = d.get("index_lookup")
     if isinstance(ix, dict):
         redis_p99 = dig(ix, "redis.full.p99_ms")

@@ -70,3 +70,45 @@ def test_report_leaves_benchmarks_off_sys_path() -> None:
     import engine
 
     assert hasattr(engine, "__path__"), engine  # the package, not benchmarks/engine.py
+
+
+def _load_prefix_bench() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "bench_prefix_cache", ROOT / "benchmarks/prefix_cache.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prefix_breakdown_splits_a_profiled_step_into_matmuls_attention_and_the_rest() -> None:
+    """The breakdown the prefix benchmark prints: matmul and attention kernels' self time,
+    the rest of the wall time, and warm / cold of matmuls plus attention alone."""
+    import torch
+    import torch.nn.functional as F
+
+    bench = _load_prefix_bench()
+    a = torch.randn(256, 256)
+    q = torch.randn(1, 4, 64, 32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.mm(a, a)
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        a.add(1)
+    parts = bench.step_parts(prof, 10.0)  # a 10 s "step": the rest is nearly all of it
+    assert parts["matmul_ms"] > 0 and parts["attention_ms"] > 0
+    assert parts["total_ms"] == 10_000.0
+    assert parts["rest_ms"] == 10_000.0 - parts["matmul_ms"] - parts["attention_ms"]
+
+    def p(mm: float, att: float, total: float) -> dict[str, float]:
+        return {"matmul_ms": mm, "attention_ms": att, "rest_ms": total - mm - att,
+                "total_ms": total}  # fmt: skip
+
+    b = bench.breakdown({
+        "cold": [p(400, 200, 800), p(500, 300, 1000), p(420, 240, 820)],
+        "warm": [p(50, 40, 110), p(40, 50, 100), p(45, 45, 130)],
+    })  # fmt: skip
+    assert b["cold"]["matmul_ms"] == 420 and b["warm"]["attention_ms"] == 45  # medians
+    assert b["kernels_ratio"] == (45 + 45) / (420 + 240)
+    assert b["warm_over_cold"]["total_ms"] == 110 / 820
+    assert b["n"] == 3
