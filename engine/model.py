@@ -92,6 +92,9 @@ class AttentionMetadata:
     # Decode, form 3: rows 0 .. B-1 of a workspace hold the batch's context (positions
     # before this step's token); the step appends its K/V there as well as to the pages.
     decode_workspace: DecodeWorkspace | None = None
+    # Prefill: `logits_indices` as host ints, when the caller has them (the runner does):
+    # the last-layer pruning needs them on the host, and reading them back is a device sync.
+    logit_rows: list[int] | None = None
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
     _lens: list[int] | None = None
 
@@ -392,7 +395,9 @@ class LlamaModel:
         """
         x = self.w.embed[input_ids]  # [T, d]
         rope = self.rotary.tables(meta.positions)  # shared by every layer
-        rows = logits_indices.tolist() if meta.prefill is not None else None
+        rows = None
+        if meta.prefill is not None:
+            rows = meta.logit_rows if meta.logit_rows is not None else logits_indices.tolist()
         if rows is not None and len(rows) == len(input_ids):
             rows = None  # every row gives logits (one-token chunks): nothing to prune
         last = len(self.w.layers) - 1

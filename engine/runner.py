@@ -67,6 +67,7 @@ class ModelRunner:
             positions=torch.cat(positions).to(self.device),
             slot_mapping=torch.cat(slots).to(self.device),
             prefill=segments,
+            logit_rows=logit_rows,
         )
         return self.model.forward(
             torch.cat(ids).to(self.device),
