@@ -188,8 +188,10 @@ def breakdown(parts: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     """Median of each part over the profiled pairs, and warm / cold per part.
 
     `kernels_ratio` is warm / cold of matmuls plus attention alone: the ratio an engine with
-    every other cost at zero would reach with these kernels on this machine (a floor for
-    the TTFT ratio as long as the rest is a smaller share of warm than of cold)."""
+    every other cost at zero would reach with these kernels on this machine. It bounds the
+    whole ratio from below only when the rest costs warm at least the share it costs cold;
+    where the rest is the cheaper share of warm (norms and RoPE over 2048 rows run from
+    DRAM), it pulls the whole ratio under this one, and making the rest faster raises it."""
     med = {
         kind: {k: statistics.median(p[k] for p in runs) for k in runs[0]}
         for kind, runs in parts.items()
