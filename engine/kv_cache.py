@@ -22,6 +22,7 @@ is the block manager's business (`engine.block_manager`), which imports no torch
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -151,3 +152,25 @@ class PagedKVCache:
         src = torch.tensor(src_ids, dtype=torch.long, device=self.device)
         dst_t = torch.tensor(dst_ids, dtype=torch.long, device=dst.device)
         dst.data.index_copy_(2, dst_t, self.data.index_select(2, src).to(dst.device))
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """`num_blocks` consecutive source blocks landing on consecutive destination blocks."""
+
+    src_start: int
+    dst_start: int
+    num_blocks: int
+
+
+def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[BlockRun]:
+    """Coalesce (src, dst) pairs into runs contiguous on both sides."""
+    assert len(src_ids) == len(dst_ids), "src and dst block lists differ in length"
+    runs: list[BlockRun] = []
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        last = runs[-1] if runs else None
+        if last and s == last.src_start + last.num_blocks and d == last.dst_start + last.num_blocks:
+            runs[-1] = BlockRun(last.src_start, last.dst_start, last.num_blocks + 1)
+        else:
+            runs.append(BlockRun(s, d, 1))
+    return runs

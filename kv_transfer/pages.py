@@ -9,33 +9,12 @@ receiver's reserved pages, with runs of consecutive blocks coalesced into one re
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import PagedKVCache
+from engine.kv_cache import BlockRun, PagedKVCache, block_runs
 
-
-@dataclass(frozen=True)
-class BlockRun:
-    """`num_blocks` consecutive source blocks landing on consecutive destination blocks."""
-
-    src_start: int
-    dst_start: int
-    num_blocks: int
-
-
-def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[BlockRun]:
-    """Coalesce (src, dst) pairs into runs contiguous on both sides."""
-    assert len(src_ids) == len(dst_ids), "src and dst block lists differ in length"
-    runs: list[BlockRun] = []
-    for s, d in zip(src_ids, dst_ids, strict=True):
-        last = runs[-1] if runs else None
-        if last and s == last.src_start + last.num_blocks and d == last.dst_start + last.num_blocks:
-            runs[-1] = BlockRun(last.src_start, last.dst_start, last.num_blocks + 1)
-        else:
-            runs.append(BlockRun(s, d, 1))
-    return runs
+__all__ = ["BlockRun", "as_bytes", "block_runs", "frame_regions"]
 
 
 def frame_regions(

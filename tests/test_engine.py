@@ -247,14 +247,32 @@ def staggered_run(eng: LLMEngine, prompts: list[list[int]]) -> tuple[list[Reques
     raise AssertionError("did not finish")
 
 
-def test_decode_workspace_matches_page_gather(make_engine: MakeEngine) -> None:
+@pytest.mark.parametrize("fill_runs", [16, 0], ids=["fill-by-runs", "fill-by-gather"])
+def test_decode_workspace_matches_page_gather(
+    make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch, fill_runs: int
+) -> None:
     """The decode workspace (a contiguous copy of the batch's K/V, rows reshuffled as
-    requests come and go) gives decode exactly what gathering the pages gives."""
+    requests come and go) gives decode exactly what gathering the pages gives, whether it
+    copies a new request in run by run of consecutive blocks or through one gather.
+
+    Its buffers are handed out full of NaN here: attention reads every row up to the longest
+    context, so any position a row leaves uninitialised would turn the logits into NaN."""
+    from engine import decode_workspace
+
+    def poisoned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(decode_workspace, "_uninitialized", poisoned)
+    monkeypatch.setattr(decode_workspace, "_MAX_FILL_RUNS", fill_runs)
     rng = random.Random(5)
     prompts = [rand_prompt(rng, rng.randint(3, 90)) for _ in range(12)]
+    # s4 decodes from 236 to 274 tokens: the workspace grows past 256 positions while
+    # shorter rows stay in the batch (their new positions are read, masked, from then on).
+    prompts[4] = rand_prompt(rng, 236)
     ws_eng = make_engine()
     ws = ws_eng.runner.workspace
     assert ws is not None
+    capacities: list[int] = []
     seen_rows: list[list[tuple[str, int]]] = []
     prepare = ws.prepare
 
@@ -263,6 +281,7 @@ def test_decode_workspace_matches_page_gather(make_engine: MakeEngine) -> None:
         assert order is not None and sorted(order) == list(range(len(args[0])))
         assert ws.keys == [args[0][i] for i in order]  # rows 0 .. B-1 are the batch
         seen_rows.append(list(ws.keys))
+        capacities.append(ws.capacity)
         return order
 
     ws.prepare = recording_prepare  # type: ignore[method-assign]
@@ -275,6 +294,8 @@ def test_decode_workspace_matches_page_gather(make_engine: MakeEngine) -> None:
         "no row ever moved"
     )
     assert any(set(a) - set(b) and set(b) - set(a) for a, b in pairs), "no row was reused"
+    grew = [i + 1 for i, (a, b) in enumerate(itertools.pairwise(capacities)) if b > a]
+    assert any(len(seen_rows[i]) > 1 for i in grew), "never grew with other rows in use"
     gather_eng = make_engine(decode_workspace_mib=0)
     assert gather_eng.runner.workspace is None
     ref, ref_rec = staggered_run(gather_eng, prompts)
@@ -282,6 +303,35 @@ def test_decode_workspace_matches_page_gather(make_engine: MakeEngine) -> None:
         assert a.output_token_ids == b.output_token_ids
         for x, y in zip(got_rec.logits[a.request_id], ref_rec.logits[b.request_id], strict=True):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fill_runs", [16, 0], ids=["fill-by-runs", "fill-by-gather"])
+def test_decode_workspace_copies_scattered_pages_in_order(
+    make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch, fill_runs: int
+) -> None:
+    """A request whose blocks are three runs of consecutive ids, the last one partly used:
+    its workspace row holds every position of every layer as the pages do, and the rest of
+    the row is zero (finite), though the buffer started as NaN."""
+    from engine import decode_workspace
+
+    def poisoned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(decode_workspace, "_uninitialized", poisoned)
+    monkeypatch.setattr(decode_workspace, "_MAX_FILL_RUNS", fill_runs)
+    eng = make_engine()
+    ws, cache = eng.runner.workspace, eng.cache
+    assert ws is not None
+    cache.data.copy_(torch.randn_like(cache.data))
+    table = [7, 8, 3, 4, 5, 11]  # runs: 7-8, 3-5, 11
+    n = 5 * cache.block_size + 3  # the context; the step's own token makes it n + 1
+    assert ws.prepare([("r", 0)], [n + 1], [table]) == [0]
+    for layer in range(cache.num_layers):
+        kp, vp = cache.gather_blocks(layer, torch.tensor([table]))
+        k, v = ws.layer(layer, 1, ws.capacity)  # [1, Hkv, capacity, D]
+        assert torch.equal(k[0, :, :n], kp[0, :n].transpose(0, 1))
+        assert torch.equal(v[0, :, :n], vp[0, :n].transpose(0, 1))
+        assert not k[0, :, n:].any() and not v[0, :, n:].any()
 
 
 def test_worker_stats_report_the_decode_workspace(make_engine: MakeEngine) -> None:
