@@ -71,7 +71,11 @@ class LLMEngine:
         self.blocks = BlockManager(cache_config.num_blocks, cache_config.block_size)
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         self.runner = ModelRunner(
-            model, self.cache, self.blocks, cache_config.decode_workspace_mib << 20
+            model,
+            self.cache,
+            self.blocks,
+            cache_config.decode_workspace_mib << 20,
+            scheduler_config.max_model_len,
         )
         self.requests: dict[str, Request] = {}
         # Called after each layer's K/V is written; `current_step` says what the step holds.

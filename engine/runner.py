@@ -6,6 +6,7 @@ applies the step's results.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -26,13 +27,16 @@ class ModelRunner:
         cache: PagedKVCache,
         blocks: BlockManager,
         decode_workspace_bytes: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
-        """`decode_workspace_bytes`: cap of the `DecodeWorkspace` (0: gather pages per step)."""
+        """`decode_workspace_bytes`: cap of the `DecodeWorkspace` (0: gather pages per step).
+        `max_model_len`: the context limit, to size the workspace for where requests end."""
         self.model = model
         self.cache = cache
         self.blocks = blocks
         self.device = model.device
         self.block_size = cache.block_size
+        self.max_model_len = max_model_len
         self.workspace = (
             DecodeWorkspace(cache, decode_workspace_bytes) if decode_workspace_bytes else None
         )
@@ -89,10 +93,15 @@ class ModelRunner:
         tables = [self.blocks.block_table(r.request_id) for r in requests]
         order = None
         if self.workspace is not None:
+            limit = self.max_model_len
             order = self.workspace.prepare(
                 [(r.request_id, r.num_preemptions) for r in requests],
                 [r.num_tokens for r in requests],
                 tables,
+                [
+                    min(len(r.prompt_token_ids) + r.params.max_tokens, limit or sys.maxsize)
+                    for r in requests
+                ],
             )
         run = range(len(requests)) if order is None else order
         rows = []

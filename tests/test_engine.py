@@ -334,6 +334,38 @@ def test_decode_workspace_copies_scattered_pages_in_order(
         assert not k[0, :, n:].any() and not v[0, :, n:].any()
 
 
+@pytest.mark.parametrize("cap_mib", [1024, 1])
+def test_decode_workspace_is_sized_for_where_its_requests_end(
+    make_engine: MakeEngine, cap_mib: int
+) -> None:
+    """Prompts of 100 tokens that may grow to 400 (max_tokens 300): the workspace is
+    allocated once, at 512 positions, instead of at 256 and again (every row copied) past
+    token 256; under a cap that 512 positions do not fit, it starts at what the batch needs
+    now and falls back to the pages later, with the same tokens either way."""
+    rng = random.Random(8)
+    prompts = [rand_prompt(rng, 100) for _ in range(4)]
+    params = greedy(max_tokens=300)
+    # tiny: 512 B per row and position; 8 rows x 512 positions is 2 MiB, x 256 is 1 MiB.
+    eng = make_engine(decode_workspace_mib=cap_mib)
+    ws = eng.runner.workspace
+    assert ws is not None
+    capacities: list[int] = []
+    grow = ws._grow
+
+    def watching_grow(*args: Any) -> None:
+        grow(*args)
+        capacities.append(ws.capacity)
+
+    ws._grow = watching_grow  # type: ignore[method-assign]
+    got = eng.generate(prompts, params)
+    if cap_mib == 1024:
+        assert set(capacities) == {512} and ws.fallbacks == 0
+    else:
+        assert capacities[0] == 256 and ws.fallbacks > 0
+    ref = make_engine(decode_workspace_mib=0).generate(prompts, params)
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in ref]
+
+
 def test_worker_stats_report_the_decode_workspace(make_engine: MakeEngine) -> None:
     """What a worker's stats (and so /metrics) say about the workspace while requests decode
     and after they finish."""
