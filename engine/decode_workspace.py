@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.config import ceil_div
-from engine.kv_cache import PagedKVCache, block_runs
+from engine.kv_cache import BlockRun, PagedKVCache, block_runs
 
 RowKey = tuple[str, int]
 """(request_id, num_preemptions) of the request a row holds."""
@@ -203,19 +203,16 @@ class DecodeWorkspace:
             return
         c = self.cache
         ids = block_table[: ceil_div(n, c.block_size)]
-        runs = block_runs(ids, range(len(ids)))
-        if len(runs) <= _MAX_FILL_RUNS:  # straight from the pages: one copy per run
-            for r in runs:
-                lo = r.dst_start * c.block_size
-                hi = min(n, lo + r.num_blocks * c.block_size)
-                pages = c.data[:, :, r.src_start : r.src_start + r.num_blocks]
-                ctx = pages.flatten(2, 3)[:, :, : hi - lo]  # [L, 2, hi - lo, Hkv, D]
-                self.data[:, :, row, :, lo:hi] = ctx.transpose(2, 3)
-            return
-        blocks = torch.tensor(ids, device=c.device)
-        pages = c.data.index_select(2, blocks)  # [L, 2, nb, Bs, Hkv, D]
-        ctx = pages.flatten(2, 3)[:, :, :n]  # [L, 2, n, Hkv, D]
-        self.data[:, :, row, :, :n] = ctx.transpose(2, 3)  # [L, 2, Hkv, n, D]
+        src, runs = c.data, block_runs(ids, range(len(ids)))  # [L, 2, N, Bs, Hkv, D]
+        if len(runs) > _MAX_FILL_RUNS:  # scattered: gather the pages into one run first
+            src = c.data.index_select(2, torch.tensor(ids, device=c.device))
+            runs = [BlockRun(0, 0, len(ids))]
+        for r in runs:  # one copy per run of consecutive blocks
+            lo = r.dst_start * c.block_size
+            hi = min(n, lo + r.num_blocks * c.block_size)
+            pages = src[:, :, r.src_start : r.src_start + r.num_blocks]
+            ctx = pages.flatten(2, 3)[:, :, : hi - lo]  # [L, 2, hi - lo, Hkv, D]
+            self.data[:, :, row, :, lo:hi] = ctx.transpose(2, 3)  # [L, 2, Hkv, hi - lo, D]
 
     def layer(self, layer: int, batch: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the batch's rows, positions ``0 .. span-1``: ``[B, Hkv, span, D]`` views."""

@@ -93,15 +93,12 @@ class ModelRunner:
         tables = [self.blocks.block_table(r.request_id) for r in requests]
         order = None
         if self.workspace is not None:
-            limit = self.max_model_len
+            limit = self.max_model_len or sys.maxsize
             order = self.workspace.prepare(
                 [(r.request_id, r.num_preemptions) for r in requests],
                 [r.num_tokens for r in requests],
                 tables,
-                [
-                    min(len(r.prompt_token_ids) + r.params.max_tokens, limit or sys.maxsize)
-                    for r in requests
-                ],
+                [min(len(r.prompt_token_ids) + r.params.max_tokens, limit) for r in requests],
             )
         run = range(len(requests)) if order is None else order
         rows = []
