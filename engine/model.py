@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig, RopeScaling
+from engine.cpu import onednn_bf16_supported
 from engine.decode_workspace import DecodeWorkspace
 from engine.kv_cache import PagedKVCache
 
@@ -289,7 +290,7 @@ class OneDnnProjections(Projections):
     def available(device: torch.device, dtype: torch.dtype) -> bool:
         return (
             device.type == "cpu"
-            and dtype in (torch.float32, torch.bfloat16)
+            and (dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16_supported()))
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         )

@@ -2,19 +2,24 @@
 
 The model never sees text; the engine uses this only to turn generated ids into text deltas
 (for stop strings and streaming). `IncrementalDetokenizer` holds back a delta while it ends in
-an incomplete UTF-8 sequence, so a stream never carries a broken character.
+an incomplete UTF-8 sequence, so a stream never carries a broken character. The chat template
+and the special tokens it reads come from the checkpoint (`engine.chat_template`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
-from engine.config import ModelConfig
+from engine.chat_template import ChatTemplate, find_template
+from engine.config import ConfigError, ModelConfig
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 class Tokenizer:
@@ -24,31 +29,46 @@ class Tokenizer:
         eos_token_ids: tuple[int, ...],
         bos_token_id: int | None,
         chat_template: str | None,
+        special_tokens: Mapping[str, str] | None = None,
     ) -> None:
         self._tok = tok
         self.eos_token_ids = eos_token_ids
         self.bos_token_id = bos_token_id
         self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+        self._template = ChatTemplate(chat_template, self.special_tokens) if chat_template else None
 
     @classmethod
-    def from_dir(cls, path: str | Path, cfg: ModelConfig | None = None) -> Tokenizer:
+    def from_dir(
+        cls,
+        path: str | Path,
+        cfg: ModelConfig | None = None,
+        chat_template: str | Path | None = None,
+    ) -> Tokenizer:
+        """Read `tokenizer.json` and its configs; `chat_template` is a file that overrides
+        the checkpoint's template. Raises ConfigError when there is no `tokenizer.json`."""
         root = Path(path)
+        if not (root / "tokenizer.json").is_file():
+            raise ConfigError(f"{root}: no tokenizer.json")
         tok = HFTokenizer.from_file(str(root / "tokenizer.json"))
-        tok_cfg = _read_json(root / "tokenizer_config.json")
+        tok_cfg = {
+            **_read_json(root / "special_tokens_map.json"),
+            **_read_json(root / "tokenizer_config.json"),
+        }
         gen_cfg = _read_json(root / "generation_config.json")
+        special = _special_tokens(tok, tok_cfg, cfg)
         eos: set[int] = set(cfg.eos_token_ids) if cfg else set()
         gen_eos = gen_cfg.get("eos_token_id")
         if isinstance(gen_eos, int):
             eos.add(gen_eos)
         elif isinstance(gen_eos, list):
             eos.update(int(e) for e in gen_eos)
-        eos_tok = _token_str(tok_cfg.get("eos_token"))
-        eos_id = tok.token_to_id(eos_tok) if eos_tok is not None else None
+        eos_id = tok.token_to_id(special["eos_token"]) if "eos_token" in special else None
         if eos_id is not None:
             eos.add(int(eos_id))
         bos = cfg.bos_token_id if cfg else None
-        template = tok_cfg.get("chat_template")
-        return cls(tok, tuple(sorted(eos)), bos, template if isinstance(template, str) else None)
+        template = find_template(root, tok_cfg, chat_template)
+        return cls(tok, tuple(sorted(eos)), bos, template, special)
 
     @property
     def vocab_size(self) -> int:
@@ -61,20 +81,25 @@ class Tokenizer:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> str:
-        """Render chat messages with the checkpoint's Jinja template (jinja2 imported lazily)."""
-        if not self.chat_template:
-            raise ValueError("messages: this model has no chat template")
-        import jinja2  # only the chat path needs it
+        """Render chat messages as HF's `apply_chat_template(tokenize=False)` does.
 
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-        return env.from_string(self.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token="",
-            eos_token="",
-        )
+        Raises ChatTemplateError (a ValueError) with the template's own message; tokenize
+        the result with `encode_chat`, since the template already placed any BOS.
+        """
+        if self._template is None:
+            raise ValueError(
+                "messages: this model has no chat template (give one with --chat-template FILE)"
+            )
+        return self._template.render(messages, add_generation_prompt)
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Template and tokenize as HF's `apply_chat_template(tokenize=True)`: the rendered
+        text is encoded without adding special tokens again."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._tok)
@@ -108,3 +133,25 @@ def _token_str(v: object) -> str | None:
     if isinstance(v, dict) and isinstance(v.get("content"), str):
         return str(v["content"])
     return None
+
+
+def _special_tokens(
+    tok: HFTokenizer, tok_cfg: Mapping[str, Any], cfg: ModelConfig | None
+) -> dict[str, str]:
+    """`bos_token`, `eos_token`, ... as strings: the tokenizer config's, else the config ids'."""
+    out: dict[str, str] = {}
+    for key in _SPECIAL_TOKEN_KEYS:
+        value = _token_str(tok_cfg.get(key))
+        if value is not None:
+            out[key] = value
+    ids = (
+        {"bos_token": cfg.bos_token_id, "eos_token": next(iter(cfg.eos_token_ids), None)}
+        if cfg
+        else {}
+    )
+    for key, token_id in ids.items():
+        if key not in out and token_id is not None:
+            text = tok.id_to_token(token_id)
+            if text is not None:
+                out[key] = text
+    return out

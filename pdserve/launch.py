@@ -13,14 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.config import ModelConfig
+from engine.config import GenerationDefaults, ModelConfig
 from engine.engine import EngineConfig
 from engine.tokenizer import Tokenizer
 from engine.weights import checkpoint_files, checkpoint_fingerprint
 from kv_transfer.config import WorkerConfig
 from kv_transfer.prefix_index import make_index
-from pdserve.checkpoint import PRESETS, resolve_model
+from pdserve.checkpoint import PRESETS
 from pdserve.config import PoolConfig, ServeConfig
+from pdserve.models import NAMED_MODELS, require_tokenizer, resolve_model
 from protos.pdserve.v1 import generation_pb2 as gen
 from router.pools import Pool, RayHandle, WorkerHandle
 from router.service import Router
@@ -34,15 +35,21 @@ def engine_config(cfg: ServeConfig, model_path: Path) -> EngineConfig:
         model=str(model_path),
         dtype=cfg.model.dtype,
         device=cfg.model.device,
+        chat_template=cfg.model.chat_template,
         cache=cfg.cache,
         scheduler=cfg.scheduler,
     )
 
 
 def served_name(cfg: ServeConfig) -> str:
+    """`--served-model-name`, else the preset, named model, hub id or file/directory name."""
+    model = cfg.model.model
     if cfg.model.served_model_name:
         return cfg.model.served_model_name
-    return cfg.model.model if cfg.model.model in PRESETS else Path(cfg.model.model).name
+    if model in PRESETS or model in NAMED_MODELS or not Path(model).exists():
+        return model
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
 
 
 def build_router(
@@ -50,16 +57,15 @@ def build_router(
 ) -> Router:
     """The router for these pools, with the model's limits read from the checkpoint."""
     mcfg = ModelConfig.from_hf(model_path)
-    tokenizer = (
-        Tokenizer.from_dir(model_path, mcfg) if (model_path / "tokenizer.json").exists() else None
-    )
-    max_len = min(cfg.scheduler.max_model_len, mcfg.max_position_embeddings)
+    require_tokenizer(model_path, cfg.model.model)
+    tokenizer = Tokenizer.from_dir(model_path, mcfg, cfg.model.chat_template)
+    max_len = cfg.scheduler.context_len(mcfg)
     name = served_name(cfg)
     info = gen.ModelInfo(
         served_model_name=name,
         max_context_length=max_len,
         vocab_size=mcfg.vocab_size,
-        eos_token_ids=list(tokenizer.eos_token_ids if tokenizer else mcfg.eos_token_ids),
+        eos_token_ids=list(tokenizer.eos_token_ids),
         block_size=cfg.cache.block_size,
         dtype=cfg.model.dtype if cfg.model.dtype != "auto" else mcfg.dtype,
         model_fingerprint=checkpoint_fingerprint(mcfg, checkpoint_files(model_path)),
@@ -67,7 +73,14 @@ def build_router(
     index = make_index(cfg.index.redis_url, name, cfg.index.ttl_s, cfg.index.timeout_s)
     return Router(
         cfg.router,
-        ModelLimits(name, mcfg.vocab_size, max_len, cfg.cache.block_size, cfg.cache.num_blocks),
+        ModelLimits(
+            name,
+            mcfg.vocab_size,
+            max_len,
+            cfg.cache.block_size,
+            cfg.cache.num_blocks,
+            GenerationDefaults.from_dir(model_path),
+        ),
         tokenizer,
         info,
         Pool("prefill", prefill),
@@ -96,6 +109,7 @@ class Deployment:
 
         cfg = self.cfg
         self.model_path = resolve_model(cfg.model.model, seed=cfg.model.weights_seed)
+        require_tokenizer(self.model_path, cfg.model.model)
         if not ray.is_initialized():
             ray.init(
                 # None starts a fresh local Ray ("local"): plain None would join whatever

@@ -1050,7 +1050,7 @@ def run_trace(args: argparse.Namespace) -> int:
     """`pdserve trace`: measure the roofs, trace prefill and one decode step, print."""
     from pdserve.cli import load_engine
 
-    engine = load_engine(args.model, args.dtype, args.weights_seed)
+    engine = load_engine(args.model, args.dtype, args.weights_seed, args.chat_template)
     if engine.tokenizer is None:
         raise ValueError(f"--model {args.model!r}: trace needs a checkpoint with tokenizer.json")
     ids = engine.tokenizer.encode(args.prompt)

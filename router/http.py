@@ -345,14 +345,18 @@ def chat_request(router: Router, d: dict[str, Any], request_id: str) -> gen.Gene
     if router.tokenizer is None:
         raise bad_request("messages", "this model has no tokenizer; use /v1/completions")
     try:
-        r.text = router.tokenizer.apply_chat_template(messages)
-    except ValueError as e:
+        # Tokenized here, without special tokens again: the template placed BOS (if any),
+        # as HF's apply_chat_template(tokenize=True) and vLLM do.
+        ids = router.tokenizer.encode_chat(messages)
+    except ValueError as e:  # ChatTemplateError: the template's own message
         raise bad_request("messages", str(e).removeprefix("messages: ")) from e
-    except Exception as e:  # a template error (jinja2) on these messages
-        raise bad_request("messages", f"chat template failed: {e}") from e
+    r.token_ids.ids.extend(ids)
     max_tokens = _int(d, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _int(d, "max_tokens")
+    if max_tokens is None:  # as vLLM: the rest of the context (at least 1, so an overlong
+        # prompt meets the context-length check rather than a max_tokens one)
+        max_tokens = max(router.limits.max_model_len - len(ids), 1)
     r.sampling.CopyFrom(sampling_params(d, max_tokens))
     top = _int(d, "top_logprobs")
     if _bool(d, "logprobs"):

@@ -7,8 +7,9 @@ and never reaches a worker.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from engine.config import GenerationDefaults
 from engine.sampling import InvalidParameterError, SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.validation import check_request
@@ -26,32 +27,45 @@ class ModelLimits:
     # The KV pool every worker has (both pools share the cache config); 0: not checked.
     block_size: int = 0
     num_kv_blocks: int = 0
+    # The checkpoint's generation_config.json: defaults for fields a request leaves unset.
+    sampling_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 def _float(s: gen.SamplingParams, name: str, default: float) -> float:
     return float(getattr(s, name)) if s.HasField(name) else default
 
 
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
 def _int(s: gen.SamplingParams, name: str) -> int | None:
     return int(getattr(s, name)) if s.HasField(name) else None
 
 
-def sampling_from_proto(s: gen.SamplingParams) -> SamplingParams:
-    """Unset optional scalars take OpenAI's defaults (temperature 1.0, not 0)."""
+def sampling_from_proto(
+    s: gen.SamplingParams, defaults: GenerationDefaults | None = None
+) -> SamplingParams:
+    """Unset optional scalars take the checkpoint's generation defaults where it has them,
+    else OpenAI's (temperature 1.0, not 0; max_tokens 16)."""
+    defaults = defaults or GenerationDefaults()
     n = _int(s, "n")
     if n is not None and n != 1:
         raise InvalidParameterError("n", f"only n=1 is supported, got {n}")
     max_tokens = _int(s, "max_tokens")
+    if max_tokens is None:
+        max_tokens = defaults.max_tokens or _DEFAULT_MAX_TOKENS
+    top_k = _int(s, "top_k")
     return SamplingParams(
-        temperature=_float(s, "temperature", 1.0),
-        top_p=_float(s, "top_p", 1.0),
-        top_k=_int(s, "top_k"),
-        min_p=_float(s, "min_p", 0.0),
-        repetition_penalty=_float(s, "repetition_penalty", 1.0),
+        temperature=_float(s, "temperature", _or(defaults.temperature, 1.0)),
+        top_p=_float(s, "top_p", _or(defaults.top_p, 1.0)),
+        top_k=top_k if s.HasField("top_k") else defaults.top_k,
+        min_p=_float(s, "min_p", _or(defaults.min_p, 0.0)),
+        repetition_penalty=_float(s, "repetition_penalty", _or(defaults.repetition_penalty, 1.0)),
         frequency_penalty=_float(s, "frequency_penalty", 0.0),
         presence_penalty=_float(s, "presence_penalty", 0.0),
         seed=_int(s, "seed"),
-        max_tokens=_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+        max_tokens=max_tokens,
         min_tokens=_int(s, "min_tokens") or 0,
         ignore_eos=s.HasField("ignore_eos") and s.ignore_eos,
         stop=tuple(s.stop),
@@ -68,7 +82,7 @@ def prepare(
         raise LookupError(
             f"model {request.model!r} is not served here (serving {limits.served_model_name!r})"
         )
-    params = sampling_from_proto(request.sampling)
+    params = sampling_from_proto(request.sampling, limits.sampling_defaults)
     kind = request.WhichOneof("prompt")
     if kind == "text":
         if not request.text:

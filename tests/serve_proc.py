@@ -36,8 +36,10 @@ class ServeProcess:
         env: dict[str, str] | None = None,
         start_timeout_s: float = 240.0,
         ssl_context: ssl.SSLContext | None = None,  # HTTPS: a server started with --tls-cert
+        model: str | None = "tiny",  # None: no --model flag (the server's default)
     ) -> None:
         self.home = home
+        self.model_args = ("--model", model) if model else ()
         self.ssl_context = ssl_context
         for attempt in range(2):  # a loaded host can time Ray's startup out: retry once
             self.log_path = home / f"serve-{attempt}.stderr"
@@ -56,7 +58,7 @@ class ServeProcess:
         """Start the server; whether it printed both ports within `timeout_s`."""
         full_env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
         full_env.pop("PDSERVE_API_KEY", None)
-        full_env.update(PDSERVE_HOME=str(self.home), PYTHONUNBUFFERED="1", **(env or {}))
+        full_env.update({"PDSERVE_HOME": str(self.home), "PYTHONUNBUFFERED": "1", **(env or {})})
         self._stderr = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [
@@ -64,8 +66,7 @@ class ServeProcess:
                 "-m",
                 "pdserve.cli",
                 "serve",
-                "--model",
-                "tiny",
+                *self.model_args,
                 "--grpc-port",
                 "0",
                 "--http-port",

@@ -350,7 +350,7 @@ def test_sharegpt(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from engine.tokenizer import Tokenizer
-    from pdserve.checkpoint import resolve_model
+    from pdserve.models import resolve_model
 
     monkeypatch.setenv("PDSERVE_HOME", str(home))  # the tokenizer is the served preset's
     dataset = tmp_path / "sharegpt.json"

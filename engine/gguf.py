@@ -1,0 +1,87 @@
+"""GGUF checkpoints (llama.cpp's format), read through `gguf` and transformers' converters.
+
+A GGUF file carries the weights (often quantized), the architecture and the tokenizer in one
+file. pdserve never parses it by hand: `gguf` reads and dequantizes the tensors and
+transformers maps llama.cpp's names and metadata onto HF's (including the inverse of the q/k
+row permutation llama.cpp's converter applies for its rotary layout), so a GGUF loads into
+exactly the tensors an HF checkpoint of the same model would hold.
+
+Both libraries are imported inside the functions: `engine` itself imports with torch,
+safetensors and tokenizers alone, and only a GGUF user needs the `gguf` extra.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import SUPPORTED_ARCHITECTURES, ConfigError
+
+_ARCH_OF_MODEL_TYPE = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+
+
+def _transformers() -> Any:
+    try:
+        import gguf  # noqa: F401 - transformers needs it for GGUF and says so less clearly
+        import transformers
+    except ImportError as e:
+        raise ConfigError(
+            "loading a .gguf file needs the `gguf` and `transformers` packages: "
+            "pip install 'pdserve[models]'"
+        ) from e
+    return transformers
+
+
+def write_hf_metadata(gguf_path: str | Path, out_dir: str | Path) -> dict[str, Any]:
+    """Write `config.json`, the tokenizer files and `generation_config.json` for a GGUF.
+
+    The tokenizer (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`) and its
+    special tokens come from the GGUF's metadata through transformers' GGUF tokenizer
+    converter. Returns the config dict written. Raises ConfigError for an architecture
+    pdserve does not serve.
+    """
+    tf = _transformers()
+    src = Path(gguf_path)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = tf.AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
+    arch = _ARCH_OF_MODEL_TYPE.get(config.model_type)
+    if arch is None:
+        raise ConfigError(
+            f"{src.name}: GGUF architecture {config.model_type!r} is not served "
+            f"(pdserve serves {sorted(_ARCH_OF_MODEL_TYPE)})"
+        )
+    config.architectures = [arch]
+    config.save_pretrained(str(out))
+    tf.GenerationConfig.from_model_config(config).save_pretrained(str(out))
+    tokenizer = tf.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    tokenizer.save_pretrained(str(out))
+    with open(out / "config.json") as f:
+        written: dict[str, Any] = json.load(f)
+    return written
+
+
+def gguf_tensors(
+    gguf_path: str | Path, hf_config_dir: str | Path
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a GGUF, dequantized to float32, under its HF name.
+
+    `hf_config_dir` holds the `config.json` that `write_hf_metadata` wrote for this file:
+    transformers derives the llama.cpp -> HF name map from a model of that config, built on
+    the meta device (no memory).
+    """
+    tf = _transformers()
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = tf.AutoConfig.from_pretrained(str(hf_config_dir))
+    with torch.device("meta"):
+        skeleton = tf.AutoModelForCausalLM.from_config(config)
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
+    tensors: dict[str, torch.Tensor] = parsed["tensors"]
+    while tensors:
+        name = next(iter(tensors))
+        yield name, tensors.pop(name)
