@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
-from pdserve.models import resolve_model  # noqa: E402
+from pdserve.models import BENCH_MODEL_HELP, resolve_model  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
     torch.manual_seed(0)
-    model_dir = resolve_model(args.preset, seed=0, dtype=args.dtype)
+    model_dir = resolve_model(args.model, seed=0, dtype=args.dtype)
     cfg = ModelConfig.from_hf(model_dir)
     dtype = DTYPES[args.dtype]
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
@@ -524,7 +524,9 @@ def plot(res: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/engine-latest.json")
-    p.add_argument("--preset", default="small")
+    p.add_argument(
+        "--model", "--preset", dest="model", default="small", help=BENCH_MODEL_HELP
+    )
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=512)

@@ -65,7 +65,7 @@ from engine.config import CacheConfig, SchedulerConfig  # noqa: E402
 from engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from kv_transfer.prefix_index import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex  # noqa: E402
-from pdserve.models import resolve_model  # noqa: E402
+from pdserve.models import BENCH_MODEL_HELP, resolve_model  # noqa: E402
 
 BLOCK = 16
 TARGET_TTFT_RATIO = 0.15
@@ -119,7 +119,7 @@ def engine_ttft(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     n, shared = args.prompt_len, args.shared_tokens
     cfg = EngineConfig(
         model=str(model_dir),
-        dtype="bfloat16",
+        dtype=args.dtype,
         cache=CacheConfig(
             BLOCK, num_blocks=(args.rounds + args.profile_rounds + 2) * 2 * (n // BLOCK + 1)
         ),
@@ -221,7 +221,7 @@ def service_ttft(args: argparse.Namespace, model_dir: Path, redis_url: str) -> d
     cfg = ServeConfig.load(
         None,
         {
-            "model": {"model": str(model_dir), "dtype": "bfloat16"},
+            "model": {"model": str(model_dir), "dtype": args.dtype},
             "cache": {"num_blocks": (args.rounds + 2) * 2 * (n // BLOCK + 1)},
             "scheduler": {"max_num_batched_tokens": n, "max_model_len": n + 8},
             "transfer": {"transport": "local"},
@@ -457,7 +457,11 @@ def ms(x: float) -> str:
 
 def print_report(res: dict[str, Any]) -> None:
     print()
-    print("TTFT, 2048-token prompt, 90 % shared prefix (small preset, bf16)")
+    c = res["config"]
+    print(
+        f"TTFT, {c['prompt_len']}-token prompt, {c['shared_tokens']} shared "
+        f"({c['model']}, {c['dtype']})"
+    )
     print(f"  {'':10} {'cold median':>14} {'warm median':>14} {'warm/cold':>10} {'best/best':>10}")
     for name in ("engine", "service"):
         t = res.get(f"{name}_ttft")
@@ -508,6 +512,8 @@ def print_report(res: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/prefix_cache-latest.json")
+    p.add_argument("--model", default="small", help=BENCH_MODEL_HELP)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--shared-tokens", type=int, default=1840, help="block-aligned, ~90 %%")
@@ -528,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     torch.set_num_threads(args.threads)
-    model_dir = resolve_model("small", dtype="bfloat16")
+    model_dir = resolve_model(args.model, dtype=args.dtype)
     res: dict[str, Any] = {
         "config": {**vars(args), "out": str(args.out), "checkpoint": str(model_dir)},
         "machine": {

@@ -145,7 +145,7 @@ def engine_section(d: dict[str, Any]) -> tuple[str, list[Row]]:
          "FLOP/s vs a bf16 matmul timed in the run", target("prefill_vs_matmul_peak")),
     ]  # fmt: skip
     lines = [
-        f"`{cfg.get('preset', 'small')}` preset, {cfg.get('dtype', 'bfloat16')}, "
+        f"`{cfg.get('model', cfg.get('preset', 'small'))}`, {cfg.get('dtype', 'bfloat16')}, "
         f"{m.get('threads', cfg.get('threads', '?'))} torch threads; pdserve and HF interleaved "
         "round by round (best of N).",
         "",
@@ -312,8 +312,8 @@ def serving_section(d: dict[str, Any]) -> tuple[str, list[Row]]:
             f"{g.get('colocated', {}).get('note')}", "",
         ))  # fmt: skip
         lines += [
-            f"`{s['model']['preset']}` preset, {s['model']['dtype']}; workload "
-            f"{wl['input_len']}-token prompts, {wl['output_len']} output tokens, "
+            f"`{s['model'].get('name', s['model'].get('preset'))}`, {s['model']['dtype']}; "
+            f"workload {wl['input_len']}-token prompts, {wl['output_len']} output tokens, "
             f"{wl['num_prompts_per_rate']} Poisson arrivals per rate (same prompts and times "
             "in both modes).",
             "",

@@ -71,7 +71,7 @@ os.environ.setdefault("PDSERVE_HOME", str(ROOT / ".venv" / "pdserve-home"))  # a
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from pdserve.models import resolve_model  # noqa: E402
+from pdserve.models import BENCH_MODEL_HELP, resolve_model  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 ATTAINMENT_TARGET = 0.9  # DistServe: goodput = the highest rate with >= 90 % attainment
@@ -352,10 +352,11 @@ def sweep_point(
 
 
 def run_sweep(args: argparse.Namespace, run_dir: Path, bar: tqdm) -> dict[str, Any]:
-    model_dir = resolve_model(args.preset, dtype=args.dtype)
+    model_dir = resolve_model(args.model, dtype=args.dtype)
     pools = write_pool_config(run_dir, args.transfer_timeout_s)
     common = ["--config", str(pools), "--model", str(model_dir), "--served-model-name",
-              args.preset, "--dtype", args.dtype, "--num-kv-blocks", str(args.num_kv_blocks),
+              Path(args.model).name, "--dtype", args.dtype,
+              "--num-kv-blocks", str(args.num_kv_blocks),
               "--max-model-len", str(args.max_model_len)]  # fmt: skip
     if args.transport:
         common += ["--transport", args.transport]
@@ -391,7 +392,7 @@ def run_sweep(args: argparse.Namespace, run_dir: Path, bar: tqdm) -> dict[str, A
         for mode, pts in sweep.items()
     }
     return {
-        "model": {"preset": args.preset, "dtype": args.dtype, "checkpoint": str(model_dir)},
+        "model": {"name": args.model, "dtype": args.dtype, "checkpoint": str(model_dir)},
         "workload": {
             "dataset": "random (token ids, ignore_eos, greedy)",
             "input_len": args.input_len,
@@ -608,7 +609,8 @@ def plot(res: dict[str, Any], png: Path, latency_png: Path) -> None:
     ax.set_ylim(-3, 103)
     wl = s["workload"]
     ax.set_title(
-        f"{s['model']['preset']} {s['model']['dtype']}, {wl['input_len']} in / "
+        f"{s['model'].get('name', s['model'].get('preset'))} {s['model']['dtype']}, "
+        f"{wl['input_len']} in / "
         f"{wl['output_len']} out; SLO TTFT {slo['ttft_ms']:.0f} ms, TPOT {slo['tpot_ms']:.0f} ms",
         fontsize=9,
     )
@@ -699,7 +701,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs-dir", type=Path, default=ROOT / "build" / "serving-runs",
                    help="raw pdserve bench JSONs and server logs (replaced each run)")  # fmt: skip
     p.add_argument("--modes", default="disaggregated,colocated")
-    p.add_argument("--preset", default="small", choices=["tiny", "small"])
+    p.add_argument(
+        "--model", "--preset", dest="model", default="small", help=BENCH_MODEL_HELP
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=64)

@@ -59,12 +59,13 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: str) -> torch.dtype:
     chosen = checkpoint_dtype if name == "auto" else name
     if on_cpu and name == "auto" and chosen in ("bfloat16", "float16"):
         chosen = "bfloat16" if cpu.has_bf16_hardware() else "float32"
-        log.info(
-            "dtype auto: %s checkpoint computes in %s (%s)",
-            checkpoint_dtype,
-            chosen,
-            cpu.describe(),
-        )
+        if chosen != checkpoint_dtype:  # vLLM warns when it casts, too
+            log.warning(
+                "dtype auto: the %s checkpoint computes in %s on this CPU (%s)",
+                checkpoint_dtype,
+                chosen,
+                cpu.describe(),
+            )
     if chosen == "float16" and on_cpu:
         chosen = "float32"
     return DTYPES[chosen]

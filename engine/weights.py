@@ -3,8 +3,8 @@
 Reads, in this order of preference, ``model.safetensors`` (or a sharded
 ``model.safetensors.index.json``), ``pytorch_model.bin`` (or its sharded index) through
 torch's weights-only unpickler, which refuses anything but tensors and plain containers, or
-one ``*.gguf`` file (dequantized by `engine.gguf`). Fuses q/k/v and gate/up into single matrices; ties
-``lm_head`` to the embedding when the config says so. The model fingerprint mixes the
+one ``*.gguf`` file (dequantized by `engine.gguf`). Fuses q/k/v and gate/up into single
+matrices; ties ``lm_head`` to the embedding when the config says so. The model fingerprint mixes the
 architecture with each file's header and a sample of its bytes, so two checkpoints of one
 shape but different weights never exchange KV.
 """

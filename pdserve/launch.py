@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import GenerationDefaults, ModelConfig
-from engine.engine import EngineConfig
+from engine.engine import EngineConfig, resolve_dtype
 from engine.tokenizer import Tokenizer
 from engine.weights import checkpoint_files, checkpoint_fingerprint
 from kv_transfer.config import WorkerConfig
@@ -67,7 +67,9 @@ def build_router(
         vocab_size=mcfg.vocab_size,
         eos_token_ids=list(tokenizer.eos_token_ids),
         block_size=cfg.cache.block_size,
-        dtype=cfg.model.dtype if cfg.model.dtype != "auto" else mcfg.dtype,
+        dtype=str(resolve_dtype(cfg.model.dtype, mcfg.dtype, cfg.model.device)).removeprefix(
+            "torch."
+        ),
         model_fingerprint=checkpoint_fingerprint(mcfg, checkpoint_files(model_path)),
     )
     index = make_index(cfg.index.redis_url, name, cfg.index.ttl_s, cfg.index.timeout_s)

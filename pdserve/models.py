@@ -37,6 +37,10 @@ from engine.config import DTYPE_NAMES
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# Benchmarks default to a preset (comparable with earlier reports) but take any model.
+BENCH_MODEL_HELP = (
+    "a preset (random weights), named model, checkpoint dir or .gguf; default %(default)s"
+)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _ALTERNATIVES = (
     "use --model tiny (random weights, nothing to download) or --model DIR "

@@ -133,7 +133,7 @@ def _start_server(home: Path, attempt: int) -> tuple[subprocess.Popen[str], dict
     """Start `pdserve serve`; returns it and its addresses, or None if it exited first."""
     env = {**os.environ, "PDSERVE_HOME": str(home)}
     http = _serve_has_http()
-    argv = ["serve", "--grpc-port", "0", *(["--http-port", "0"] if http else [])]
+    argv = ["serve", "--model", "tiny", "--grpc-port", "0", *(["--http-port", "0"] if http else [])]
     with open(home / f"serve-{attempt}.stderr", "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", *argv],

@@ -72,7 +72,7 @@ def greedy(**kw: Any) -> dict[str, Any]:
     return dict(temperature=0.0, max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True}, **kw)
 
 
-def grpc_greedy(client: Client, prompt: str) -> Any:
+def grpc_greedy(client: Client, prompt: str | list[int]) -> Any:
     out = client.generate(prompt, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     assert out.complete is not None
     return out
@@ -141,7 +141,8 @@ def test_chat_matches_grpc(oa: Any, grpc_client: Client, tokenizer: Tokenizer) -
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "What is the capital of France?"},
     ]
-    ref = grpc_greedy(grpc_client, tokenizer.apply_chat_template(messages))
+    # the template's ids, no BOS added on top: HF's apply_chat_template(tokenize=True)
+    ref = grpc_greedy(grpc_client, tokenizer.encode_chat(messages))
     resp = oa.chat.completions.create(model="tiny", messages=messages, **greedy())
     [choice] = resp.choices
     assert choice.message.role == "assistant"
