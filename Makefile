@@ -37,17 +37,21 @@ lint: $(STAMP)
 	$(BIN)/mypy $(PACKAGES)
 	$(BIN)/mypy benchmarks  # apart: benchmarks/engine.py would clash with the engine package
 
+# MODEL=... (and DTYPE=...) run a benchmark on another model, e.g.
+#   make bench-engine MODEL=smollm2-135m-instruct DTYPE=float32
+BENCH_MODEL_ARGS := $(if $(MODEL),--model $(MODEL)) $(if $(DTYPE),--dtype $(DTYPE))
+
 bench-engine: $(STAMP)
-	$(BIN)/python benchmarks/engine.py
+	$(BIN)/python benchmarks/engine.py $(BENCH_MODEL_ARGS)
 
 bench-prefix: $(STAMP) redis
-	$(BIN)/python benchmarks/prefix_cache.py
+	$(BIN)/python benchmarks/prefix_cache.py $(BENCH_MODEL_ARGS)
 
 bench-transfer: $(STAMP)
 	$(BIN)/python benchmarks/kv_transfer.py
 
 bench-serving: $(STAMP)
-	$(BIN)/python benchmarks/serving.py
+	$(BIN)/python benchmarks/serving.py $(BENCH_MODEL_ARGS)
 
 # Load while faults are injected (kill -9 of workers and redis-server, cancels, a stalled
 # transfer, 2x overload): per fault, what became of every request (docs/reliability.md).

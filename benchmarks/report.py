@@ -142,14 +142,14 @@ def engine_section(d: dict[str, Any]) -> tuple[str, list[Row]]:
         ("engine decode b=32 throughput vs HF", num(r.get("throughput_b32_vs_hf"), ".2f", "x"),
          "continuous vs static batching", target("throughput_b32_vs_hf")),
         ("engine prefill vs matmul peak", num(r.get("prefill_vs_matmul_peak"), ".2f"),
-         "FLOP/s vs a bf16 matmul timed in the run", target("prefill_vs_matmul_peak")),
+         "FLOP/s vs a matmul of its dtype timed in the run", target("prefill_vs_matmul_peak")),
     ]  # fmt: skip
     lines = [
         f"`{cfg.get('model', cfg.get('preset', 'small'))}`, {cfg.get('dtype', 'bfloat16')}, "
         f"{m.get('threads', cfg.get('threads', '?'))} torch threads; pdserve and HF interleaved "
         "round by round (best of N).",
         "",
-        f"Machine peaks measured in the same run: bf16 matmul "
+        f"Machine peaks measured in the same run: {cfg.get('dtype', 'bfloat16')} matmul "
         f"{num((m.get('matmul_peak_flops') or math.nan) / 1e12, '.3f')} TFLOP/s, copy "
         f"{num((m.get('copy_bytes_per_s') or math.nan) / 1e9, '.1f')} GB/s.",
         "",

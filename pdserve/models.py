@@ -148,27 +148,37 @@ def fetch_named(name: str, out: Path | None = None, dtype: str = "float32") -> P
         raise ModelError(f"--dtype {dtype!r}: a named model is stored as float32 or bfloat16")
     spec = NAMED_MODELS[name]
     target = out or pdserve_home() / "models" / f"{name}-{dtype}"
+    if _complete(target) and _source(target) == _source_record(name, spec, dtype):
+        return target  # fetched and converted before
     gguf = _fetch_gguf(name, spec)
     _say(f"converting {gguf.name} to an HF checkpoint ({dtype}) in {target}")
     with tempfile.TemporaryDirectory(dir=_mkdir(target.parent), prefix=".tmp-") as tmp:
         work = Path(tmp) / "model"
         convert_gguf(gguf, work, dtype)
         with open(work / "pdserve_source.json", "w") as f:
-            json.dump(
-                {
-                    "name": name,
-                    "package": f"{spec.package}=={spec.version}",
-                    "file": spec.member,
-                    "sha256": spec.sha256,
-                    "dtype": dtype,
-                },
-                f,
-                indent=2,
-            )
-        if target.exists():
-            shutil.rmtree(target)
-        work.replace(target)
+            json.dump(_source_record(name, spec, dtype), f, indent=2)
+        _publish(work, target, replace=True)
     return target
+
+
+def _source_record(name: str, spec: NamedModel, dtype: str) -> dict[str, str]:
+    """What a converted directory was made from (`pdserve_source.json`)."""
+    return {
+        "name": name,
+        "package": f"{spec.package}=={spec.version}",
+        "file": spec.member,
+        "sha256": spec.sha256,
+        "dtype": dtype,
+    }
+
+
+def _source(d: Path) -> dict[str, str] | None:
+    try:
+        with open(d / "pdserve_source.json") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _fetch_gguf(name: str, spec: NamedModel) -> Path:
@@ -220,6 +230,7 @@ def convert_gguf(gguf: Path, out: Path, dtype: str = "float32") -> Path:
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)  # written private; a model is for every reader
     config["dtype"] = dtype
     with open(out / "config.json", "w") as f:
         json.dump(config, f, indent=2)
@@ -246,9 +257,7 @@ def gguf_dir(gguf: Path) -> Path:
 
         write_hf_metadata(gguf, work)
         (work / "model.gguf").symlink_to(gguf)
-        if target.exists():
-            shutil.rmtree(target)
-        work.replace(target)
+        _publish(work, target)
     return target
 
 
@@ -279,9 +288,7 @@ def _with_fast_tokenizer(path: Path) -> Path:
         for entry in path.iterdir():
             (work / entry.name).symlink_to(entry)
         fast.backend_tokenizer.save(str(work / "tokenizer.json"))
-        if target.exists():
-            shutil.rmtree(target)
-        work.replace(target)
+        _publish(work, target)
     return target
 
 
@@ -321,6 +328,18 @@ def hub_download(repo_id: str) -> Path:
 
 
 # ---- helpers --------------------------------------------------------------------------------
+def _publish(work: Path, target: Path, replace: bool = False) -> None:
+    """Move a finished directory into place. Readers only ever see a complete one (they
+    check `_complete`); a stale or partial target is replaced, and when another process
+    published first its copy stays (unless `replace`) and ours goes with the temporary
+    directory."""
+    if _complete(target) and not replace:
+        return
+    if target.exists():
+        shutil.rmtree(target)
+    work.replace(target)
+
+
 def _say(message: str) -> None:
     print(f"pdserve: {message}", file=sys.stderr, flush=True)
 

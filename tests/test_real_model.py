@@ -113,6 +113,28 @@ def test_named_model_is_the_pinned_gguf_converted(real_dir: Path) -> None:
         assert (real_dir / name).is_file(), name
 
 
+def test_model_fetch_prints_the_directory_last(
+    real_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["model", "fetch", DEFAULT_MODEL]) == 0  # converted already: no work
+    assert capsys.readouterr().out.splitlines()[-1] == str(real_dir)
+
+
+def test_a_gguf_that_does_not_match_its_pin_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+
+    import pdserve.models as models
+
+    bad = dataclasses.replace(NAMED_MODELS[DEFAULT_MODEL], sha256="0" * 64)
+    monkeypatch.setitem(models.NAMED_MODELS, "tampered", bad)
+    monkeypatch.setenv("PDSERVE_HOME", str(tmp_path))
+    with pytest.raises(models.ModelError, match="expected 0{64}; refusing it"):
+        models.fetch_named("tampered")
+    assert not list((tmp_path / "downloads").iterdir())  # nothing unchecked is kept
+
+
 def test_capital_of_france_is_paris(hf_runs: list[HFRun]) -> None:
     """The model is real: HF itself answers the question correctly from these weights."""
     assert "Paris" in hf_runs[0].text
