@@ -130,7 +130,7 @@ def test_a_gguf_that_does_not_match_its_pin_is_refused(
     bad = dataclasses.replace(NAMED_MODELS[DEFAULT_MODEL], sha256="0" * 64)
     monkeypatch.setitem(models.NAMED_MODELS, "tampered", bad)
     monkeypatch.setenv("PDSERVE_HOME", str(tmp_path))
-    with pytest.raises(models.ModelError, match="expected 0{64}; refusing it"):
+    with pytest.raises(models.ModelError, match=r"expected 0{64}; refusing it"):
         models.fetch_named("tampered")
     assert not list((tmp_path / "downloads").iterdir())  # nothing unchecked is kept
 
