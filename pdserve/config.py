@@ -42,7 +42,8 @@ class PoolConfig:
     num_cpus: float = 0.5  # fractional on CPU: router + 1 prefill + 1 decode fit on 2 cores
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources
-    max_restarts: int = 0
+    # Ray restarts a dead worker this many times (-1: always); the router probes it back.
+    max_restarts: int = 10
     max_concurrency: int = 1000
     num_threads: int = 1  # torch intra-op threads per worker (Ray sets 1)
 

@@ -38,7 +38,8 @@ async def serve(cfg: ServeConfig, deployment: Deployment, router: Router) -> int
         server = await start_server(router, cfg.router.host, cfg.router.grpc_port)
         await router.start()
         freeze_startup_heap()
-        await server.set_serving(True)
+        await server.set_serving(router.serviceable())
+        router.on_serving_change = server.set_serving  # NOT_SERVING while a pool is down
         print(f"pdserve: gRPC listening on {cfg.router.host}:{server.port}", flush=True)
         if cfg.router.http_enabled:
             http = await start_http_server(router, cfg.router.host, cfg.router.http_port)

@@ -354,9 +354,11 @@ def chat_request(router: Router, d: dict[str, Any], request_id: str) -> gen.Gene
     max_tokens = _int(d, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _int(d, "max_tokens")
-    if max_tokens is None:  # as vLLM: the rest of the context (at least 1, so an overlong
-        # prompt meets the context-length check rather than a max_tokens one)
-        max_tokens = max(router.limits.max_model_len - len(ids), 1)
+    if max_tokens is None:  # as vLLM: the rest of the context, or generation_config's
+        # max_new_tokens if smaller (at least 1, so an overlong prompt meets the
+        # context-length check rather than a max_tokens one)
+        rest = max(router.limits.max_model_len - len(ids), 1)
+        max_tokens = min(rest, router.limits.sampling_defaults.max_tokens or rest)
     r.sampling.CopyFrom(sampling_params(d, max_tokens))
     top = _int(d, "top_logprobs")
     if _bool(d, "logprobs"):
@@ -591,14 +593,7 @@ class OpenAIApp:
             )
 
     def ready(self) -> bool:
-        r = self.router
-        if r.draining:
-            return False
-        decode_up = any(w.healthy and w.stats is not None for w in r.decode.workers)
-        prefill_up = not r.prefill.workers or any(
-            w.healthy and w.stats is not None for w in r.prefill.workers
-        )
-        return decode_up and (r.colocated or prefill_up)
+        return self.router.serviceable()
 
     async def generate(
         self, request: Request, greq: gen.GenerateRequest, fmt: Formatter, opts: StreamOptions

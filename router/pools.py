@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,11 @@ class RayHandle(WorkerHandle):
             raise WorkerUnavailable(f"{self.name}: {e}") from e
 
 
+# Probes of a worker that stopped answering back off from the refresh interval to this, so
+# a crash-looping or dead worker is asked a few times a minute, not five times a second.
+MAX_PROBE_INTERVAL_S = 5.0
+
+
 @dataclass
 class WorkerLoad:
     handle: WorkerHandle
@@ -68,6 +74,33 @@ class WorkerLoad:
     pending_blocks: int = 0  # decode: blocks reserved by the router since the last stats
     active: set[str] = field(default_factory=set)
     healthy: bool = True
+    down_since: float | None = None  # monotonic time it was marked down; None while up
+    next_probe_s: float = 0.0  # monotonic time of the next stats probe while down
+    probe_interval_s: float = 0.0  # current backoff between probes while down
+
+    def mark_down(self, reason: object) -> None:
+        """Out of rotation until a stats probe answers again (Ray restarts the actor)."""
+        if self.down_since is None:
+            log.warning(
+                "%s worker %s is down (%s); probing until it answers again",
+                self.handle.role,
+                self.handle.name,
+                reason,
+            )
+            self.down_since = time.monotonic()
+            self.probe_interval_s = 0.0
+        self.healthy = False
+
+    def mark_up(self) -> None:
+        if self.down_since is not None:
+            log.warning(
+                "%s worker %s is back after %.1f s",
+                self.handle.role,
+                self.handle.name,
+                time.monotonic() - self.down_since,
+            )
+        self.down_since = None
+        self.healthy = True
 
     @property
     def free_blocks(self) -> int:
@@ -171,15 +204,28 @@ class Pool:
         """Decode workers by KV headroom (free minus pending reservations), then batch size."""
         return sorted(self.healthy(), key=lambda w: (-w.free_blocks, len(w.active)))
 
-    async def refresh(self) -> None:
+    def serviceable(self) -> bool:
+        """At least one worker is up and has reported its stats."""
+        return any(w.healthy and w.stats is not None for w in self.workers)
+
+    async def refresh(self, interval_s: float, timeout_s: float) -> None:
+        """Pull every worker's stats. A worker that fails or takes over `timeout_s` (a call
+        to an actor Ray is restarting waits for the restart) is marked down; down workers
+        are probed with backoff from `interval_s` up to `MAX_PROBE_INTERVAL_S`."""
+
         async def one(w: WorkerLoad) -> None:
+            now = time.monotonic()
+            if not w.healthy and now < w.next_probe_s:
+                return
             try:
-                w.stats = await w.handle.call("stats")
+                w.stats = await asyncio.wait_for(w.handle.call("stats"), timeout_s)
                 w.pending_blocks = 0
-                w.healthy = True
+                w.mark_up()
             except Exception as e:
-                if w.healthy:
-                    log.warning("%s worker %s unreachable: %s", self.role, w.handle.name, e)
-                w.healthy = False
+                w.mark_down(e or type(e).__name__)
+                w.probe_interval_s = min(
+                    max(2 * w.probe_interval_s, interval_s), MAX_PROBE_INTERVAL_S
+                )
+                w.next_probe_s = time.monotonic() + w.probe_interval_s
 
         await asyncio.gather(*(one(w) for w in self.workers))

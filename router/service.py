@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,6 +153,10 @@ class Router:
         self._tasks: set[asyncio.Task[None]] = set()
         self._refresher: asyncio.Task[None] | None = None
         self.metrics = RequestObserver()  # per-request hooks; RouterMetrics.install sets one
+        # Health follows `serviceable()`: the gRPC server sets this (pdserve/serve.py).
+        self.on_serving_change: Callable[[bool], Awaitable[None]] | None = None
+        self._serving = False
+        self._last_refresh_s = 0.0
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -160,7 +164,17 @@ class Router:
         self._refresher = asyncio.create_task(self._refresh_loop())
 
     async def refresh(self) -> None:
-        await asyncio.gather(self.prefill.refresh(), self.decode.refresh())
+        interval = self.cfg.stats_interval_s
+        timeout = max(2.0, 10 * interval)
+        await asyncio.gather(
+            self.prefill.refresh(interval, timeout), self.decode.refresh(interval, timeout)
+        )
+        self._last_refresh_s = time.monotonic()
+        serving = self.serviceable()
+        if serving != self._serving and self.on_serving_change is not None:
+            log.warning("router %s", "serving again" if serving else "cannot serve: a pool is down")
+            await self.on_serving_change(serving)
+        self._serving = serving
         if isinstance(self.index, MemoryPrefixIndex):
             async with self._pull_lock:
                 self._num_refreshes += 1
@@ -193,6 +207,13 @@ class Router:
         seed = namespace_seed(self.model_info.model_fingerprint, r.cache_salt)
         ids = r.prompt_token_ids
         return extend_block_hashes([], ids[: (len(ids) - 1) // bs * bs], bs, seed)
+
+    def serviceable(self) -> bool:
+        """Requests can succeed: not draining, a decode worker is up, and a prefill worker
+        too unless decode workers run both phases."""
+        if self.draining or not self.decode.serviceable():
+            return False
+        return self.colocated or not self.prefill.workers or self.prefill.serviceable()
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -375,7 +396,7 @@ class Router:
         """A prefill worker died under this request: release its reservation, then fail it
         (policy `fail`) or prefill it again, elsewhere or on the decode worker (`recompute`)."""
         r = act.request
-        p.healthy = False  # out of rotation until its stats answer again (Ray restarts it)
+        p.mark_down("its prefill failed")
         log.warning("prefill worker %s failed on %s: %s", p.handle.name, r.request_id, error)
         await self._quietly(d, "release_reservation", r.request_id, act.transfer_id)
         d.active.discard(r.request_id)
@@ -455,7 +476,7 @@ class Router:
             try:
                 rr = await self._reserve_on(d, act)
             except WorkerUnavailable as e:  # dead or restarting: try the next pair
-                d.healthy = False  # back in rotation once its stats answer again
+                d.mark_down("its reservation failed")
                 log.warning("reserve on %s failed: %s", d.handle.name, e)
                 continue
             if rr.ticket is None:
@@ -517,7 +538,7 @@ class Router:
                     if act.aborted:
                         yield self._complete(act, "abort")
                         return
-                    d.healthy = False
+                    d.mark_down("its stream failed")
                     raise RequestFailed(
                         grpc.StatusCode.UNAVAILABLE, f"decode worker {d.handle.name} died: {e}"
                     ) from e
@@ -628,7 +649,10 @@ class Router:
 
     # ---- info ----------------------------------------------------------------------------
     async def server_info(self) -> gen.ServerInfo:
-        await self.refresh()
+        # From the stats the refresh loop keeps, pulling anew at most once per interval, so
+        # a client calling this in a loop cannot turn it into a stats storm on the workers.
+        if time.monotonic() - self._last_refresh_s > self.cfg.stats_interval_s:
+            await self.refresh()
         workers = [
             gen.WorkerInfo(
                 name=w.handle.name,

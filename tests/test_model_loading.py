@@ -175,7 +175,7 @@ def test_raise_exception_carries_the_templates_message(tiny: Path, tmp_path: Pat
 
     from router.http import HTTPError, chat_request
 
-    limits = SimpleNamespace(max_model_len=2048)
+    limits = SimpleNamespace(max_model_len=2048, sampling_defaults=GenerationDefaults())
     router = SimpleNamespace(tokenizer=tok, limits=limits)
     with pytest.raises(HTTPError) as info:
         chat_request(router, {"model": "m", "messages": bad}, "r1")  # type: ignore[arg-type]
@@ -211,7 +211,8 @@ def test_chat_without_max_tokens_gets_the_rest_of_the_context(tiny: Path) -> Non
     from router.http import chat_request
 
     tok = Tokenizer.from_dir(tiny)
-    router = SimpleNamespace(tokenizer=tok, limits=SimpleNamespace(max_model_len=2048))
+    limits = SimpleNamespace(max_model_len=2048, sampling_defaults=GenerationDefaults())
+    router = SimpleNamespace(tokenizer=tok, limits=limits)
     messages = [{"role": "user", "content": "hello there"}]
     req = chat_request(router, {"model": "m", "messages": messages}, "r1")  # type: ignore[arg-type]
     ids = tok.encode_chat(messages)
@@ -221,6 +222,9 @@ def test_chat_without_max_tokens_gets_the_rest_of_the_context(tiny: Path) -> Non
         router, {"model": "m", "messages": messages, "max_tokens": 5}, "r2"
     )
     assert capped.sampling.max_tokens == 5
+    limits.sampling_defaults = GenerationDefaults(max_tokens=100)  # max_new_tokens: 100
+    req = chat_request(router, {"model": "m", "messages": messages}, "r3")  # type: ignore[arg-type]
+    assert req.sampling.max_tokens == 100
 
 
 # ---- generation defaults, context length -------------------------------------------------------

@@ -1,0 +1,181 @@
+"""The default deployment heals: `pdserve serve` with no restart flags, `kill -9` of its only
+decode worker under load.
+
+Every in-flight request ends (completed, or UNAVAILABLE) within 10 s of the kill, health says
+NOT_SERVING while the decode pool has no live worker and SERVING once Ray has restarted it, and
+requests succeed again within 30 s. Before `pool.max_restarts` defaulted to a bound above 0
+no request succeeded again (the chaos harness set 5, which is why it passed).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdserve.client import Client
+from tests.serve_proc import ServeProcess
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    proc = ServeProcess(tmp_path_factory.mktemp("heal"))
+    yield proc
+    proc.stop()
+
+
+def decode_worker_pids() -> list[int]:
+    """Processes Ray titled after the decode actor (`ray::DecodeActor...`)."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "ray::DecodeActor" in line]
+
+
+def health(server: ServeProcess) -> int:
+    status, _, _ = server.request("GET", "/health", timeout_s=5)
+    return status
+
+
+def grpc_health(server: ServeProcess) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        resp = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5
+        )
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
+def test_kill_9_of_the_only_decode_worker_heals(server: ServeProcess) -> None:
+    client = Client(server.grpc_target, timeout_s=60)
+    assert client.generate("warm up", max_tokens=4, temperature=0).complete is not None
+    (pid,) = decode_worker_pids()
+
+    ends: list[tuple[str, float]] = []  # (outcome, monotonic end)
+
+    def one() -> None:
+        try:
+            out = client.generate("a long answer", max_tokens=400, ignore_eos=True)
+            ends.append(("ok" if out.complete else "no final message", time.monotonic()))
+        except grpc.RpcError as e:
+            ends.append((e.code().name, time.monotonic()))
+
+    load = [threading.Thread(target=one) for _ in range(6)]
+    for t in load:
+        t.start()
+    time.sleep(1.0)  # the streams are decoding
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+
+    statuses: list[int] = []
+    grpc_statuses: list[str] = []
+    recovered = None
+    while time.monotonic() - killed < 30 and recovered is None:
+        statuses.append(health(server))
+        grpc_statuses.append(grpc_health(server))
+        try:
+            out = Client(server.grpc_target, timeout_s=5).generate("probe", max_tokens=2)
+            if out.complete is not None:
+                recovered = time.monotonic() - killed
+        except grpc.RpcError:
+            time.sleep(0.3)
+    for t in load:
+        t.join(15)
+
+    assert len(ends) == len(load), "a request never ended"
+    assert {outcome for outcome, _ in ends} <= {"ok", "UNAVAILABLE"}, ends
+    assert max(end for _, end in ends) - killed <= 10, "a request ended more than 10 s late"
+    assert recovered is not None, f"nothing succeeded within 30 s:\n{server.log_tail()}"
+    assert 503 in statuses, "HTTP /health never said the decode pool was down"
+    assert "NOT_SERVING" in grpc_statuses, "gRPC health never said the decode pool was down"
+    assert server.wait_for(lambda: health(server) == 200, timeout_s=10)
+    assert server.wait_for(lambda: grpc_health(server) == "SERVING", timeout_s=10)
+    (new_pid,) = decode_worker_pids()
+    assert new_pid != pid
+    log = Path(server.log_path).read_text()
+    assert "decode worker pdserve-decode-0 is down" in log
+    assert "decode worker pdserve-decode-0 is back after" in log
+
+
+class CountingHandle:
+    """A worker handle that answers `stats` and counts the calls (the unit under test is the
+    router's refresh policy, not a worker)."""
+
+    def __init__(self, name: str, role: str, fail: bool = False) -> None:
+        self.name, self.role, self.fail, self.calls = name, role, fail, 0
+
+    async def call(self, method: str, *args: object) -> object:
+        from kv_transfer.messages import WorkerStats
+
+        assert method == "stats"
+        self.calls += 1
+        if self.fail:
+            raise ConnectionError("gone")
+        return WorkerStats(self.name, self.role, 8, 8, 0, 0, 0, 0, 0, 0)
+
+
+def _router(handles: list[CountingHandle]) -> object:
+    from protos.pdserve.v1 import generation_pb2 as gen
+    from router.config import RouterConfig
+    from router.pools import Pool
+    from router.service import Router
+    from router.validation import ModelLimits
+
+    info = gen.ModelInfo(served_model_name="m", max_context_length=2048, block_size=16)
+    pools = [Pool(h.role, [h]) for h in handles]  # type: ignore[list-item]
+    return Router(RouterConfig(stats_interval_s=0.5), ModelLimits("m", 512, 2048), None, info,
+                  *pools, "local")  # fmt: skip
+
+
+def test_server_info_is_served_from_cached_stats() -> None:
+    import asyncio
+
+    prefill, decode = CountingHandle("p", "prefill"), CountingHandle("d", "decode")
+    router = _router([prefill, decode])
+
+    async def spam() -> None:
+        await router.refresh()  # type: ignore[attr-defined]
+        for _ in range(200):
+            info = await router.server_info()  # type: ignore[attr-defined]
+            assert len(info.workers) == 2
+
+    asyncio.run(spam())
+    assert prefill.calls <= 2 and decode.calls <= 2, (prefill.calls, decode.calls)
+
+
+def test_a_down_worker_is_probed_with_backoff() -> None:
+    import asyncio
+
+    from router.pools import MAX_PROBE_INTERVAL_S
+
+    prefill, decode = CountingHandle("p", "prefill"), CountingHandle("d", "decode", fail=True)
+    router = _router([prefill, decode])
+    changes: list[bool] = []
+
+    async def record(serving: bool) -> None:
+        changes.append(serving)
+
+    router.on_serving_change = record  # type: ignore[attr-defined]
+
+    async def refresh_for(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            await router.refresh()  # type: ignore[attr-defined]
+            await asyncio.sleep(0.05)
+
+    asyncio.run(refresh_for(3.0))
+    assert not router.serviceable()  # type: ignore[attr-defined]
+    # 0.5, 1, 2 s apart: about 3 probes in 3 s against 60 refreshes
+    assert 2 <= decode.calls <= 4, decode.calls
+    assert prefill.calls >= 30  # a live worker is asked every refresh
+    assert MAX_PROBE_INTERVAL_S <= 10
+    decode.fail = False
+    asyncio.run(refresh_for(3.0))
+    assert router.serviceable()  # type: ignore[attr-defined]
+    assert changes == [True], changes  # it came back; it was never up before
