@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
+import socket
 import sys
 
 from pdserve.config import ServeConfig
 from pdserve.launch import Deployment
-from router.http import HTTPServer, start_http_server
+from router.config import RouterConfig
+from router.http import HTTPServer, bind_socket, start_http_server
 from router.metrics import RouterMetrics
 from router.service import Router, start_server
 from router.tls import ServerTLS
@@ -25,7 +27,12 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-async def serve(cfg: ServeConfig, deployment: Deployment, router: Router) -> int:
+async def serve(
+    cfg: ServeConfig,
+    deployment: Deployment,
+    router: Router,
+    http_sock: socket.socket | None = None,
+) -> int:
     http: HTTPServer | None = None
     # Signals are handled before anything is announced: a SIGTERM right after the
     # "listening" line must drain, not kill the process (Ray's or the default handler).
@@ -42,7 +49,9 @@ async def serve(cfg: ServeConfig, deployment: Deployment, router: Router) -> int
         router.on_serving_change = server.set_serving  # NOT_SERVING while a pool is down
         print(f"pdserve: gRPC listening on {cfg.router.host}:{server.port}", flush=True)
         if cfg.router.http_enabled:
-            http = await start_http_server(router, cfg.router.host, cfg.router.http_port)
+            http = await start_http_server(
+                router, cfg.router.host, cfg.router.http_port, sock=http_sock
+            )
             print(f"pdserve: HTTP listening on {cfg.router.host}:{http.port}", flush=True)
         await stop.wait()
         print("pdserve: draining", file=sys.stderr, flush=True)
@@ -57,12 +66,46 @@ async def serve(cfg: ServeConfig, deployment: Deployment, router: Router) -> int
     return 0
 
 
+def reserve_ports(cfg: RouterConfig) -> socket.socket | None:
+    """Fail in one line, before any worker starts, when a port is taken.
+
+    The HTTP port is bound here and its socket kept for the server (nothing can take it
+    meanwhile); the gRPC port is probed (grpc binds its own socket) and bound for real once
+    the workers are up. Port 0 picks a free port later and needs no check.
+    """
+    if cfg.grpc_port:
+        try:
+            bind_socket(cfg.host, cfg.grpc_port).close()
+        except OSError as e:
+            raise ValueError(_port_taken("grpc_port", cfg.host, cfg.grpc_port, e)) from e
+    if not (cfg.http_enabled and cfg.http_port):
+        return None
+    try:
+        return bind_socket(cfg.host, cfg.http_port)
+    except OSError as e:
+        raise ValueError(_port_taken("http_port", cfg.host, cfg.http_port, e)) from e
+
+
+def _port_taken(key: str, host: str, port: int, e: OSError) -> str:
+    flag = "--" + key.replace("_", "-")
+    return (
+        f"router.{key}: cannot listen on {host}:{port} ({e.strerror or e}); another server "
+        f"holds it? Choose another port with {flag} (0 picks a free one)"
+    )
+
+
 def run(cfg: ServeConfig) -> int:
     tls = ServerTLS.of(cfg.router)
     if tls is not None:
         tls.check()  # a bad certificate fails here, not after the workers loaded the model
         mtls = ", client certificates required (mTLS)" if tls.mutual else ""
         print(f"pdserve: TLS on gRPC and HTTP{mtls}", file=sys.stderr, flush=True)
+    http_sock = reserve_ports(cfg.router)
     deployment = Deployment(cfg)
-    router = deployment.start()  # on the main thread: Ray installs its signal handlers here
-    return asyncio.run(serve(cfg, deployment, router))
+    try:
+        router = deployment.start()  # on the main thread: Ray installs its signal handlers here
+    except BaseException:
+        if http_sock is not None:
+            http_sock.close()
+        raise
+    return asyncio.run(serve(cfg, deployment, router, http_sock))

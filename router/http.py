@@ -800,12 +800,17 @@ class HTTPServer:
 
 
 async def start_http_server(
-    router: Router, host: str, port: int, graceful_s: int = 1
+    router: Router,
+    host: str,
+    port: int,
+    graceful_s: int = 1,
+    sock: socket.socket | None = None,
 ) -> HTTPServer:
-    """Serve the OpenAI API on host:port in the running loop; returns once it listens.
-    HTTPS (and mTLS) when the router's config has a certificate (router/tls.py)."""
+    """Serve the OpenAI API on host:port (or on `sock`, bound beforehand) in the running
+    loop; returns once it listens. HTTPS (and mTLS) when the router's config has a
+    certificate (router/tls.py)."""
     tls = ServerTLS.of(router.cfg)
-    sock = bind_socket(host, port)
+    sock = sock or bind_socket(host, port)
     bound = int(sock.getsockname()[1])
     config = uvicorn.Config(
         create_app(router),

@@ -337,3 +337,29 @@ def test_sigterm_drains_in_flight_requests(
     err = log.read_text()
     assert rc == 0, err[-5000:]
     assert "pdserve: draining" in err and "pdserve: stopped" in err
+
+
+@pytest.mark.parametrize("flag", ["--grpc-port", "--http-port"])
+def test_a_busy_port_fails_in_one_line_before_any_worker_starts(
+    tmp_path: Path, flag: str
+) -> None:
+    """As `vllm serve` does: the port is checked before the engine is built, not found taken
+    after a minute of start-up as a 38-line traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        other = "--http-port" if flag == "--grpc-port" else "--grpc-port"
+        env = {**os.environ, "PDSERVE_HOME": str(tmp_path), "RAY_ADDRESS": ""}
+        t0 = time.monotonic()
+        proc = subprocess.run(
+            [str(BIN / "pdserve"), "serve", "--model", "tiny", flag, str(port), other, "0"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        elapsed = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines == [lines[-1]] and lines[-1].startswith("pdserve: error: router."), lines
+    assert f"127.0.0.1:{port}" in lines[-1] and flag in lines[-1]
+    assert not (tmp_path / "models").exists(), "the model was prepared before the port check"
+    assert elapsed < 30, f"{elapsed:.1f} s: the check did not come first"
