@@ -10,8 +10,6 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.sampling import InvalidParameterError, SamplingParams
-
 if TYPE_CHECKING:
     from engine.engine import LLMEngine
     from pdserve.config import ServeConfig
@@ -256,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pdserve.chaos import run_chaos
 
             return run_chaos(args)
-    except (InvalidParameterError, ValueError) as e:
+    except ValueError as e:  # bad input, InvalidParameterError and ModelError included
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
     return 1
@@ -295,6 +293,8 @@ def load_engine(
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from engine.sampling import SamplingParams  # torch: not imported for --help
+
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,

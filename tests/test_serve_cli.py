@@ -363,3 +363,14 @@ def test_a_busy_port_fails_in_one_line_before_any_worker_starts(
     assert f"127.0.0.1:{port}" in lines[-1] and flag in lines[-1]
     assert not (tmp_path / "models").exists(), "the model was prepared before the port check"
     assert elapsed < 30, f"{elapsed:.1f} s: the check did not come first"
+
+
+def test_help_and_client_do_not_import_torch() -> None:
+    """`pdserve --help` and `pdserve client` took 4.5-5 s importing torch for nothing."""
+    code = (
+        "import sys; from pdserve.cli import build_parser; import pdserve.client; "
+        "build_parser().format_help(); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
