@@ -25,7 +25,7 @@ from pdserve.models import NAMED_MODELS, require_tokenizer, resolve_model
 from protos.pdserve.v1 import generation_pb2 as gen
 from router.pools import Pool, RayHandle, WorkerHandle
 from router.service import Router
-from router.validation import ModelLimits
+from router.validation import EdgeLimits, ModelLimits
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ def build_router(
             cfg.cache.block_size,
             cfg.cache.num_blocks,
             GenerationDefaults.from_dir(model_path),
+            EdgeLimits.of(cfg.router, max_len),
         ),
         tokenizer,
         info,

@@ -39,6 +39,15 @@ class RouterConfig:
     tls_key: str | None = None
     # A CA bundle: both ports then require a client certificate it signed (mTLS).
     tls_client_ca: str | None = None
+    # Limits at the edge (router/validation.py: EdgeLimits), checked before tokenizing so no
+    # request can hold the event loop or the engine thread. 0: derived from max_model_len
+    # (prompt text: 32 characters a token; HTTP body: room for that text, JSON-escaped).
+    max_prompt_chars: int = 0
+    max_body_bytes: int = 0
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256
+    max_stop_token_ids: int = 256
+    max_json_depth: int = 32
 
     def __post_init__(self) -> None:
         if not 0 <= self.grpc_port < 65536:

@@ -131,20 +131,67 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def read_json(request: Request) -> dict[str, Any]:
-    """The body as a JSON object; invalid UTF-8, malformed JSON or a non-object is a 400."""
-    raw = await request.body()
+@dataclass(frozen=True)
+class BodyLimits:
+    """What an HTTP body may be before it is parsed (`router.config`): bytes and nesting."""
+
+    max_bytes: int
+    max_depth: int
+
+    @classmethod
+    def of(cls, router: Router) -> BodyLimits:
+        cfg = router.cfg
+        # JSON escapes make a character at most 6 bytes (\uXXXX); leave room for the rest.
+        derived = 6 * router.limits.edge_limits().max_prompt_chars + (1 << 20)
+        return cls(cfg.max_body_bytes or derived, cfg.max_json_depth)
+
+
+async def read_json(request: Request, limits: BodyLimits) -> dict[str, Any]:
+    """The body as a JSON object. Too large, not UTF-8, malformed, nested too deeply, not an
+    object, or holding a string that is not Unicode text (a lone surrogate): a 400."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limits.max_bytes:
+            chunks.append(chunk)
+        elif size > 8 * limits.max_bytes:
+            break  # past this the client is not waiting for an answer: stop reading
+    if size > limits.max_bytes:
+        # Read to the end (not kept) so a client still sending can read the answer.
+        raise bad_request(None, f"request body is over {limits.max_bytes} bytes")
     try:
-        text = raw.decode("utf-8")
+        text = b"".join(chunks).decode("utf-8")
     except UnicodeDecodeError as e:
         raise bad_request(None, f"request body is not valid UTF-8: {e}") from e
     try:
         data = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError as e:
+        raise bad_request(None, "request body is nested too deeply") from e
     except ValueError as e:
         raise bad_request(None, f"request body is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise bad_request(None, "request body must be a JSON object")
+    for key, value in data.items():
+        _check_tree(value, str(key), str(key), 1, limits.max_depth)
     return data
+
+
+def _check_tree(value: Any, param: str, path: str, depth: int, max_depth: int) -> None:
+    """Depth and text of one top-level field's value; a 400 names the field and the path."""
+    if depth > max_depth:
+        raise bad_request(param, f"{path}: nested deeper than {max_depth} levels")
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad_request(param, f"{path}: not valid Unicode text ({e.reason})") from e
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_tree(v, param, f"{path}.{k}", depth + 1, max_depth)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_tree(v, param, f"{path}[{i}]", depth + 1, max_depth)
 
 
 def _num(d: dict[str, Any], key: str) -> float | None:
@@ -341,6 +388,9 @@ def chat_request(router: Router, d: dict[str, Any], request_id: str) -> gen.Gene
     if rf is not None and rf != {"type": "text"}:
         raise bad_request("response_format", "only response_format {'type': 'text'} is supported")
     messages = chat_messages(d)
+    limit = router.limits.edge_limits().max_prompt_chars
+    if sum(len(m["content"]) for m in messages) > limit:  # before the template runs
+        raise bad_request("messages", f"messages hold over {limit} characters of content")
     r = _common(d, request_id)
     if router.tokenizer is None:
         raise bad_request("messages", "this model has no tokenizer; use /v1/completions")
@@ -699,6 +749,8 @@ def create_app(router: Router) -> FastAPI:
     async def _internal(request: Request, exc: Exception) -> Response:
         return HTTPError(500, f"internal error: {type(exc).__name__}", "server_error").response()
 
+    body_limits = BodyLimits.of(router)
+
     def ids(request: Request, chat: bool) -> tuple[str, str]:
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         return request.headers.get("x-request-id") or response_id, response_id
@@ -706,7 +758,7 @@ def create_app(router: Router) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         oa.authorize(request)
-        body = await read_json(request)
+        body = await read_json(request, body_limits)
         request_id, response_id = ids(request, chat=False)
         opts = stream_options(body)
         greq = completion_request(body, request_id)
@@ -716,7 +768,7 @@ def create_app(router: Router) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         oa.authorize(request)
-        body = await read_json(request)
+        body = await read_json(request, body_limits)
         request_id, response_id = ids(request, chat=True)
         opts = stream_options(body)
         greq = chat_request(router, body, request_id)

@@ -731,10 +731,15 @@ class GenerationService(gen_grpc.GenerationServicer):
         return await self.router.server_info()
 
 
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
-]
+def grpc_options(router: Router) -> list[tuple[str, int]]:
+    """The largest valid request is its prompt text at the edge limit (4 bytes a character
+    at most in UTF-8) plus room for the rest; a larger message is refused by gRPC itself
+    before it is parsed (RESOURCE_EXHAUSTED)."""
+    receive = 4 * router.limits.edge_limits().max_prompt_chars + (1 << 20)
+    return [
+        ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.max_receive_message_length", max(receive, 4 << 20)),
+    ]
 
 
 @dataclass
@@ -756,7 +761,7 @@ class RouterServer:
 async def start_server(router: Router, host: str, port: int) -> RouterServer:
     """Bind the Generation service, health and reflection; health starts NOT_SERVING."""
     server = grpc.aio.server(
-        options=GRPC_OPTIONS, interceptors=api_key_interceptors(router.cfg.api_key)
+        options=grpc_options(router), interceptors=api_key_interceptors(router.cfg.api_key)
     )
     gen_grpc.add_GenerationServicer_to_server(GenerationService(router), server)
     health_servicer = health.aio.HealthServicer()

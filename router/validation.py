@@ -15,6 +15,7 @@ from engine.tokenizer import Tokenizer
 from engine.validation import check_request
 from kv_transfer.messages import WorkerRequest
 from protos.pdserve.v1 import generation_pb2 as gen
+from router.config import RouterConfig
 
 _DEFAULT_MAX_TOKENS = 16
 
@@ -29,10 +30,73 @@ class ModelLimits:
     num_kv_blocks: int = 0
     # The checkpoint's generation_config.json: defaults for fields a request leaves unset.
     sampling_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    edge: EdgeLimits | None = None  # None: RouterConfig's defaults for max_model_len
+
+    def edge_limits(self) -> EdgeLimits:
+        return self.edge or EdgeLimits.of(RouterConfig(), self.max_model_len)
 
 
 def _float(s: gen.SamplingParams, name: str, default: float) -> float:
     return float(getattr(s, name)) if s.HasField(name) else default
+
+
+_MAX_NAME_CHARS = 256  # request_id, model, cache_salt
+_ECHO_CHARS = 64  # of user input quoted back in an error message
+
+
+@dataclass(frozen=True)
+class EdgeLimits:
+    """Bounds on a request's size, checked before it is tokenized (router.config)."""
+
+    max_prompt_chars: int
+    max_prompt_tokens: int
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256
+    max_stop_token_ids: int = 256
+
+    @classmethod
+    def of(cls, cfg: RouterConfig, max_model_len: int) -> EdgeLimits:
+        return cls(
+            max_prompt_chars=cfg.max_prompt_chars or 32 * max_model_len,
+            max_prompt_tokens=max_model_len,
+            max_stop_strings=cfg.max_stop_strings,
+            max_stop_chars=cfg.max_stop_chars,
+            max_stop_token_ids=cfg.max_stop_token_ids,
+        )
+
+    def check(self, request: gen.GenerateRequest) -> None:
+        """Raise InvalidParameterError naming the first field over its bound."""
+        for name in ("request_id", "model", "cache_salt"):
+            if len(getattr(request, name)) > _MAX_NAME_CHARS:
+                raise InvalidParameterError(name, f"must be at most {_MAX_NAME_CHARS} characters")
+        if len(request.text) > self.max_prompt_chars:
+            raise InvalidParameterError(
+                "prompt",
+                f"{len(request.text)} characters; at most {self.max_prompt_chars} are accepted "
+                f"(a {self.max_prompt_tokens}-token context)",
+            )
+        if len(request.token_ids.ids) > self.max_prompt_tokens:
+            raise InvalidParameterError(
+                "prompt",
+                f"{len(request.token_ids.ids)} token ids; the context holds "
+                f"{self.max_prompt_tokens}",
+            )
+        s = request.sampling
+        if len(s.stop) > self.max_stop_strings:
+            raise InvalidParameterError("stop", f"at most {self.max_stop_strings} stop strings")
+        if any(len(x) > self.max_stop_chars for x in s.stop):
+            raise InvalidParameterError(
+                "stop", f"a stop string may have at most {self.max_stop_chars} characters"
+            )
+        if len(s.stop_token_ids) > self.max_stop_token_ids:
+            raise InvalidParameterError(
+                "stop_token_ids", f"at most {self.max_stop_token_ids} stop token ids"
+            )
+
+
+def echo(value: str) -> str:
+    """User input quoted in an error message, cut to a bounded length."""
+    return repr(value if len(value) <= _ECHO_CHARS else value[:_ECHO_CHARS] + "...")
 
 
 def _or(value: float | None, default: float) -> float:
@@ -78,9 +142,11 @@ def prepare(
     request: gen.GenerateRequest, tokenizer: Tokenizer | None, limits: ModelLimits
 ) -> WorkerRequest:
     """Validate and tokenize; raises InvalidParameterError naming the bad field."""
+    limits.edge_limits().check(request)  # sizes first: nothing below runs on an oversized request
     if request.model and request.model != limits.served_model_name:
         raise LookupError(
-            f"model {request.model!r} is not served here (serving {limits.served_model_name!r})"
+            f"model {echo(request.model)} is not served here "
+            f"(serving {limits.served_model_name!r})"
         )
     params = sampling_from_proto(request.sampling, limits.sampling_defaults)
     kind = request.WhichOneof("prompt")
@@ -102,8 +168,6 @@ def prepare(
         limits.block_size,
         limits.num_kv_blocks,
     )
-    if len(request.request_id) > 256:
-        raise InvalidParameterError("request_id", "must be at most 256 characters")
     return WorkerRequest(
         request_id=request.request_id or f"req-{uuid.uuid4().hex}",
         prompt_token_ids=tuple(ids),

@@ -42,7 +42,7 @@ from pdserve.checkpoint import write_checkpoint  # noqa: E402
 from pdserve.cli import main  # noqa: E402
 from pdserve.models import ModelError, resolve_model  # noqa: E402
 from protos.pdserve.v1 import generation_pb2 as gen  # noqa: E402
-from router.validation import sampling_from_proto  # noqa: E402
+from router.validation import ModelLimits, sampling_from_proto  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -175,8 +175,7 @@ def test_raise_exception_carries_the_templates_message(tiny: Path, tmp_path: Pat
 
     from router.http import HTTPError, chat_request
 
-    limits = SimpleNamespace(max_model_len=2048, sampling_defaults=GenerationDefaults())
-    router = SimpleNamespace(tokenizer=tok, limits=limits)
+    router = SimpleNamespace(tokenizer=tok, limits=ModelLimits("m", 512, 2048))
     with pytest.raises(HTTPError) as info:
         chat_request(router, {"model": "m", "messages": bad}, "r1")  # type: ignore[arg-type]
     assert (info.value.status, info.value.param) == (400, "messages")
@@ -211,8 +210,7 @@ def test_chat_without_max_tokens_gets_the_rest_of_the_context(tiny: Path) -> Non
     from router.http import chat_request
 
     tok = Tokenizer.from_dir(tiny)
-    limits = SimpleNamespace(max_model_len=2048, sampling_defaults=GenerationDefaults())
-    router = SimpleNamespace(tokenizer=tok, limits=limits)
+    router = SimpleNamespace(tokenizer=tok, limits=ModelLimits("m", 512, 2048))
     messages = [{"role": "user", "content": "hello there"}]
     req = chat_request(router, {"model": "m", "messages": messages}, "r1")  # type: ignore[arg-type]
     ids = tok.encode_chat(messages)
@@ -222,7 +220,8 @@ def test_chat_without_max_tokens_gets_the_rest_of_the_context(tiny: Path) -> Non
         router, {"model": "m", "messages": messages, "max_tokens": 5}, "r2"
     )
     assert capped.sampling.max_tokens == 5
-    limits.sampling_defaults = GenerationDefaults(max_tokens=100)  # max_new_tokens: 100
+    defaults = GenerationDefaults(max_tokens=100)  # generation_config's max_new_tokens
+    router.limits = ModelLimits("m", 512, 2048, sampling_defaults=defaults)
     req = chat_request(router, {"model": "m", "messages": messages}, "r3")  # type: ignore[arg-type]
     assert req.sampling.max_tokens == 100
 
