@@ -92,6 +92,7 @@ def test_kill_9_of_the_only_decode_worker_heals(server: ServeProcess) -> None:
     assert {outcome for outcome, _ in ends} <= {"ok", "UNAVAILABLE"}, ends
     assert max(end for _, end in ends) - killed <= 10, "a request ended more than 10 s late"
     assert recovered is not None, f"nothing succeeded within 30 s:\n{server.log_tail()}"
+    print(f"first request served {recovered:.1f} s after the kill")  # shown with -s
     assert 503 in statuses, "HTTP /health never said the decode pool was down"
     assert "NOT_SERVING" in grpc_statuses, "gRPC health never said the decode pool was down"
     assert server.wait_for(lambda: health(server) == 200, timeout_s=10)
