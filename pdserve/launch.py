@@ -57,7 +57,7 @@ def build_router(
 ) -> Router:
     """The router for these pools, with the model's limits read from the checkpoint."""
     mcfg = ModelConfig.from_hf(model_path)
-    require_tokenizer(model_path, cfg.model.model)
+    # Deployment.start refused a checkpoint without one; from_dir raises if it is gone.
     tokenizer = Tokenizer.from_dir(model_path, mcfg, cfg.model.chat_template)
     max_len = cfg.scheduler.context_len(mcfg)
     name = served_name(cfg)

@@ -245,9 +245,7 @@ def gguf_dir(gguf: Path) -> Path:
     the weights stay in the GGUF and are dequantized at load (`engine.weights`).
     """
     gguf = gguf.resolve()
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = pdserve_home() / "gguf" / f"{gguf.stem}-{key}"
+    target = _keyed_dir("gguf", gguf.stem, gguf)
     if _complete(target):
         return target
     _say(f"reading the config and tokenizer of {gguf.name} (once)")
@@ -267,9 +265,7 @@ def _with_fast_tokenizer(path: Path) -> Path:
     if (path / "tokenizer.json").is_file() or not (path / "tokenizer.model").is_file():
         return path
     path = path.resolve()
-    st = (path / "tokenizer.model").stat()
-    key = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = pdserve_home() / "views" / f"{path.name}-{key}"
+    target = _keyed_dir("views", path.name, path / "tokenizer.model")
     if (target / "tokenizer.json").is_file():
         return target
     _say(f"converting {path / 'tokenizer.model'} to tokenizer.json (once)")
@@ -328,6 +324,14 @@ def hub_download(repo_id: str) -> Path:
 
 
 # ---- helpers --------------------------------------------------------------------------------
+def _keyed_dir(kind: str, name: str, source: Path) -> Path:
+    """`$PDSERVE_HOME/<kind>/<name>-<key>`, the key from `source`'s absolute path, size and
+    mtime, so an edited source gets a directory of its own."""
+    st = source.stat()
+    key = hashlib.sha256(f"{source}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return pdserve_home() / kind / f"{name}-{key}"
+
+
 def _publish(work: Path, target: Path, replace: bool = False) -> None:
     """Move a finished directory into place. Readers only ever see a complete one (they
     check `_complete`); a stale or partial target is replaced, and when another process

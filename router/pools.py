@@ -91,6 +91,15 @@ class WorkerLoad:
             self.probe_interval_s = 0.0
         self.healthy = False
 
+    def probe_failed(self, reason: object, min_interval_s: float) -> None:
+        """A stats probe failed: down, and the next probe later (doubling, from
+        `min_interval_s` up to `MAX_PROBE_INTERVAL_S`)."""
+        self.mark_down(reason)
+        self.probe_interval_s = min(
+            max(2 * self.probe_interval_s, min_interval_s), MAX_PROBE_INTERVAL_S
+        )
+        self.next_probe_s = time.monotonic() + self.probe_interval_s
+
     def mark_up(self) -> None:
         if self.down_since is not None:
             log.warning(
@@ -214,18 +223,13 @@ class Pool:
         are probed with backoff from `interval_s` up to `MAX_PROBE_INTERVAL_S`."""
 
         async def one(w: WorkerLoad) -> None:
-            now = time.monotonic()
-            if not w.healthy and now < w.next_probe_s:
+            if not w.healthy and time.monotonic() < w.next_probe_s:
                 return
             try:
                 w.stats = await asyncio.wait_for(w.handle.call("stats"), timeout_s)
                 w.pending_blocks = 0
                 w.mark_up()
             except Exception as e:
-                w.mark_down(e or type(e).__name__)
-                w.probe_interval_s = min(
-                    max(2 * w.probe_interval_s, interval_s), MAX_PROBE_INTERVAL_S
-                )
-                w.next_probe_s = time.monotonic() + w.probe_interval_s
+                w.probe_failed(e or type(e).__name__, interval_s)
 
         await asyncio.gather(*(one(w) for w in self.workers))
