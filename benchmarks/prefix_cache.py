@@ -60,12 +60,12 @@ os.environ.setdefault("PDSERVE_HOME", str(ROOT / ".venv" / "pdserve-home"))  # a
 
 import torch  # noqa: E402
 
-from engine.block_manager import BlockStored, extend_block_hashes, namespace_seed  # noqa: E402
 from engine.config import CacheConfig, SchedulerConfig  # noqa: E402
 from engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from engine.prefix_hash import BlockStored, extend_block_hashes, namespace_seed  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
-from kv_transfer.prefix_index import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex  # noqa: E402
 from pdserve.models import BENCH_MODEL_HELP, resolve_model  # noqa: E402
+from pool_api.prefix_index import MemoryPrefixIndex, PrefixIndex, RedisPrefixIndex  # noqa: E402
 
 BLOCK = 16
 TARGET_TTFT_RATIO = 0.15
@@ -209,12 +209,13 @@ def breakdown(parts: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
 # ---- 2. the service ------------------------------------------------------------------------
 def service_ttft(args: argparse.Namespace, model_dir: Path, redis_url: str) -> dict[str, Any]:
     from decode_workers.worker import DecodeWorker
-    from kv_transfer.config import WorkerConfig
     from pdserve.client import Client
     from pdserve.config import ServeConfig
     from pdserve.launch import build_router, engine_config, served_name
+    from pool_api.config import WorkerConfig
+    from pool_api.messages import Role
     from prefill_workers.worker import PrefillWorker
-    from router.pools import LocalHandle
+    from router.clients import DecodeClient, PrefillClient
     from router.service import start_server
 
     n, shared = args.prompt_len, args.shared_tokens
@@ -238,16 +239,16 @@ def service_ttft(args: argparse.Namespace, model_dir: Path, redis_url: str) -> d
     async def up() -> tuple[Any, list[Any]]:
         ecfg = engine_config(cfg, model_dir)
 
-        def wcfg(name: str, role: str) -> WorkerConfig:
+        def wcfg(name: str, role: Role) -> WorkerConfig:
             return WorkerConfig(name, ecfg, cfg.transfer, cfg.index, served_name(cfg), role=role)
 
-        p = PrefillWorker(wcfg("pdserve-prefill-0", "prefill"))
-        d = DecodeWorker(wcfg("pdserve-decode-0", "decode"))
+        p = PrefillWorker(wcfg("pdserve-prefill-0", Role.PREFILL))
+        d = DecodeWorker(wcfg("pdserve-decode-0", Role.DECODE))
         router = build_router(
             cfg,
             model_dir,
-            [LocalHandle(p.name, "prefill", p)],
-            [LocalHandle(d.name, "decode", d)],
+            [PrefillClient(p.name, p)],
+            [DecodeClient(d.name, d)],
         )
         server = await start_server(router, "127.0.0.1", 0)
         await router.start()

@@ -497,7 +497,7 @@ def engine_baseline(model_dir: Path, prompts: list[list[int]], batch: int) -> di
 async def _service_requests(
     target: str, prompts: list[list[int]], concurrency: int, prefix: str
 ) -> tuple[list[Any], float]:
-    from pdserve.bench import GrpcBackend, SampleRequest
+    from pdserve.tools.bench import GrpcBackend, SampleRequest
 
     backend = GrpcBackend(target, None, 60.0)
     try:

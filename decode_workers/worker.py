@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import NoFreeBlocksError
 from engine.engine import LLMEngine
-from engine.loop import EngineLoop
-from engine.request import Request, RequestOutput
+from engine.request import FinishReason, Request, RequestOutput
 from engine.sampling import TokenLogprob
-from kv_transfer.config import WorkerConfig
-from kv_transfer.index_feed import IndexFeed, IndexUpdate
-from kv_transfer.messages import DecodeStart, ReserveResult, TokenBatch, WorkerRequest, WorkerStats
 from kv_transfer.receiver import KVReceiver
-from kv_transfer.transports.base import get_transport
 from kv_transfer.wire import TransferError
+from pool_api.config import WorkerConfig
+from pool_api.messages import DecodeStart, ReserveResult, Role, TokenBatch, WorkerRequest
+from pool_api.worker_common import WorkerBase
 
 
 @dataclass
@@ -39,7 +36,7 @@ class _Stream:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str = ""
 
     def push(self, out: RequestOutput) -> None:
@@ -48,13 +45,13 @@ class _Stream:
         self.logprobs.extend(out.new_logprobs)
         if out.finished:
             self.finished = True
-            self.finish_reason = out.finish_reason.value if out.finish_reason else None
+            self.finish_reason = out.finish_reason
         self.event.set()
 
     def fail(self, error: str) -> None:
         self.error = error
         self.finished = True
-        self.finish_reason = "abort"
+        self.finish_reason = FinishReason.ABORT
         self.event.set()
 
     def take(self) -> TokenBatch:
@@ -77,39 +74,27 @@ class _Stream:
         return batch
 
 
-class DecodeWorker:
-    role = "decode"
+class DecodeWorker(WorkerBase):
+    default_role = Role.DECODE
 
     def __init__(self, cfg: WorkerConfig, engine: LLMEngine | None = None) -> None:
-        self.cfg = cfg
-        self.name = cfg.name
-        self.role = cfg.role or self.role
-        self.engine = engine or LLMEngine.from_config(cfg.engine)
-        transfer_cfg = cfg.transfer
-        engine_cfg = cfg.engine
-        transport = get_transport(
-            transfer_cfg.transport,
-            transfer_cfg.timeout_s,
-            engine_cfg.device,
-            transfer_cfg.resolve_secret(),
-        )
+        super().__init__(cfg, engine)
+        t = cfg.transfer
         self.receiver = KVReceiver(
             self.engine.cache,
             self.engine.blocks,
-            self.engine.lock,
-            transfer_cfg.lease_s,
-            transfer_cfg.transport,
+            lease_s=t.lease_s,
+            transport=t.transport,
+            release=self._release_soon,
         )
-        self.endpoint = transport.listen(self.receiver, transfer_cfg.host)
+        self.endpoint = self.transport.listen(self.receiver, t.host)
         self.receiver.address = self.endpoint.address
         self.receiver.start_reaper()
-        # request id -> (request, transfer id) awaiting its KV
+        # request id -> (request, transfer id) awaiting its KV. Written on the engine thread
+        # only; the actor loop only reads it.
         self.reserved: dict[str, tuple[Request, str]] = {}
         self.streams: dict[str, _Stream] = {}
-        self.num_requests_total = 0
-        self.loop = EngineLoop(self.engine, self._on_outputs, cfg.name, self._on_fatal)
-        self.fatal_hook: Callable[[BaseException], None] | None = None  # the actor exits
-        self.feed = IndexFeed(cfg.name, cfg.index, cfg.model_name, self.loop)
+        self._start_loop()
 
     # ---- API -----------------------------------------------------------------------------
     async def reserve(self, r: WorkerRequest) -> ReserveResult:
@@ -141,7 +126,7 @@ class DecodeWorker:
         try:
             await asyncio.to_thread(self.receiver.wait, s.transfer_id, s.transfer_timeout_s)
         except TransferError as e:
-            self.reserved.pop(s.request_id, None)
+            await self.loop.run(lambda: self.reserved.pop(s.request_id, None))
             stream.fail(str(e))
             return
 
@@ -168,15 +153,24 @@ class DecodeWorker:
 
     async def release_reservation(self, request_id: str, transfer_id: str) -> None:
         """The request ended before decoding (finished at its first token, or failed)."""
-        self.reserved.pop(request_id, None)
-        self.receiver.fail(transfer_id, "released by router")
+
+        def release() -> None:
+            self.reserved.pop(request_id, None)
+            self.receiver.fail(transfer_id, "released by router")
+
+        await self.loop.run(release)
 
     async def poll(self, request_id: str, timeout_s: float = 1.0) -> TokenBatch:
         """Tokens since the last poll; waits up to `timeout_s` for at least one."""
         stream = self.streams.get(request_id)
         if stream is None:
             return TokenBatch(
-                request_id, (), "", finished=True, finish_reason="abort", error="unknown request"
+                request_id,
+                (),
+                "",
+                finished=True,
+                finish_reason=FinishReason.ABORT,
+                error="unknown request",
             )
         if not stream.token_ids and not stream.finished:
             with contextlib.suppress(TimeoutError):
@@ -200,32 +194,11 @@ class DecodeWorker:
         found = await self.loop.run(do)
         stream = self.streams.get(request_id)
         if stream is not None and not stream.finished:
-            stream.push(RequestOutput(request_id, (), "", True, None))
-            stream.finish_reason = "abort"
+            stream.push(RequestOutput(request_id, (), "", True, FinishReason.ABORT))
         return found
 
-    async def start_feed(self) -> None:
-        """Start publishing block events (needs the caller's running event loop)."""
-        self.feed.start()
-
-    async def take_index_update(self, with_held: bool = False) -> IndexUpdate:
-        """Block events since the last call (the router's in-memory index pulls these)."""
-        return await self.feed.take(with_held)
-
-    async def stats(self) -> WorkerStats:
-        return await self.loop.run(self._stats)
-
-    async def check_integrity(self) -> int:
-        def check() -> int:
-            with self.engine.lock:
-                self.engine.blocks.check_integrity()
-                return self.engine.blocks.num_used_blocks
-
-        return await self.loop.run(check)
-
     def shutdown(self) -> None:
-        self.feed.cancel()
-        self.loop.stop()
+        super().shutdown()
         self.receiver.close()
         self.endpoint.close()
 
@@ -235,12 +208,14 @@ class DecodeWorker:
         self.streams[req.request_id] = stream
         return stream
 
-    def _on_fatal(self, error: BaseException) -> None:
-        """The engine died: end every stream with the error, then let the actor be replaced."""
+    def _fail_all(self, error: BaseException) -> None:
         for stream in list(self.streams.values()):
             stream.loop.call_soon_threadsafe(stream.fail, f"{self.name}: engine died: {error!r}")
-        if self.fatal_hook is not None:
-            self.fatal_hook(error)
+
+    def _release_soon(self, request_id: str) -> None:
+        """Any thread: the receiver let a reservation go; free its blocks on the engine
+        thread, the blocks' one owner."""
+        self.loop.call(lambda: self.engine.release(request_id))
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -258,16 +233,12 @@ class DecodeWorker:
             if self.receiver.get(transfer_id) is None:
                 self.reserved.pop(request_id, None)
 
-    def _stats(self) -> WorkerStats:
+    def _num_reserved(self) -> int:
         self._forget_lapsed()  # the router asks for stats a few times a second
-        return WorkerStats.of_engine(
-            self.name,
-            self.role,
-            self.engine,
-            self.receiver.pending(),
-            self.num_requests_total,
-            extra={
-                "kv_bytes_received_total": float(self.receiver.bytes_received_total),
-                "kv_blocks_shared_total": float(self.receiver.blocks_shared_total),
-            },
-        )
+        return self.receiver.pending()
+
+    def _extra_stats(self) -> dict[str, float]:
+        return {
+            "kv_bytes_received_total": float(self.receiver.bytes_received_total),
+            "kv_blocks_shared_total": float(self.receiver.blocks_shared_total),
+        }

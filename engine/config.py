@@ -97,52 +97,24 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        archs = raw.get("architectures") or []
-        arch = next(
-            (SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None
-        )
-        if arch is None:
-            model_type = raw.get("model_type")
-            if model_type in SUPPORTED_ARCHITECTURES.values():
-                arch = str(model_type)
-            else:
-                raise ConfigError(
-                    f"config.json: unsupported architectures={archs} model_type={model_type!r}; "
-                    f"pdserve serves {sorted(SUPPORTED_ARCHITECTURES)}"
-                )
-        for key in (
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "vocab_size",
-        ):
+        """Build from a parsed ``config.json``. Raises ConfigError naming the first key
+        pdserve cannot serve, checked in this order: architecture, required keys, head
+        counts, activation, RoPE, dtype."""
+        arch = _read_architecture(raw)
+        for key in _REQUIRED_KEYS:
             if key not in raw:
                 raise ConfigError(f"config.json: missing required key {key!r}")
-        num_heads = int(raw["num_attention_heads"])
-        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
-        if num_heads % num_kv_heads:
-            raise ConfigError(
-                f"config.json: num_attention_heads={num_heads} is not a multiple of "
-                f"num_key_value_heads={num_kv_heads}"
-            )
-        hidden = int(raw["hidden_size"])
-        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        num_heads, num_kv_heads, head_dim = _read_heads(raw)
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"config.json: hidden_act={raw.get('hidden_act')!r}; only silu")
         rope_theta, scaling = _read_rope(raw)
         num_layers = int(raw["num_hidden_layers"])
-        eos = raw.get("eos_token_id")
-        eos_ids = (
-            tuple(int(e) for e in eos)
-            if isinstance(eos, list)
-            else ((int(eos),) if eos is not None else ())
-        )
+        eos_ids = _read_eos(raw)
         bos = raw.get("bos_token_id")
         return cls(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
+            hidden_size=int(raw["hidden_size"]),
             intermediate_size=int(raw["intermediate_size"]),
             num_layers=num_layers,
             num_heads=num_heads,
@@ -164,6 +136,54 @@ class ModelConfig:
         """Stable digest of the architecture; `engine.weights` mixes in the weights."""
         blob = json.dumps(asdict(self), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+_REQUIRED_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+)
+
+
+def _read_architecture(raw: dict[str, Any]) -> str:
+    """pdserve's name for the checkpoint's architecture: the first supported entry of
+    `architectures`, else a supported `model_type`; ConfigError when neither is."""
+    archs = raw.get("architectures") or []
+    arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is not None:
+        return arch
+    model_type = raw.get("model_type")
+    if model_type in SUPPORTED_ARCHITECTURES.values():
+        return str(model_type)
+    raise ConfigError(
+        f"config.json: unsupported architectures={archs} model_type={model_type!r}; "
+        f"pdserve serves {sorted(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _read_heads(raw: dict[str, Any]) -> tuple[int, int, int]:
+    """(num_heads, num_kv_heads, head_dim). KV heads default to the query heads (no GQA)
+    and must divide them; head_dim defaults to hidden_size / num_heads."""
+    num_heads = int(raw["num_attention_heads"])
+    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+    if num_heads % num_kv_heads:
+        raise ConfigError(
+            f"config.json: num_attention_heads={num_heads} is not a multiple of "
+            f"num_key_value_heads={num_kv_heads}"
+        )
+    hidden = int(raw["hidden_size"])
+    head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    return num_heads, num_kv_heads, head_dim
+
+
+def _read_eos(raw: dict[str, Any]) -> tuple[int, ...]:
+    """`eos_token_id` as a tuple: HF writes one id, a list of them, or nothing."""
+    eos = raw.get("eos_token_id")
+    if isinstance(eos, list):
+        return tuple(int(e) for e in eos)
+    return (int(eos),) if eos is not None else ()
 
 
 def _read_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:

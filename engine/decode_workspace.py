@@ -5,8 +5,9 @@ Why: a decode step reads every running request's whole context once per layer. A
 cache holds a request's tokens in scattered blocks, so without this every layer of every
 step gathers all of them into a fresh tensor: the whole batch's K/V copied (read and
 written) once per step, only to be read again by attention. At batch 32 on the `small`
-preset that copy was 8 of 44 ms per step on the 2-vCPU box. There is no paged-attention
-kernel for CPU in PyTorch; a GPU engine would use one instead (vLLM, FlashInfer).
+preset that copy was almost a fifth of a decode step on the 2-vCPU box (docs/benchmarks.md,
+"Decode workspace"). There is no paged-attention kernel for CPU in PyTorch; a GPU engine
+would use one instead (vLLM, FlashInfer).
 
 The workspace keeps, per running request, its context laid out contiguously:
 
@@ -31,9 +32,9 @@ What must hold:
 * Every position of every row below `_clean` holds a finite value. Attention reads rows
   ``0 .. B-1`` up to the longest context, and a shorter row's extra positions meet a zero
   softmax weight, but ``0 * NaN`` is NaN. The buffer is allocated uninitialised and a row's
-  tail is zeroed the first time the row is used: zeroing the whole buffer up front cost
-  27-85 ms at 8 rows x 2304 positions of the small preset (226 MB), paid by the first
-  decode step of every request that found the decode worker idle.
+  tail is zeroed the first time the row is used: zeroing the whole buffer up front (226 MB
+  at 8 rows x 2304 positions of the small preset) was paid by the first decode step of
+  every request that found the decode worker idle (docs/benchmarks.md, "Decode workspace").
 """
 
 from __future__ import annotations
@@ -111,31 +112,44 @@ class DecodeWorkspace:
         `final_tokens[i]`, if given, is the most tokens request i can reach (prompt plus
         `max_tokens`, capped by the context limit): when the buffer has to be reallocated
         anyway, it is sized for that if it fits `max_bytes`, so the batch does not stall
-        again every 256 tokens. (Growing copies every row: at batch 32 and 1024 -> 1280
-        positions of the small preset that step took 280 ms against 91 ms.)
+        again every 256 tokens (growing copies every row, so a step that grows costs several
+        ordinary ones: docs/benchmarks.md, "Decode workspace").
         """
-        batch = len(keys)
         want_cap = ceil_div(max(num_tokens), _CAPACITY_STEP) * _CAPACITY_STEP
-        want_rows = ceil_div(batch, _ROWS_STEP) * _ROWS_STEP
+        want_rows = ceil_div(len(keys), _ROWS_STEP) * _ROWS_STEP
         if self.nbytes(max(want_rows, self.rows), max(want_cap, self.capacity)) > self.max_bytes:
             self.reset()
             self.fallbacks += 1
             return None
         index = {k: i for i, k in enumerate(keys)}
-        # Keep rows whose request is still here and whose K/V is current; compact them to
-        # the front by moving the last kept row into each hole.
-        kept = [
-            r
-            for r, k in enumerate(self.keys)
-            if k in index and self.lens[r] == num_tokens[index[k]] - 1
-        ]
+        kept = self._current_rows(index, num_tokens)
         plan_cap = want_cap
         if final_tokens:
             plan_cap = max(want_cap, ceil_div(max(final_tokens), _CAPACITY_STEP) * _CAPACITY_STEP)
         self._grow(want_rows, want_cap, len(self.keys), plan_cap)
+        new_keys = self._compact(kept)
+        self._add_missing(new_keys, keys, num_tokens, block_tables)
+        order = [index[k] for k in new_keys]
+        self.keys = new_keys
+        self.lens = [num_tokens[i] for i in order]  # after this step's `write`
+        self._write_rows = self._flat_rows([n - 1 for n in self.lens])
+        return order
+
+    def _current_rows(self, index: dict[RowKey, int], num_tokens: Sequence[int]) -> list[int]:
+        """Rows to keep, ascending: their request is in the batch (`index`: key -> its
+        position in the batch) and their K/V is current (valid length = its tokens - 1)."""
+        return [
+            r
+            for r, k in enumerate(self.keys)
+            if k in index and self.lens[r] == num_tokens[index[k]] - 1
+        ]
+
+    def _compact(self, kept: list[int]) -> list[RowKey]:
+        """Move the `kept` rows (ascending, from `_current_rows`) to rows ``0 .. len-1`` by
+        moving the last kept row into each hole; the keys those rows hold now. Must run
+        after `_grow`, which keeps every row where it was."""
         assert self.data is not None
         new_keys: list[RowKey] = []
-        new_lens: list[int] = []
         kept_set = set(kept)
         movers = [r for r in kept if r >= len(kept)]
         for r in range(len(kept)):
@@ -144,19 +158,23 @@ class DecodeWorkspace:
                 n = self.lens[src]
                 self.data[:, :, r, :, :n] = self.data[:, :, src, :, :n]
             new_keys.append(self.keys[src])
-            new_lens.append(self.lens[src])
-        # Requests not held yet: copy their context in from the pages.
-        held = set(new_keys)
+        return new_keys
+
+    def _add_missing(
+        self,
+        held: list[RowKey],
+        keys: Sequence[RowKey],
+        num_tokens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+    ) -> None:
+        """Give each request of the batch not in `held` (the keys of rows ``0 ..
+        len(held)-1``) the next row, copied in from its pages up to its length minus one;
+        appends its key to `held`, so `held` ends as the keys of rows ``0 .. B-1``."""
+        have = set(held)
         for i, key in enumerate(keys):
-            if key not in held:
-                self._fill(len(new_keys), block_tables[i], num_tokens[i] - 1)
-                new_keys.append(key)
-                new_lens.append(num_tokens[i] - 1)
-        order = [index[k] for k in new_keys]
-        self.keys = new_keys
-        self.lens = [num_tokens[i] for i in order]  # after this step's `write`
-        self._write_rows = self._flat_rows([n - 1 for n in self.lens])
-        return order
+            if key not in have:
+                self._fill(len(held), block_tables[i], num_tokens[i] - 1)
+                held.append(key)
 
     def _flat_rows(self, positions: list[int]) -> torch.Tensor:
         """Where `write` puts K/V of each (row, head) at its position, as row numbers of one

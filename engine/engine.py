@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 
 from engine import cpu
-from engine.block_manager import BlockManager, namespace_seed
+from engine.block_manager import BlockManager
 from engine.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from engine.kv_cache import DTYPES, PagedKVCache
 from engine.model import LayerHook, LlamaModel
+from engine.prefix_hash import namespace_seed
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling import InvalidParameterError, SamplingParams, sample
@@ -30,7 +31,7 @@ from engine.tokenizer import Tokenizer
 from engine.validation import ContextLengthError, check_request
 from engine.weights import load_weights
 
-__all__ = ["ContextLengthError", "EngineConfig", "LLMEngine"]
+__all__ = ["ContextLengthError", "EngineConfig", "EngineStats", "LLMEngine"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,21 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: str) -> torch.dtype:
     if chosen == "float16" and on_cpu:
         chosen = "float32"
     return DTYPES[chosen]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's load, read on the engine thread (`LLMEngine.stats`)."""
+
+    num_free_blocks: int  # free plus cached-but-evictable blocks
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    queued_prefill_tokens: int  # prompt tokens of waiting requests not yet computed
+    num_preemptions_total: int
+    kv_bytes_per_block: int  # K + V of one block over all layers (what a transfer moves)
+    decode_workspace_bytes: int | None  # None: the engine runs without a decode workspace
+    decode_workspace_fallbacks_total: int
 
 
 class LLMEngine:
@@ -201,22 +217,38 @@ class LLMEngine:
         return True
 
     def release(self, request_id: str) -> None:
-        """Free blocks a prefill-only request kept for its transfer."""
+        """Free the blocks a request holds outside the scheduler: a prefill-only request's,
+        kept for its transfer, or a decode reservation's that its transfer let go."""
         if self.blocks.has(request_id):
             self.blocks.free(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def stats(self) -> EngineStats:
+        """Call on the engine thread: it reads the scheduler's queues and the block pool."""
+        sched, ws = self.scheduler, self.runner.workspace
+        return EngineStats(
+            num_free_blocks=self.blocks.num_free_blocks,
+            num_total_blocks=self.blocks.num_blocks,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
+            num_preemptions_total=sched.num_preemptions,
+            kv_bytes_per_block=self.cache.spec.page_bytes * self.cache.spec.num_layers,
+            decode_workspace_bytes=ws.bytes_held if ws is not None else None,
+            decode_workspace_fallbacks_total=ws.fallbacks if ws is not None else 0,
+        )
+
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step: schedule, prepare + forward, postprocess.
 
-        `lock` guards the block manager against transport threads (a decode worker's
-        receiver reserves and frees blocks of requests waiting for KV). It is held while
-        scheduling and postprocessing, not during the forward: the block tables the forward
-        reads belong to scheduled requests, which only this thread changes, so a frame can be
-        checked and land while the batch computes instead of waiting a whole step.
+        `lock` is for callers that share one engine between threads without an
+        `EngineLoop` (a receiver used standalone with this engine's blocks): it is held while
+        scheduling and postprocessing, not during the forward, whose block tables belong to
+        scheduled requests that only this thread changes. In a worker, every block-manager
+        call runs on the engine thread (`engine.loop`), so the lock is never contended.
         """
         with self.lock:
             out = self.scheduler.schedule()

@@ -1,9 +1,9 @@
 """Runs an `LLMEngine` on its own thread, so a worker's event loop never blocks on a forward.
 
 Other threads (a Ray actor's asyncio loop, transport threads) hand the loop closures with
-`call`; the loop runs them between steps, in order, on the engine thread. The engine itself
-is therefore only ever touched by one thread, except for the block manager, which transport
-threads reach under `engine.lock`.
+`call`; the loop runs them between steps, in order, on the engine thread. The engine, its
+block manager included, is therefore only ever touched by one thread: transport threads
+hand block frees back through `call` too (`KVReceiver`'s `release`).
 """
 
 from __future__ import annotations

@@ -254,13 +254,10 @@ class OneDnnProjections(Projections):
         act  = (h @ Wu^T) * gate         binary "mul" post-op
         x    = x + act @ Wd^T            binary "add" post-op (likewise for o_proj)
 
-    Measured on the 2-vCPU dev box (small preset, bf16, interleaved A/B against
-    `Projections`): with one thread (each Ray worker's setting) prefill 1.13-1.2x faster;
-    decode at batch 1-32, where the step streams every weight from DRAM, faster at any
-    thread count (12 layers' matrices at M=32, two threads: 17 ms packed vs 24.5 ms
-    `F.linear`). With two threads, prefill of 128-1024 tokens was 0-20% faster packed in one
-    run; at 512 tokens, 20 alternating rounds put the two paths at parity (145 vs 143 ms
-    best), so there is no case for switching paths by phase.
+    Why it is the default: packed projections were faster than `Projections` for decode at
+    every batch size and thread count measured, and at least at parity for prefill, so there
+    is no case for switching paths by phase (figures: docs/benchmarks.md, "Packed oneDNN
+    projections").
 
     The products are the same; rounding differs: a post-op sees the float32 accumulator, so
     bfloat16 output is rounded once where eager rounds after each op, and float32 results
@@ -321,8 +318,8 @@ def keep_freed_memory() -> None:
 
     Why: a forward allocates many short-lived MiB-sized activations. By default glibc serves
     each from a fresh ``mmap`` and unmaps it on free (its adaptive threshold does not keep up),
-    so the kernel zero-fills every page again on first touch: ~20k page faults and 10-35 ms
-    of system time per 512-token prefill of the small preset, 5-15% of the forward. With a
+    so the kernel zero-fills every page again on first touch: thousands of page faults per
+    prefill, a measurable share of the forward (docs/benchmarks.md, "Freed memory"). With a
     high mmap threshold and no trimming, the heap keeps the memory and the faults go to zero.
     Process-wide (everything in the process benefits, HF included); the process keeps its
     peak heap. No-op off glibc.

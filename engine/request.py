@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_manager import extend_block_hashes
+from engine.prefix_hash import extend_block_hashes
 from engine.sampling import SamplingParams, SamplingState, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer
 

@@ -64,8 +64,15 @@ class SamplingParams:
         )
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise InvalidParameterError naming the first bad field."""
-        checks: list[tuple[str, bool, str]] = [
+        """Raise InvalidParameterError naming the first bad field: the sampler's knobs
+        first, then the request's lengths, stops and seed (the order users see errors in)."""
+        for name, ok, message in self._sampler_checks() + self._request_checks(vocab_size):
+            if not ok:
+                raise InvalidParameterError(name, message)
+
+    def _sampler_checks(self) -> list[tuple[str, bool, str]]:
+        """(field, valid, message) for the knobs that shape the distribution."""
+        return [
             (
                 "temperature",
                 math.isfinite(self.temperature) and self.temperature >= 0,
@@ -93,6 +100,12 @@ class SamplingParams:
                 -2 <= self.presence_penalty <= 2,
                 f"must be in [-2, 2], got {self.presence_penalty}",
             ),
+        ]
+
+    def _request_checks(self, vocab_size: int | None) -> list[tuple[str, bool, str]]:
+        """(field, valid, message) for lengths, logprobs, stops and seed; stop token ids are
+        checked only when the vocabulary size is known."""
+        checks: list[tuple[str, bool, str]] = [
             ("max_tokens", self.max_tokens >= 1, f"must be >= 1, got {self.max_tokens}"),
             (
                 "min_tokens",
@@ -124,9 +137,7 @@ class SamplingParams:
                     f"ids {bad} are outside the vocabulary [0, {vocab_size})",
                 )
             )
-        for name, ok, message in checks:
-            if not ok:
-                raise InvalidParameterError(name, message)
+        return checks
 
 
 @dataclass(frozen=True)

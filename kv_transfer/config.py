@@ -5,15 +5,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from engine.engine import EngineConfig
 from kv_transfer.auth import SECRET_ENV, check_secret
-
-TRANSPORT_NAMES = ("torch_dist", "grpc", "local")
+from kv_transfer.registry import TRANSPORT_NAMES, TransportName
 
 
 @dataclass(frozen=True)
 class TransferConfig:
-    transport: str = "torch_dist"  # torch_dist (gloo on CPU, NCCL on GPU) | grpc | local
+    transport: TransportName = "torch_dist"  # torch_dist: gloo on CPU, NCCL on GPU
     timeout_s: float = 10.0  # a stalled or dead peer fails a transfer after this long
     lease_s: float = 30.0  # blocks held for a transfer are released after this at the latest
     max_channels: int = 32  # open (prefill, decode) pair channels per sender, LRU-closed
@@ -43,31 +41,3 @@ class TransferConfig:
         if secret is not None:
             check_secret(secret, SECRET_ENV)
         return secret
-
-
-@dataclass(frozen=True)
-class IndexConfig:
-    """The prefix index: Redis when `redis_url` is set, else in-process (in the router)."""
-
-    redis_url: str | None = None  # redis://[user:password@]host:port/db or rediss://...
-    ttl_s: float = 120.0  # block entries expire unless a holder refreshes them
-    timeout_s: float = 0.1  # per Redis call; a slower answer counts as a miss
-    publish_interval_s: float = 0.05  # how often workers ship block events
-    refresh_interval_s: float = 10.0  # how often workers re-assert all they hold
-
-    def __post_init__(self) -> None:
-        if min(self.ttl_s, self.timeout_s, self.publish_interval_s, self.refresh_interval_s) <= 0:
-            raise ValueError("index intervals, ttl and timeout must be positive")
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """Everything one pool worker needs; built by pdserve.launch from the serve config."""
-
-    name: str  # also its Ray actor name, e.g. pdserve-prefill-0
-    engine: EngineConfig
-    transfer: TransferConfig = TransferConfig()
-    index: IndexConfig = IndexConfig()
-    model_name: str = "model"  # namespaces the prefix index
-    num_threads: int = 1  # torch intra-op threads (Ray starts actors with 1)
-    role: str = ""  # "prefill" | "decode" | "colocated"; default: the worker class's role

@@ -9,21 +9,21 @@ receiver's reserved pages, with runs of consecutive blocks coalesced into one re
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
 from engine.kv_cache import BlockRun, PagedKVCache, block_runs
 
-__all__ = ["BlockRun", "as_bytes", "block_runs", "frame_regions"]
+__all__ = ["BlockRun", "Side", "as_bytes", "block_runs", "frame_regions"]
+
+Side = Literal["src", "dst"]  # read from the sender's blocks, or write into the receiver's
 
 
 def frame_regions(
-    cache: PagedKVCache, layer_start: int, layer_end: int, runs: Sequence[BlockRun], side: str
+    cache: PagedKVCache, layer_start: int, layer_end: int, runs: Sequence[BlockRun], side: Side
 ) -> list[torch.Tensor]:
-    """Contiguous views of `cache` that a frame's payload fills, in wire order.
-
-    `side` is "src" (read from the sender's blocks) or "dst" (write into the receiver's).
-    """
+    """Contiguous views of `cache` that a frame's payload fills, in wire order."""
     regions = []
     for layer in range(layer_start, layer_end):
         for run in runs:

@@ -13,8 +13,12 @@ Rules (docs/lifecycle.md):
 * Frames for an unknown, finished or failed transfer id are rejected, so late bytes never
   reach blocks that a new request owns.
 
-Transport threads call into this class; every block-manager mutation happens under `lock`,
-which the decode worker also holds while its engine steps.
+Transport threads call into this class; its own state is guarded by `lock`. Blocks belong
+to one owner: with a `release` callback (the decode worker's), the receiver never frees a
+block itself but hands the request id to `release`, which frees it on the engine thread, as
+vLLM's connectors report finished transfers through `get_finished`. Without one
+(standalone use), blocks are freed at once under `lock`. `reserve` and `take` run where the
+blocks' owner runs (the decode worker calls them on its engine thread).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import enum
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -76,10 +80,14 @@ class KVReceiver:
         lease_s: float = DEFAULT_LEASE_S,
         transport: str = "",
         address: str = "",
+        release: Callable[[str], None] | None = None,
     ) -> None:
         self.cache = cache
         self.blocks = blocks
         self.lock = lock or threading.RLock()
+        # Frees a failed reservation's blocks (by request id) on the blocks' owner thread;
+        # callable from any thread. None: free them here, at once.
+        self._release = release
         self.lease_s = lease_s
         self.transport = transport
         self.address = address
@@ -233,7 +241,10 @@ class KVReceiver:
             res.state = ReservationState.FAILED
             res.error = error
         if res.in_flight == 0 and self._by_transfer.pop(res.transfer_id, None) is not None:
-            self.blocks.free(res.request_id)
+            if self._release is None:
+                self.blocks.free(res.request_id)
+            else:
+                self._release(res.request_id)
         res.done.set()
 
     def wait(self, transfer_id: str, timeout_s: float) -> Reservation:

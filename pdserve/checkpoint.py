@@ -9,7 +9,6 @@ synthetic corpus that is itself generated from a fixed seed. The result loads in
 from __future__ import annotations
 
 import json
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -307,18 +306,6 @@ def write_checkpoint(
         },
     )
     return root
-
-
-def preset_dir(preset: str, seed: int = 0, dtype: str = "float32") -> Path:
-    """A preset's checkpoint, generated once under $PDSERVE_HOME (random weights)."""
-    from pdserve.models import pdserve_home
-
-    target = pdserve_home() / "models" / f"{preset}-seed{seed}-{dtype}"
-    if not (target / "tokenizer_config.json").exists():
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        write_checkpoint(preset, tmp, seed=seed, dtype=dtype)
-        tmp.replace(target) if not target.exists() else None
-    return target
 
 
 def _write_json(path: Path, data: object) -> None:

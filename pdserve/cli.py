@@ -10,8 +10,10 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kv_transfer.registry import SERVE_TRANSPORT_NAMES
+from pdserve.engine_load import load_engine
+
 if TYPE_CHECKING:
-    from engine.engine import LLMEngine
     from pdserve.config import ServeConfig
 
 
@@ -102,11 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_tls_args(client)
     client.add_argument("prompt", metavar="PROMPT")
 
-    from pdserve.bench import add_cli_args as add_bench_args
+    from pdserve.tools.bench import add_cli_args as add_bench_args
 
     add_bench_args(sub.add_parser("bench", help="load-test a server like `vllm bench serve`"))
 
-    from pdserve.chaos import add_cli_args as add_chaos_args
+    from pdserve.tools.chaos import add_cli_args as add_chaos_args
 
     add_chaos_args(sub.add_parser("chaos", help="load while faults are injected (make chaos)"))
     return parser
@@ -159,7 +161,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--prefill-workers", type=int, default=None)
     p.add_argument("--decode-workers", type=int, default=None)
-    p.add_argument("--transport", default=None, choices=["torch_dist", "grpc"])
+    p.add_argument("--transport", default=None, choices=SERVE_TRANSPORT_NAMES)
     p.add_argument("--host", default=None, help="router bind address (default 127.0.0.1)")
     p.add_argument("--grpc-port", type=int, default=None, help="default 50051; 0 picks one")
     p.add_argument(
@@ -235,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
         if args.command == "trace":
-            from pdserve.trace import run_trace
+            from pdserve.tools.trace import run_trace
 
             return run_trace(args)
         if args.command == "serve":
@@ -247,11 +249,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_client(args)
         if args.command == "bench":
-            from pdserve.bench import run_bench
+            from pdserve.tools.bench import run_bench
 
             return run_bench(args)
         if args.command == "chaos":
-            from pdserve.chaos import run_chaos
+            from pdserve.tools.chaos import run_chaos
 
             return run_chaos(args)
     except ValueError as e:  # bad input, InvalidParameterError and ModelError included
@@ -276,20 +278,6 @@ def _model_fetch(args: argparse.Namespace) -> int:
     path = fetch_named(args.name, Path(args.out) if args.out else None, args.dtype)
     print(path)
     return 0
-
-
-def load_engine(
-    model: str, dtype: str, weights_seed: int = 0, chat_template: str | None = None
-) -> LLMEngine:
-    """The engine in process for `--model` (refused without a tokenizer: it takes text)."""
-    from engine.engine import EngineConfig, LLMEngine
-    from pdserve.models import require_tokenizer, resolve_model
-
-    path = resolve_model(model, seed=weights_seed)
-    require_tokenizer(path, model)
-    return LLMEngine.from_config(
-        EngineConfig(model=str(path), dtype=dtype, chat_template=chat_template)
-    )
 
 
 def _generate(args: argparse.Namespace) -> int:

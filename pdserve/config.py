@@ -15,8 +15,9 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from engine.config import CacheConfig, SchedulerConfig
-from kv_transfer.config import IndexConfig, TransferConfig
+from kv_transfer.config import TransferConfig
 from pdserve.models import DEFAULT_MODEL
+from pool_api.config import IndexConfig
 from router.config import RouterConfig
 
 T = TypeVar("T")

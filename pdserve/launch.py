@@ -17,14 +17,16 @@ from engine.config import GenerationDefaults, ModelConfig
 from engine.engine import EngineConfig, resolve_dtype
 from engine.tokenizer import Tokenizer
 from engine.weights import checkpoint_files, checkpoint_fingerprint
-from kv_transfer.config import WorkerConfig
-from kv_transfer.prefix_index import make_index
 from pdserve.checkpoint import PRESETS
 from pdserve.config import PoolConfig, ServeConfig
 from pdserve.models import NAMED_MODELS, require_tokenizer, resolve_model
+from pool_api.config import WorkerConfig
+from pool_api.messages import Role
+from pool_api.prefix_index import make_index
 from protos.pdserve.v1 import generation_pb2 as gen
-from router.pools import Pool, RayHandle, WorkerHandle
-from router.service import Router
+from router.clients import DecodeClient, PrefillClient
+from router.core import Router
+from router.pools import Pool
 from router.validation import EdgeLimits, ModelLimits
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,10 @@ def served_name(cfg: ServeConfig) -> str:
 
 
 def build_router(
-    cfg: ServeConfig, model_path: Path, prefill: list[WorkerHandle], decode: list[WorkerHandle]
+    cfg: ServeConfig,
+    model_path: Path,
+    prefill: list[PrefillClient],
+    decode: list[DecodeClient],
 ) -> Router:
     """The router for these pools, with the model's limits read from the checkpoint."""
     mcfg = ModelConfig.from_hf(model_path)
@@ -86,8 +91,8 @@ def build_router(
         ),
         tokenizer,
         info,
-        Pool("prefill", prefill),
-        Pool("decode", decode),
+        Pool(Role.PREFILL, prefill),
+        Pool(Role.DECODE, decode),
         cfg.transfer.transport,
         index=index,
         colocated=cfg.colocated,
@@ -127,7 +132,7 @@ class Deployment:
         ecfg = engine_config(cfg, self.model_path)
         transfer = cfg.transfer  # host "auto" is resolved by each decode actor on its node
 
-        def worker_cfg(name: str, pool: PoolConfig, role: str) -> WorkerConfig:
+        def worker_cfg(name: str, pool: PoolConfig, role: Role) -> WorkerConfig:
             return WorkerConfig(
                 name=name,
                 engine=ecfg,
@@ -144,11 +149,11 @@ class Deployment:
                     ray,
                     PrefillActor,
                     cfg.prefill,
-                    worker_cfg(f"pdserve-prefill-{i}", cfg.prefill, "prefill"),
+                    worker_cfg(f"pdserve-prefill-{i}", cfg.prefill, Role.PREFILL),
                 )
                 for i in range(cfg.prefill.num_workers)
             ]
-        role = "colocated" if cfg.colocated else "decode"
+        role = Role.COLOCATED if cfg.colocated else Role.DECODE
         self.decode_actors = [
             self._actor(
                 ray, DecodeActor, cfg.decode, worker_cfg(f"pdserve-decode-{i}", cfg.decode, role)
@@ -161,10 +166,13 @@ class Deployment:
             cfg,
             self.model_path,
             [
-                RayHandle(f"pdserve-prefill-{i}", "prefill", a)
+                PrefillClient.of_actor(f"pdserve-prefill-{i}", a)
                 for i, a in enumerate(self.prefill_actors)
             ],
-            [RayHandle(f"pdserve-decode-{i}", role, a) for i, a in enumerate(self.decode_actors)],
+            [
+                DecodeClient.of_actor(f"pdserve-decode-{i}", a, role)
+                for i, a in enumerate(self.decode_actors)
+            ],
         )
 
     def _actor(self, ray: Any, cls: type, pool: PoolConfig, wcfg: WorkerConfig) -> Any:

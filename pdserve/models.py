@@ -78,13 +78,25 @@ def pdserve_home() -> Path:
     return Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
 
 
+def preset_dir(preset: str, seed: int = 0, dtype: str = "float32") -> Path:
+    """A preset's checkpoint, generated once under $PDSERVE_HOME (random weights)."""
+    from pdserve.checkpoint import write_checkpoint
+
+    target = pdserve_home() / "models" / f"{preset}-seed{seed}-{dtype}"
+    if not (target / "tokenizer_config.json").exists():
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        write_checkpoint(preset, tmp, seed=seed, dtype=dtype)
+        tmp.replace(target) if not target.exists() else None
+    return target
+
+
 def resolve_model(spec: str, seed: int = 0, dtype: str = "float32") -> Path:
     """The checkpoint directory for `--model spec` (see the module docstring).
 
     `seed` and `dtype` are the weights of a generated preset or of a named model's
     conversion; a given directory keeps its own.
     """
-    from pdserve.checkpoint import PRESETS, preset_dir
+    from pdserve.checkpoint import PRESETS
 
     if spec in PRESETS:
         log.warning(

@@ -12,9 +12,10 @@ import sys
 from pdserve.config import ServeConfig
 from pdserve.launch import Deployment
 from router.config import RouterConfig
+from router.core import Router
 from router.http import HTTPServer, bind_socket, start_http_server
 from router.metrics import RouterMetrics
-from router.service import Router, start_server
+from router.service import start_server
 from router.tls import ServerTLS
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+PrefillFailurePolicy = Literal["recompute", "fail"]
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,7 @@ class RouterConfig:
     stats_interval_s: float = 0.2  # how often worker load is refreshed for routing
     # A prefill worker dying under a request: "recompute" (prefill it again on another
     # prefill worker, or on its decode worker when none is healthy) or "fail" (UNAVAILABLE).
-    prefill_failure_policy: str = "recompute"
+    prefill_failure_policy: PrefillFailurePolicy = "recompute"
     # The pair-routing cost model (router.pools.rank_pairs): prefill speed and KV transfer
     # bandwidth, to weigh prompt tokens a prefill worker must compute against KV bytes a
     # (prefill, decode) pair must move. Only their ratio matters; set them to measured
@@ -56,7 +59,7 @@ class RouterConfig:
             raise ValueError(f"http_port={self.http_port} is not a port")
         if self.max_queue_len < 1 or self.queue_timeout_s <= 0:
             raise ValueError("max_queue_len and queue_timeout_s must be positive")
-        if self.prefill_failure_policy not in ("recompute", "fail"):
+        if self.prefill_failure_policy not in get_args(PrefillFailurePolicy):
             raise ValueError("prefill_failure_policy must be 'recompute' or 'fail'")
         if self.prefill_tokens_per_s <= 0 or self.transfer_gbps <= 0:
             raise ValueError("prefill_tokens_per_s and transfer_gbps must be positive")

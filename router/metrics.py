@@ -24,8 +24,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.request import FinishReason
+from router.active import ActiveRequest, RequestObserver
+
 if TYPE_CHECKING:
-    from router.service import ActiveRequest, Router
+    from router.core import Router
 
 PREFIX = "pdserve:"
 ROUTER_ROLE = "router"
@@ -45,95 +48,95 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
-class RequestObserver:
-    """The router's per-request hooks; this base does nothing (metrics off).
-
-    `on_tokens` runs before the router updates `act.first_sent_s` / `act.last_sent_s`, so an
-    observer sees the previous send time; `now` is `time.perf_counter()` like `act.arrival_s`.
-    """
-
-    def on_admit(self, act: ActiveRequest) -> None:
-        pass
-
-    def on_reject(self, code: grpc.StatusCode) -> None:
-        pass
-
-    def on_tokens(self, act: ActiveRequest, num_tokens: int, now: float) -> None:
-        pass
-
-    def on_complete(self, act: ActiveRequest, reason: str, now: float) -> None:
-        pass
+_ROUTER_LABELS = ("model_name", "role")
+_WORKER_LABELS = ("model_name", "role", "worker")
 
 
 class RouterMetrics(RequestObserver):
-    """prometheus-client metrics of one router; `install` attaches them."""
+    """prometheus-client metrics of one router; `install` attaches them.
+
+    The per-request metrics are labelled ``(model_name, role="router")``; the counters of
+    finish reasons and rejections add one label each. They are registered histograms first,
+    then counters, then the worker collector: the order a scrape lists them in.
+    """
+
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    queue: Histogram
+    prefill: Histogram
+    transfer: Histogram
+    success: Counter
+    rejected: Counter
+    prefix_queries: Counter
+    prefix_hits: Counter
 
     def __init__(self, router: Router) -> None:
         self.router = router
         self.model_name = router.model_info.served_model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = ["model_name", "role"]
-        r = self.registry
+        self._add_histograms()
+        self._add_counters()
+        self.registry.register(WorkerCollector(router, self.model_name))
+        self._lv = (self.model_name, ROUTER_ROLE)
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(
+            PREFIX + name, doc, list(_ROUTER_LABELS), buckets=buckets, registry=self.registry
+        )
 
-        self.ttft = hist(
+    def _counter(self, name: str, doc: str, *extra_labels: str) -> Counter:
+        labels = [*_ROUTER_LABELS, *extra_labels]
+        return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+    def _add_histograms(self) -> None:
+        """The per-request latencies, in seconds."""
+        self.ttft = self._histogram(
             "time_to_first_token_seconds",
             "Arrival at the router until the first token was sent.",
             TTFT_BUCKETS,
         )
-        self.itl = hist(
+        self.itl = self._histogram(
             "inter_token_latency_seconds",
             "Time between successive tokens sent (a batch of n tokens counts n gaps of 1/n).",
             ITL_BUCKETS,
         )
-        self.e2e = hist(
+        self.e2e = self._histogram(
             "e2e_request_latency_seconds",
             "Arrival at the router until the request completed.",
             LATENCY_BUCKETS,
         )
-        self.queue = hist(
+        self.queue = self._histogram(
             "request_queue_time_seconds",
             "Waiting for KV room on a decode worker plus waiting on the prefill worker.",
             LATENCY_BUCKETS,
         )
-        self.prefill = hist(
+        self.prefill = self._histogram(
             "request_prefill_time_seconds",
             "The prompt pass on a prefill worker (disaggregated requests).",
             LATENCY_BUCKETS,
         )
-        self.transfer = hist(
+        self.transfer = self._histogram(
             "kv_transfer_seconds",
             "KV transfer time not hidden behind the prompt pass (disaggregated requests).",
             LATENCY_BUCKETS,
         )
-        self.success = Counter(
-            PREFIX + "request_success",
-            "Requests that completed, by finish reason.",
-            [*labels, "finished_reason"],
-            registry=r,
+
+    def _add_counters(self) -> None:
+        """Completions, rejections and prefix-cache tokens."""
+        self.success = self._counter(
+            "request_success", "Requests that completed, by finish reason.", "finished_reason"
         )
-        self.rejected = Counter(
-            PREFIX + "request_rejected",
-            "Requests refused at admission, by gRPC status code name.",
-            [*labels, "code"],
-            registry=r,
+        self.rejected = self._counter(
+            "request_rejected", "Requests refused at admission, by gRPC status code name.", "code"
         )
-        self.prefix_queries = Counter(
-            PREFIX + "prefix_cache_queries",
+        self.prefix_queries = self._counter(
+            "prefix_cache_queries",
             "Prompt tokens looked up in a prefix cache (completed requests).",
-            labels,
-            registry=r,
         )
-        self.prefix_hits = Counter(
-            PREFIX + "prefix_cache_hits",
-            "Prompt tokens served from a prefix cache (completed requests).",
-            labels,
-            registry=r,
+        self.prefix_hits = self._counter(
+            "prefix_cache_hits", "Prompt tokens served from a prefix cache (completed requests)."
         )
-        self.registry.register(WorkerCollector(router, self.model_name))
-        self._lv = (self.model_name, ROUTER_ROLE)
 
     @classmethod
     def install(cls, router: Router) -> RouterMetrics:
@@ -166,19 +169,76 @@ class RouterMetrics(RequestObserver):
             for _ in range(num_tokens):
                 itl.observe(gap)
 
-    def on_complete(self, act: ActiveRequest, reason: str, now: float) -> None:
+    def on_complete(self, act: ActiveRequest, reason: FinishReason, now: float) -> None:
         lv = self._lv
         self.e2e.labels(*lv).observe(max(now - act.arrival_s, 0.0))
-        self.success.labels(*lv, reason).inc()
+        self.success.labels(*lv, reason.value).inc()
         t = act.timings
-        if "queue_ms" in t:
-            self.queue.labels(*lv).observe(t["queue_ms"] / 1e3)
-        if "prefill_ms" in t:
-            self.prefill.labels(*lv).observe(t["prefill_ms"] / 1e3)
-        if "transfer_ms" in t:
-            self.transfer.labels(*lv).observe(t["transfer_ms"] / 1e3)
+        stages = (
+            (self.queue, t.queue_ms),
+            (self.prefill, t.prefill_ms),
+            (self.transfer, t.transfer_ms),
+        )
+        for hist, ms in stages:
+            if ms is not None:
+                hist.labels(*lv).observe(ms / 1e3)
         self.prefix_queries.labels(*lv).inc(len(act.request.prompt_token_ids))
         self.prefix_hits.labels(*lv).inc(act.cached_tokens)
+
+
+class _WorkerFamilies:
+    """One scrape's worker metric families, labelled ``(model_name, role, worker)``; built
+    fresh per scrape (a family holds the samples added to it)."""
+
+    def __init__(self) -> None:
+        self.running = _gauge(
+            "num_requests_running",
+            "Requests in a worker's running batch (role=router: admitted, past the queue).",
+        )
+        self.waiting = _gauge(
+            "num_requests_waiting",
+            "Requests waiting in a worker's scheduler (role=router: admitted, no token sent yet).",
+        )
+        self.usage = _gauge(
+            "kv_cache_usage_perc",
+            "Fraction of a worker's KV blocks in use (0..1; cached-free blocks count as free).",
+        )
+        self.preempt = _counter_family(
+            "num_preemptions", "Requests preempted (recompute) on a worker."
+        )
+        self.xbytes = _counter_family("kv_transfer_bytes", "KV bytes pushed by a prefill worker.")
+        self.xfail = _counter_family(
+            "kv_transfer_failures", "KV transfers that failed on a prefill worker."
+        )
+        self.ws_bytes = _gauge(
+            "decode_workspace_bytes",
+            "Memory a worker's decode workspace holds (the batch's K/V, contiguous).",
+        )
+        self.ws_fallbacks = _counter_family(
+            "decode_workspace_fallbacks",
+            "Decode steps whose batch did not fit cache.decode_workspace_mib (pages gathered).",
+        )
+
+    def all(self) -> tuple[Metric, ...]:
+        """Every family, in the order a scrape lists them."""
+        return (
+            self.running,
+            self.waiting,
+            self.usage,
+            self.preempt,
+            self.xbytes,
+            self.xfail,
+            self.ws_bytes,
+            self.ws_fallbacks,
+        )
+
+
+def _gauge(name: str, doc: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, labels=list(_WORKER_LABELS))
+
+
+def _counter_family(name: str, doc: str) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, labels=list(_WORKER_LABELS))
 
 
 class WorkerCollector(Collector):
@@ -192,68 +252,30 @@ class WorkerCollector(Collector):
         return []  # unchecked: names are produced by collect() only
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["model_name", "role", "worker"]
-        running = GaugeMetricFamily(
-            PREFIX + "num_requests_running",
-            "Requests in a worker's running batch (role=router: admitted, past the queue).",
-            labels=labels,
-        )
-        waiting = GaugeMetricFamily(
-            PREFIX + "num_requests_waiting",
-            "Requests waiting in a worker's scheduler (role=router: admitted, no token sent yet).",
-            labels=labels,
-        )
-        usage = GaugeMetricFamily(
-            PREFIX + "kv_cache_usage_perc",
-            "Fraction of a worker's KV blocks in use (0..1; cached-free blocks count as free).",
-            labels=labels,
-        )
-        preempt = CounterMetricFamily(
-            PREFIX + "num_preemptions",
-            "Requests preempted (recompute) on a worker.",
-            labels=labels,
-        )
-        xbytes = CounterMetricFamily(
-            PREFIX + "kv_transfer_bytes",
-            "KV bytes pushed by a prefill worker.",
-            labels=labels,
-        )
-        xfail = CounterMetricFamily(
-            PREFIX + "kv_transfer_failures",
-            "KV transfers that failed on a prefill worker.",
-            labels=labels,
-        )
-        ws_bytes = GaugeMetricFamily(
-            PREFIX + "decode_workspace_bytes",
-            "Memory a worker's decode workspace holds (the batch's K/V, contiguous).",
-            labels=labels,
-        )
-        ws_fallbacks = CounterMetricFamily(
-            PREFIX + "decode_workspace_fallbacks",
-            "Decode steps whose batch did not fit cache.decode_workspace_mib (pages gathered).",
-            labels=labels,
-        )
+        """The router's own row (role=router), then one row per worker with stats. A worker
+        reports transfer counters if it is a prefill worker or has them, and decode
+        workspace metrics if it is not a prefill worker and has them."""
+        f = _WorkerFamilies()
         r = self.router
         queued = r.num_queued
-        running.add_metric(
-            [self.model_name, ROUTER_ROLE, ROUTER_ROLE], max(len(r.active) - queued, 0)
-        )
-        waiting.add_metric([self.model_name, ROUTER_ROLE, ROUTER_ROLE], queued)
+        router_lv = [self.model_name, ROUTER_ROLE, ROUTER_ROLE]
+        f.running.add_metric(router_lv, max(len(r.active) - queued, 0))
+        f.waiting.add_metric(router_lv, queued)
         for w in r.prefill.workers + r.decode.workers:
             s = w.stats
             if s is None:
                 continue
             lv = [self.model_name, s.role, s.name]
-            running.add_metric(lv, s.num_running)
-            waiting.add_metric(lv, s.num_waiting)
+            f.running.add_metric(lv, s.num_running)
+            f.waiting.add_metric(lv, s.num_waiting)
             used = s.num_total_blocks - s.num_free_blocks
-            usage.add_metric(lv, used / s.num_total_blocks if s.num_total_blocks else 0.0)
-            preempt.add_metric(lv, s.num_preemptions_total)
+            f.usage.add_metric(lv, used / s.num_total_blocks if s.num_total_blocks else 0.0)
+            f.preempt.add_metric(lv, s.num_preemptions_total)
             if s.role == "prefill" or "transfer_bytes_total" in s.extra:
-                xbytes.add_metric(lv, s.extra.get("transfer_bytes_total", 0.0))
+                f.xbytes.add_metric(lv, s.extra.get("transfer_bytes_total", 0.0))
             if s.role == "prefill" or "transfer_failures_total" in s.extra:
-                xfail.add_metric(lv, s.extra.get("transfer_failures_total", 0.0))
+                f.xfail.add_metric(lv, s.extra.get("transfer_failures_total", 0.0))
             if s.role != "prefill" and "decode_workspace_bytes" in s.extra:
-                ws_bytes.add_metric(lv, s.extra["decode_workspace_bytes"])
-                ws_fallbacks.add_metric(lv, s.extra.get("decode_workspace_fallbacks_total", 0.0))
-        yield from (running, waiting, usage, preempt, xbytes, xfail, ws_bytes, ws_fallbacks)
+                f.ws_bytes.add_metric(lv, s.extra["decode_workspace_bytes"])
+                f.ws_fallbacks.add_metric(lv, s.extra.get("decode_workspace_fallbacks_total", 0.0))
+        yield from f.all()

@@ -1,64 +1,27 @@
-"""The router's view of the worker pools: handles, load, and the routing policy.
+"""The router's view of the worker pools: load, health and the routing policy.
 
-The router never imports a worker module. It holds `WorkerHandle`s: a Ray actor handle
-(`RayHandle`) in production, or a plain in-process worker (`LocalHandle`) in tests; both
-expose the same async methods taking and returning `kv_transfer.messages` dataclasses.
-
-Load is what the router itself has sent and not yet seen back (exact and instant), plus the
-workers' own stats, refreshed in the background (KV headroom, preemptions).
+A `WorkerLoad` wraps one worker's typed client (`router.clients`) with what the router knows
+of it: what it has sent and not yet seen back (exact and instant), and the worker's own
+stats, refreshed in the background (KV headroom, preemptions). Load counters change only
+through `WorkerLoad`'s methods. The router never imports a worker module.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, TypeVar
 
-from kv_transfer.messages import WorkerStats
+from pool_api.messages import Role, WorkerStats
+from router.clients import DecodeClient, PrefillClient, WorkerClient
 
 log = logging.getLogger(__name__)
 
-
-class WorkerUnavailable(Exception):
-    """The worker's process is gone or restarting: the call never ran there, or its answer
-    was lost with the process. Another worker of the pool may take the request."""
-
-
-class WorkerHandle:
-    """Calls a worker's async methods by name."""
-
-    def __init__(self, name: str, role: str) -> None:
-        self.name = name
-        self.role = role
-
-    async def call(self, method: str, *args: Any) -> Any:
-        raise NotImplementedError
-
-
-class LocalHandle(WorkerHandle):
-    def __init__(self, name: str, role: str, worker: Any) -> None:
-        super().__init__(name, role)
-        self.worker = worker
-
-    async def call(self, method: str, *args: Any) -> Any:
-        return await getattr(self.worker, method)(*args)
-
-
-class RayHandle(WorkerHandle):
-    def __init__(self, name: str, role: str, actor: Any) -> None:
-        super().__init__(name, role)
-        self.actor = actor
-
-    async def call(self, method: str, *args: Any) -> Any:
-        from ray.exceptions import RayActorError
-
-        try:
-            return await getattr(self.actor, method).remote(*args)
-        except RayActorError as e:  # died, or unavailable while Ray restarts it
-            raise WorkerUnavailable(f"{self.name}: {e}") from e
+C = TypeVar("C", bound=WorkerClient)
 
 
 # Probes of a worker that stopped answering back off from the refresh interval to this, so
@@ -67,8 +30,8 @@ MAX_PROBE_INTERVAL_S = 5.0
 
 
 @dataclass
-class WorkerLoad:
-    handle: WorkerHandle
+class WorkerLoad(Generic[C]):
+    client: C
     stats: WorkerStats | None = None
     outstanding_tokens: int = 0  # prefill: prompt tokens sent, not yet returned
     pending_blocks: int = 0  # decode: blocks reserved by the router since the last stats
@@ -83,8 +46,8 @@ class WorkerLoad:
         if self.down_since is None:
             log.warning(
                 "%s worker %s is down (%s); probing until it answers again",
-                self.handle.role,
-                self.handle.name,
+                self.client.role.value,
+                self.client.name,
                 reason,
             )
             self.down_since = time.monotonic()
@@ -104,12 +67,45 @@ class WorkerLoad:
         if self.down_since is not None:
             log.warning(
                 "%s worker %s is back after %.1f s",
-                self.handle.role,
-                self.handle.name,
+                self.client.role.value,
+                self.client.name,
                 time.monotonic() - self.down_since,
             )
         self.down_since = None
         self.healthy = True
+
+    @property
+    def name(self) -> str:
+        return self.client.name
+
+    def track(self, request_id: str) -> None:
+        """The request is on this worker (counts toward its active load)."""
+        self.active.add(request_id)
+
+    def untrack(self, request_id: str) -> None:
+        self.active.discard(request_id)
+
+    def reserved(self, request_id: str, num_blocks: int) -> None:
+        """A reservation of `num_blocks` succeeded here; counted until the next stats."""
+        self.pending_blocks += num_blocks
+        self.track(request_id)
+
+    @contextlib.contextmanager
+    def prefilling(self, request_id: str, num_tokens: int) -> Iterator[None]:
+        """The prompt pass of `num_tokens` is out on this prefill worker."""
+        self.outstanding_tokens += num_tokens
+        self.track(request_id)
+        try:
+            yield
+        finally:
+            self.outstanding_tokens -= num_tokens
+            self.untrack(request_id)
+
+    def stats_arrived(self, stats: WorkerStats) -> None:
+        """Fresh stats already count every reservation made before them."""
+        self.stats = stats
+        self.pending_blocks = 0
+        self.mark_up()
 
     @property
     def free_blocks(self) -> int:
@@ -119,7 +115,7 @@ class WorkerLoad:
     def prefill_work(self, matches: dict[str, int], num_tokens: int, block_size: int) -> int:
         """Prompt tokens this prefill worker would compute for a request (its cached prefix
         subtracted) plus the prompt tokens already sent to it and not yet returned."""
-        todo = num_tokens - matches.get(self.handle.name, 0) * block_size
+        todo = num_tokens - matches.get(self.client.name, 0) * block_size
         return todo + self.outstanding_tokens
 
 
@@ -134,8 +130,8 @@ class PairCost:
     the delta ranks after every one with room (its reservation would be refused).
     """
 
-    prefill: WorkerLoad
-    decode: WorkerLoad
+    prefill: WorkerLoad[PrefillClient]
+    decode: WorkerLoad[DecodeClient]
     prefill_s: float
     transfer_s: float
     has_room: bool
@@ -154,8 +150,8 @@ class PairCost:
 
 
 def rank_pairs(
-    prefill: Sequence[WorkerLoad],
-    decode: Sequence[WorkerLoad],
+    prefill: Sequence[WorkerLoad[PrefillClient]],
+    decode: Sequence[WorkerLoad[DecodeClient]],
     matches: dict[str, int],
     num_tokens: int,
     block_size: int,
@@ -167,49 +163,51 @@ def rank_pairs(
     `matches` maps a worker name to the number of leading prompt blocks it holds."""
     num_blocks = -(-num_tokens // block_size)
     prefill_s = {
-        p.handle.name: p.prefill_work(matches, num_tokens, block_size) / prefill_tokens_per_s
+        p.client.name: p.prefill_work(matches, num_tokens, block_size) / prefill_tokens_per_s
         for p in prefill
     }
     pairs = []
     for d in decode:
         # The prompt's last block always moves (the receiver never shares it).
-        held_d = min(matches.get(d.handle.name, 0), max(num_blocks - 1, 0))
+        held_d = min(matches.get(d.client.name, 0), max(num_blocks - 1, 0))
         delta_blocks = num_blocks - held_d
         per_block = d.stats.kv_bytes_per_block if d.stats else 0
         transfer_s = delta_blocks * per_block / transfer_bytes_per_s
         has_room = d.free_blocks >= delta_blocks + 1
         for p in prefill:
-            pairs.append(PairCost(p, d, prefill_s[p.handle.name], transfer_s, has_room))
+            pairs.append(PairCost(p, d, prefill_s[p.client.name], transfer_s, has_room))
     return sorted(pairs, key=PairCost.sort_key)
 
 
-class Pool:
-    def __init__(self, role: str, handles: Sequence[WorkerHandle]) -> None:
+class Pool(Generic[C]):
+    def __init__(self, role: Role, clients: Sequence[C]) -> None:
         self.role = role
-        self.workers = [WorkerLoad(h) for h in handles]
+        self.workers: list[WorkerLoad[C]] = [WorkerLoad(c) for c in clients]
 
     def __len__(self) -> int:
         return len(self.workers)
 
-    def healthy(self) -> list[WorkerLoad]:
+    def healthy(self) -> list[WorkerLoad[C]]:
         return [w for w in self.workers if w.healthy]
 
-    def pick_prefill(self, matches: dict[str, int], num_tokens: int, block_size: int) -> WorkerLoad:
+    def pick_prefill(
+        self, matches: dict[str, int], num_tokens: int, block_size: int
+    ) -> WorkerLoad[C]:
         """Least prefill work (`WorkerLoad.prefill_work`), then fewest active requests."""
         candidates = self.healthy()
         if not candidates:
-            raise LookupError(f"no healthy {self.role} worker")
+            raise LookupError(f"no healthy {self.role.value} worker")
         return min(
             candidates,
             key=lambda w: (w.prefill_work(matches, num_tokens, block_size), len(w.active)),
         )
 
-    def best_match(self, matches: dict[str, int]) -> WorkerLoad | None:
+    def best_match(self, matches: dict[str, int]) -> WorkerLoad[C] | None:
         """The healthy worker holding the longest prefix, if any holds one."""
-        held = [w for w in self.healthy() if matches.get(w.handle.name, 0) > 0]
-        return max(held, key=lambda w: (matches[w.handle.name], w.free_blocks), default=None)
+        held = [w for w in self.healthy() if matches.get(w.name, 0) > 0]
+        return max(held, key=lambda w: (matches[w.name], w.free_blocks), default=None)
 
-    def decode_order(self) -> list[WorkerLoad]:
+    def decode_order(self) -> list[WorkerLoad[C]]:
         """Decode workers by KV headroom (free minus pending reservations), then batch size."""
         return sorted(self.healthy(), key=lambda w: (-w.free_blocks, len(w.active)))
 
@@ -222,13 +220,11 @@ class Pool:
         to an actor Ray is restarting waits for the restart) is marked down; down workers
         are probed with backoff from `interval_s` up to `MAX_PROBE_INTERVAL_S`."""
 
-        async def one(w: WorkerLoad) -> None:
+        async def one(w: WorkerLoad[C]) -> None:
             if not w.healthy and time.monotonic() < w.next_probe_s:
                 return
             try:
-                w.stats = await asyncio.wait_for(w.handle.call("stats"), timeout_s)
-                w.pending_blocks = 0
-                w.mark_up()
+                w.stats_arrived(await asyncio.wait_for(w.client.stats(), timeout_s))
             except Exception as e:
                 w.probe_failed(e or type(e).__name__, interval_s)
 

@@ -13,7 +13,7 @@ from engine.config import GenerationDefaults
 from engine.sampling import InvalidParameterError, SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.validation import check_request
-from kv_transfer.messages import WorkerRequest
+from pool_api.messages import WorkerRequest
 from protos.pdserve.v1 import generation_pb2 as gen
 from router.config import RouterConfig
 

@@ -31,16 +31,24 @@ def router_without_workers(
 ) -> Any:
     """A Router whose pools report one healthy worker each (8 blocks, these stats) and never
     get called: enough for model info, health, auth, metrics and the TLS handshake."""
-    from kv_transfer.messages import WorkerStats
+    from pool_api.messages import Role, WorkerStats
     from protos.pdserve.v1 import generation_pb2 as gen
-    from router.pools import Pool, WorkerHandle
-    from router.service import Router
+    from router.clients import DecodeClient, PrefillClient
+    from router.core import Router
+    from router.pools import Pool
     from router.validation import ModelLimits
 
-    def pool(role: str) -> Pool:
-        p = Pool(role, [WorkerHandle(f"pdserve-{role}-0", role)])
+    never_called: Any = None  # the pools' workers answer nothing: their stats are set here
+
+    def pool(role: Role) -> Pool[Any]:
+        client = (
+            PrefillClient("pdserve-prefill-0", never_called)
+            if role is Role.PREFILL
+            else DecodeClient("pdserve-decode-0", never_called)
+        )
+        p: Pool[Any] = Pool(role, [client])
         p.workers[0].stats = WorkerStats(
-            name=f"pdserve-{role}-0",
+            name=client.name,
             role=role,
             num_free_blocks=num_free_blocks,
             num_total_blocks=8,
@@ -55,4 +63,4 @@ def router_without_workers(
 
     info = gen.ModelInfo(served_model_name="m", max_context_length=2048, block_size=16)
     limits = ModelLimits("m", 512, 2048)
-    return Router(cfg, limits, None, info, pool("prefill"), pool("decode"), "local")
+    return Router(cfg, limits, None, info, pool(Role.PREFILL), pool(Role.DECODE), "local")

@@ -26,7 +26,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.bench import (
+from pdserve.cli import main
+from pdserve.tools.bench import (
     RequestOutput,
     arrival_offsets,
     calculate_metrics,
@@ -34,7 +35,6 @@ from pdserve.bench import (
     format_result,
     parse_goodput,
 )
-from pdserve.cli import main
 
 pytestmark = pytest.mark.timeout(300)
 

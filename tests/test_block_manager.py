@@ -24,13 +24,12 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from engine.block_manager import (
+from engine.block_manager import BlockManager, NoFreeBlocksError
+from engine.prefix_hash import (
     AllBlocksCleared,
     BlockEvent,
-    BlockManager,
     BlockRemoved,
     BlockStored,
-    NoFreeBlocksError,
     extend_block_hashes,
     hash_block,
     namespace_seed,

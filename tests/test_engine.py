@@ -369,7 +369,7 @@ def test_decode_workspace_is_sized_for_where_its_requests_end(
 def test_worker_stats_report_the_decode_workspace(make_engine: MakeEngine) -> None:
     """What a worker's stats (and so /metrics) say about the workspace while requests decode
     and after they finish."""
-    from kv_transfer.messages import WorkerStats
+    from pool_api.messages import Role, WorkerStats
 
     eng = make_engine()
     ws = eng.runner.workspace
@@ -379,12 +379,14 @@ def test_worker_stats_report_the_decode_workspace(make_engine: MakeEngine) -> No
         eng.add_request(f"w{i}", rand_prompt(rng, 40), greedy(max_tokens=8))
     eng.step()  # prefill
     eng.step()  # the first decode step fills the workspace
-    stats = WorkerStats.of_engine("w", "decode", eng, 0, 3)
+    stats = WorkerStats.of("w", Role.DECODE, eng.stats(), 0, 3, {})
     assert stats.extra["decode_workspace_bytes"] == ws.bytes_held > 0
     assert stats.extra["decode_workspace_fallbacks_total"] == 0
     while eng.has_unfinished():
         eng.step()
-    assert WorkerStats.of_engine("w", "decode", eng, 0, 3).extra["decode_workspace_bytes"] == 0
+    assert WorkerStats.of("w", Role.DECODE, eng.stats(), 0, 3, {}).extra[
+        "decode_workspace_bytes"
+    ] == 0
 
 
 def test_decode_workspace_over_its_cap_falls_back_to_pages(make_engine: MakeEngine) -> None:

@@ -27,17 +27,17 @@ from typing import Any
 
 import pytest
 
-from engine.block_manager import (
+from engine.block_manager import BlockManager
+from engine.prefix_hash import (
     AllBlocksCleared,
-    BlockManager,
     BlockRemoved,
     BlockStored,
     extend_block_hashes,
     namespace_seed,
 )
-from kv_transfer.config import IndexConfig
-from kv_transfer.index_feed import IndexFeed
-from kv_transfer.prefix_index import (
+from pool_api.config import IndexConfig
+from pool_api.index_feed import IndexFeed
+from pool_api.prefix_index import (
     MemoryPrefixIndex,
     PrefixIndex,
     RedisPrefixIndex,

@@ -33,14 +33,16 @@ import pytest
 from in_process import start_local_ray
 from test_prefix_index import REDIS_SERVER, RedisServer
 
-from engine.block_manager import extend_block_hashes, namespace_seed
-from kv_transfer.config import WorkerConfig
+from engine.prefix_hash import extend_block_hashes, namespace_seed
 from pdserve.checkpoint import write_checkpoint
 from pdserve.client import Client, Completion
 from pdserve.config import ServeConfig
 from pdserve.launch import Deployment, build_router, engine_config, served_name
-from router.pools import LocalHandle
-from router.service import Router, RouterServer, start_server
+from pool_api.config import WorkerConfig
+from pool_api.messages import Role
+from router.clients import DecodeClient, PrefillClient
+from router.core import Router
+from router.service import RouterServer, start_server
 
 ray = pytest.importorskip("ray")
 
@@ -84,19 +86,19 @@ class Served:
         model_path = Path(cfg.model.model)
         ecfg = engine_config(cfg, model_path)
 
-        def wcfg(name: str, role: str) -> WorkerConfig:
+        def wcfg(name: str, role: Role) -> WorkerConfig:
             return WorkerConfig(name, ecfg, cfg.transfer, cfg.index, served_name(cfg), role=role)
 
-        prefill = [PrefillWorker(wcfg(f"pdserve-prefill-{i}", "prefill")) for i in range(2)]
+        prefill = [PrefillWorker(wcfg(f"pdserve-prefill-{i}", Role.PREFILL)) for i in range(2)]
         decode = [
-            DecodeWorker(wcfg(f"pdserve-decode-{i}", "decode")) for i in range(self.num_decode)
+            DecodeWorker(wcfg(f"pdserve-decode-{i}", Role.DECODE)) for i in range(self.num_decode)
         ]
         self.workers = [*prefill, *decode]
         return build_router(
             cfg,
             model_path,
-            [LocalHandle(w.name, "prefill", w) for w in prefill],
-            [LocalHandle(w.name, "decode", w) for w in decode],
+            [PrefillClient(w.name, w) for w in prefill],
+            [DecodeClient(w.name, w) for w in decode],
         )
 
     async def _up(self) -> RouterServer:
@@ -136,7 +138,7 @@ class Served:
 
     def steer(self, busy: str, ids: list[int], salt: str = "") -> Completion:
         """Serve one request while prefill worker `busy` looks loaded (so it goes elsewhere)."""
-        [w] = [w for w in self.router.prefill.workers if w.handle.name == busy]
+        [w] = [w for w in self.router.prefill.workers if w.name == busy]
 
         async def add(n: int) -> None:
             w.outstanding_tokens += n
@@ -365,7 +367,7 @@ class TestRedisIndex:
         assert not r.sismember(KEY + "w:" + P0, f"{s.hashes(g)[0]:016x}")
 
         # the restarted worker serves again and, once it has published, is found again
-        [p0] = [w for w in s.router.prefill.workers if w.handle.name == P0]
+        [p0] = [w for w in s.router.prefill.workers if w.name == P0]
         deadline = time.monotonic() + 60
         while not (p0.healthy and p0.stats is not None):
             assert time.monotonic() < deadline, "the router never saw prefill-0 come back"
@@ -415,7 +417,7 @@ class TestDeltaTransfer:
         stats0 = s.call(s.workers[2].stats())
         assert stats0.name == D0
 
-        [w0] = [w for w in s.router.decode.workers if w.handle.name == D0]
+        [w0] = [w for w in s.router.decode.workers if w.name == D0]
 
         async def shrink(n: int) -> None:  # D0 looks fuller than D1, yet has room
             w0.pending_blocks += n
@@ -438,4 +440,4 @@ class TestDeltaTransfer:
         dc = cold.complete.decode_worker
         [wc] = [w for w in s.workers if w.name == dc]
         assert s.call(wc.check_integrity()) >= 0
-        assert d1 in {w.handle.name for w in s.router.decode.workers}
+        assert d1 in {w.name for w in s.router.decode.workers}

@@ -43,12 +43,14 @@ import kv_procs
 from decode_workers.worker import DecodeWorker
 from engine.block_manager import BlockManager
 from engine.sampling import InvalidParameterError, SamplingParams
-from kv_transfer.config import WorkerConfig
-from kv_transfer.messages import WorkerRequest
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 from kv_transfer.transports.base import get_transport
-from pdserve.chaos import (
+from pdserve.checkpoint import write_checkpoint
+from pdserve.client import make_request
+from pdserve.config import ServeConfig
+from pdserve.launch import build_router, engine_config
+from pdserve.tools.chaos import (
     OK,
     Chaos,
     ChaosConfig,
@@ -59,14 +61,12 @@ from pdserve.chaos import (
     scenario_kill,
     scenario_stall,
 )
-from pdserve.checkpoint import write_checkpoint
-from pdserve.client import make_request
-from pdserve.config import ServeConfig
-from pdserve.faults import Rig
-from pdserve.launch import build_router, engine_config
+from pdserve.tools.faults import Rig
+from pool_api.config import WorkerConfig
+from pool_api.messages import ReserveResult, Role, WorkerRequest
 from prefill_workers.worker import PrefillWorker
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
-from router.pools import LocalHandle
+from router.clients import DecodeClient, PrefillClient
 
 ray = pytest.importorskip("ray")
 
@@ -178,17 +178,19 @@ def test_kill_9_of_a_decode_worker(chaos: Chaos) -> None:
 
 
 # ---- regressions ---------------------------------------------------------------------------
-class CountingHandle(LocalHandle):
-    def __init__(self, name: str, role: str, worker: Any) -> None:
-        super().__init__(name, role, worker)
+class CountingDecode(DecodeClient):
+    """Counts reservation calls, and records the ones that succeeded, in order."""
+
+    def __init__(self, worker: DecodeWorker) -> None:
+        super().__init__(worker.name, worker)
         self.calls: Counter[str] = Counter()
         self.reserved: list[str] = []  # request ids, in the order their reservations succeeded
 
-    async def call(self, method: str, *args: Any) -> Any:
-        self.calls[method] += 1
-        result = await super().call(method, *args)
-        if method == "reserve" and result.ticket is not None:
-            self.reserved.append(args[0].request_id)
+    async def reserve(self, request: WorkerRequest) -> ReserveResult:
+        self.calls["reserve"] += 1
+        result = await super().reserve(request)
+        if result.ticket is not None:
+            self.reserved.append(request.request_id)
         return result
 
 
@@ -203,7 +205,7 @@ def in_process_config(model: Path, **sections: dict[str, Any]) -> ServeConfig:
     )
 
 
-def worker_config(cfg: ServeConfig, name: str, role: str) -> WorkerConfig:
+def worker_config(cfg: ServeConfig, name: str, role: Role) -> WorkerConfig:
     ecfg = engine_config(cfg, Path(cfg.model.model))
     return WorkerConfig(name, ecfg, cfg.transfer, cfg.index, "tiny", role=role)
 
@@ -214,7 +216,7 @@ def test_decode_worker_forgets_lapsed_reservations(tiny_dir: Path) -> None:
     cfg = in_process_config(tiny_dir, transfer={"transport": "local", "lease_s": 0.3})
 
     async def main() -> None:
-        decode = DecodeWorker(worker_config(cfg, "pdserve-decode-0", "decode"))
+        decode = DecodeWorker(worker_config(cfg, "pdserve-decode-0", Role.DECODE))
         try:
             request = WorkerRequest("lapsed", tuple(range(4, 70)), SamplingParams(max_tokens=4))
             assert (await decode.reserve(request)).ticket is not None
@@ -238,11 +240,11 @@ def test_a_full_decode_pool_sees_one_retry_at_a_time(tiny_dir: Path) -> None:
     cfg = in_process_config(tiny_dir, cache={"num_blocks": 24})  # 7 blocks a request: 3 fit
 
     async def main() -> tuple[list[int], Counter[str], list[str]]:
-        prefill = PrefillWorker(worker_config(cfg, "pdserve-prefill-0", "prefill"))
-        decode = DecodeWorker(worker_config(cfg, "pdserve-decode-0", "decode"))
-        handle = CountingHandle(decode.name, "decode", decode)
+        prefill = PrefillWorker(worker_config(cfg, "pdserve-prefill-0", Role.PREFILL))
+        decode = DecodeWorker(worker_config(cfg, "pdserve-decode-0", Role.DECODE))
+        handle = CountingDecode(decode)
         router = build_router(
-            cfg, tiny_dir, [LocalHandle(prefill.name, "prefill", prefill)], [handle]
+            cfg, tiny_dir, [PrefillClient(prefill.name, prefill)], [handle]
         )
         await router.start()
         rng = random.Random(0)

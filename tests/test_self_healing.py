@@ -104,40 +104,51 @@ def test_kill_9_of_the_only_decode_worker_heals(server: ServeProcess) -> None:
     assert "decode worker pdserve-decode-0 is back after" in log
 
 
-class CountingHandle:
-    """A worker handle that answers `stats` and counts the calls (the unit under test is the
-    router's refresh policy, not a worker)."""
+class CountingWorker:
+    """A worker that answers `stats` and counts the calls (the unit under test is the
+    router's refresh policy, not a worker); the in-memory index pull gets no events."""
 
     def __init__(self, name: str, role: str, fail: bool = False) -> None:
         self.name, self.role, self.fail, self.calls = name, role, fail, 0
 
-    async def call(self, method: str, *args: object) -> object:
-        from kv_transfer.messages import WorkerStats
+    async def stats(self) -> object:
+        from pool_api.messages import Role, WorkerStats
 
-        assert method == "stats"
         self.calls += 1
         if self.fail:
             raise ConnectionError("gone")
-        return WorkerStats(self.name, self.role, 8, 8, 0, 0, 0, 0, 0, 0)
+        return WorkerStats(self.name, Role(self.role), 8, 8, 0, 0, 0, 0, 0, 0)
+
+    async def take_index_update(self, with_held: bool = False) -> object:
+        from pool_api.messages import IndexUpdate
+
+        return IndexUpdate(self.name, "epoch", ())
 
 
-def _router(handles: list[CountingHandle]) -> object:
+def _router(workers: list[CountingWorker]) -> object:
+    from typing import Any
+
+    from pool_api.messages import Role
     from protos.pdserve.v1 import generation_pb2 as gen
+    from router.clients import DecodeClient, PrefillClient
     from router.config import RouterConfig
+    from router.core import Router
     from router.pools import Pool
-    from router.service import Router
     from router.validation import ModelLimits
 
+    def client(w: Any) -> Any:
+        return PrefillClient(w.name, w) if w.role == "prefill" else DecodeClient(w.name, w)
+
     info = gen.ModelInfo(served_model_name="m", max_context_length=2048, block_size=16)
-    pools = [Pool(h.role, [h]) for h in handles]  # type: ignore[list-item]
+    pools: list[Any] = [Pool(Role(w.role), [client(w)]) for w in workers]
     return Router(RouterConfig(stats_interval_s=0.5), ModelLimits("m", 512, 2048), None, info,
-                  *pools, "local")  # fmt: skip
+                  pools[0], pools[1], "local")  # fmt: skip
 
 
 def test_server_info_is_served_from_cached_stats() -> None:
     import asyncio
 
-    prefill, decode = CountingHandle("p", "prefill"), CountingHandle("d", "decode")
+    prefill, decode = CountingWorker("p", "prefill"), CountingWorker("d", "decode")
     router = _router([prefill, decode])
 
     async def spam() -> None:
@@ -155,7 +166,7 @@ def test_a_down_worker_is_probed_with_backoff() -> None:
 
     from router.pools import MAX_PROBE_INTERVAL_S
 
-    prefill, decode = CountingHandle("p", "prefill"), CountingHandle("d", "decode", fail=True)
+    prefill, decode = CountingWorker("p", "prefill"), CountingWorker("d", "decode", fail=True)
     router = _router([prefill, decode])
     changes: list[bool] = []
 

@@ -1,8 +1,11 @@
-"""`pdserve trace`: the JSON report's structure, and its counts against independent formulas.
+"""`pdserve trace`: the JSON report's structure, its counts against independent formulas, and
+its per-op timing against the engine's own layer.
 
 The FLOP and KV-byte expectations are written out from the tiny preset's sizes here, not
-taken from `pdserve.trace`, so a counting bug there cannot cancel out. The measurement sizes
-are shrunk (small matmul, small copy, few repeats) so the test runs in seconds.
+taken from `pdserve.tools.trace`, so a counting bug there cannot cancel out. The per-op rows
+must be the calls `LlamaModel._layer` makes (checked by recording both call sequences) and
+their times must add up to a directly timed `_layer` call. The measurement sizes are shrunk
+(small matmul, small copy, few repeats) so the tests run in seconds.
 """
 
 from __future__ import annotations
@@ -10,14 +13,22 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from collections.abc import Iterator
+import statistics
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
-from pdserve import trace
+import engine.model as engine_model
+from engine.engine import LLMEngine
+from engine.model import LlamaModel
 from pdserve.checkpoint import PRESETS, write_checkpoint
 from pdserve.cli import main
+from pdserve.engine_load import load_engine
+from pdserve.tools import trace, trace_counts
 
 PROMPT = "the prefill worker reads the prompt"
 
@@ -140,13 +151,25 @@ def test_structure(report: dict) -> None:
 def test_shapes(report: dict) -> None:
     s = _tiny_sizes()
     t = report["prompt"]["num_tokens"]
-    ops = {op["name"]: op for op in report["prefill"]["layer_ops"]}
+    rows = report["prefill"]["layer_ops"]
+    ops = {op["name"]: op for row in rows for op in [row, *row.get("parts", [])]}
     q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
     assert ops["qkv_proj"]["outputs"] == {"qkv": [t, q + 2 * kv]}
     assert ops["attention"]["inputs"]["q"] == [s["heads"], t, s["head_dim"]]
     assert f"scores [{s['heads']},{t},{t}]" in ops["attention"]["note"]
     assert ops["gate_up_proj"]["outputs"] == {"gate_up": [t, 2 * s["ffn"]]}
     assert ops["lm_head"]["outputs"] == {"logits": [1, s["vocab"]]}
+    # A fused call is one timed row; its parts are the logical ops, counted, not timed.
+    mlp = ops["mlp_residual"]
+    assert [x["name"] for x in mlp["parts"]] == [
+        "gate_up_proj",
+        "silu_mul",
+        "down_proj",
+        "ffn_residual",
+    ]
+    assert mlp["flops"] == sum(x["flops"] for x in mlp["parts"])
+    assert mlp["time_ms"] is not None and all(x["time_ms"] is None for x in mlp["parts"])
+    assert [x["name"] for x in ops["o_residual"]["parts"]] == ["o_proj", "attn_residual"]
 
 
 def _expected_flops(t: int, ctx: int, prefill: bool) -> tuple[int, int]:
@@ -209,10 +232,10 @@ def test_weights_read_once_per_step(report: dict) -> None:
 
 
 def test_attended_pairs_with_window() -> None:
-    assert trace.attended_pairs(4, 4, None) == 10
-    assert trace.attended_pairs(4, 4, 2) == 1 + 2 + 2 + 2
-    assert trace.attended_pairs(1, 9, None) == 9
-    assert trace.attended_pairs(1, 9, 4) == 4
+    assert trace_counts.attended_pairs(4, 4, None) == 10
+    assert trace_counts.attended_pairs(4, 4, 2) == 1 + 2 + 2 + 2
+    assert trace_counts.attended_pairs(1, 9, None) == 9
+    assert trace_counts.attended_pairs(1, 9, 4) == 4
 
 
 def test_human_output(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -229,3 +252,139 @@ def test_prompt_over_the_chunk_budget_is_an_error(
 ) -> None:
     assert main(["trace", "--model", str(tiny_dir), "word " * 3000]) == 2
     assert "chunk budget" in capsys.readouterr().err
+
+
+# ---- per-op timing against the engine's layer -----------------------------------------------
+# The sum of layer 0's per-op medians must lie within [LOW, HIGH] x a directly timed `_layer`.
+LOW, HIGH = 0.6, 1.5
+ROUNDS = 60  # each: one `time_layer_ops` pass and one direct `_layer` call, back to back
+NOT_LAYER = ("embed", "final_norm", "lm_head")
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_dir: Path) -> LLMEngine:
+    return load_engine(str(tiny_dir), "auto")
+
+
+@pytest.fixture(params=["model-default", "eager"])
+def model(request: pytest.FixtureRequest, tiny_engine: LLMEngine) -> LlamaModel:
+    """The engine's model (oneDNN projections on CPU), and one on eager `Projections`."""
+    m = tiny_engine.runner.model
+    if request.param == "eager":
+        return LlamaModel(m.cfg, m.w, m.rotary.cos.shape[0], onednn=False)
+    return m
+
+
+def _inputs(engine: LLMEngine, model: LlamaModel, decode: bool) -> trace.LayerInputs:
+    assert engine.tokenizer is not None
+    ids = engine.tokenizer.encode(PROMPT)
+    bs = engine.cache_config.block_size
+    if decode:
+        return trace.layer_inputs(model, bs, ids[-1:], len(ids) + 1, decode=True)
+    return trace.layer_inputs(model, bs, ids, len(ids), decode=False)
+
+
+def _run_layer(model: LlamaModel, inp: trace.LayerInputs, x: torch.Tensor) -> torch.Tensor:
+    """Layer 0 as `forward` runs it; `x` is consumed (the eager path adds into it)."""
+    with torch.inference_mode():
+        return model._layer(0, model.w.layers[0], x, inp.meta, inp.cache, inp.rope, inp.keep)
+
+
+def _spy_calls(
+    monkeypatch: pytest.MonkeyPatch, model: LlamaModel, inp: trace.LayerInputs
+) -> list[str]:
+    """Log (by name, in order) every call `_layer` can make to the model's objects."""
+    log: list[str] = []
+
+    def spy(obj: Any, attr: str, name: str) -> Callable[..., Any]:
+        fn = getattr(obj, attr)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            log.append(name)
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(obj, attr, wrapped)
+        return wrapped
+
+    for attr in ("qkv", "o_residual", "mlp_residual", "lm_head"):
+        spy(model.proj, attr, f"proj.{attr}")
+    spy(model.rotary, "rotate", "rotary.rotate")
+    spy(inp.cache, "write", "cache.write")
+    if inp.meta.decode_workspace is not None:
+        spy(inp.meta.decode_workspace, "write", "workspace.write")
+    for attr in ("_prefill_attention", "_row_attention", "_decode_attention"):
+        spy(model, attr, attr)
+    norm = spy(engine_model, "rms_norm", "rms_norm")
+    monkeypatch.setattr(trace, "rms_norm", norm)
+    return log
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_per_op_calls_are_the_engine_calls(
+    tiny_engine: LLMEngine, model: LlamaModel, decode: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`time_layer_ops` times the calls `LlamaModel._layer` makes, in its order, and nothing
+    else: the per-op times describe code that runs in the engine (its projection object,
+    fused rotation, attention method and in-place residuals), then the head's norm and
+    lm_head as `forward` calls them."""
+    inp = _inputs(tiny_engine, model, decode)
+    log = _spy_calls(monkeypatch, model, inp)
+    _run_layer(model, inp, inp.x.clone())
+    engine_calls = list(log)
+    assert engine_calls[:3] == ["rms_norm", "proj.qkv", "rotary.rotate"], engine_calls
+    log.clear()
+    times = trace.time_layer_ops(model, inp)
+    one_pass = [*engine_calls, "rms_norm", "proj.lm_head"]
+    passes = len(log) // len(one_pass)
+    assert passes > 1 and log == one_pass * passes
+    b = torch.empty((), dtype=model.dtype).element_size()
+    ctx = inp.meta.positions[-1].item() + 1
+    rows = trace_counts.layer_ops(model.cfg, 0, len(inp.input_ids), ctx, b, decode)
+    assert [r.name for r in rows] == [n for n in times if n not in NOT_LAYER]
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One torch thread (each Ray worker's setting) for the timing comparison: with more
+    threads than free cores, as on a shared 2-core machine, a multi-threaded op waits for a
+    descheduled thread and both timings measure the OS scheduler instead of the ops."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_per_op_times_add_up_to_the_layer(
+    tiny_engine: LLMEngine,
+    model: LlamaModel,
+    decode: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    one_thread: None,
+) -> None:
+    """The per-op times of layer 0 add up to what the engine's layer takes: the sum of their
+    medians lies within 0.6x-1.5x (`LOW`, `HIGH`) of the median of direct `LlamaModel._layer`
+    calls on the same inputs (tiny checkpoint, prefill of the prompt and a batch-1 decode
+    step, on both projection paths).
+
+    The sum leaves out only the views and Python between the calls, so it sits under 1x.
+    The two timings alternate round by round, so a busy spell on a shared machine slows
+    both, and medians over `ROUNDS` keep slow rounds from deciding. Rows that timed another
+    or heavier computation than the engine's, or a call left out, move the ratio out of
+    the band; timing each call in a loop of its own, where warm caches make it faster than
+    inside the layer, pulls it down to the band's lower edge.
+    """
+    monkeypatch.setattr(trace, "OP_MIN_REPEATS", 1)
+    monkeypatch.setattr(trace, "OP_MAX_REPEATS", 1)
+    inp = _inputs(tiny_engine, model, decode)
+    op_times: dict[str, list[float]] = {}
+    layer_times = []
+    for x in [inp.x.clone() for _ in range(ROUNDS)]:
+        for name, t in trace.time_layer_ops(model, inp).items():
+            op_times.setdefault(name, []).append(t)
+        t0 = time.perf_counter()
+        _run_layer(model, inp, x)
+        layer_times.append(time.perf_counter() - t0)
+    op_sum = sum(statistics.median(ts) for name, ts in op_times.items() if name not in NOT_LAYER)
+    ratio = op_sum / statistics.median(layer_times)
+    assert LOW <= ratio <= HIGH, (ratio, op_sum, statistics.median(layer_times))

@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 
 from kv_transfer.receiver import KVReceiver
+from kv_transfer.registry import transport_module
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -70,13 +71,7 @@ class Transport(ABC):
     def connect(self, address: str, sender_id: str) -> SendChannel: ...
 
 
-TRANSPORTS: dict[str, type[Transport]] = {}
-# Modules are imported on first use, so `local` and `torch_dist` need only torch.
-_MODULES = {
-    "local": "kv_transfer.transports.local",
-    "torch_dist": "kv_transfer.transports.torch_dist",
-    "grpc": "kv_transfer.transports.grpc_stream",
-}
+TRANSPORTS: dict[str, type[Transport]] = {}  # each transport module registers itself on import
 
 
 def register(cls: type[Transport]) -> type[Transport]:
@@ -88,7 +83,5 @@ def get_transport(
     name: str, timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu", secret: str | None = None
 ) -> Transport:
     """Instantiate a transport by name."""
-    if name not in _MODULES:
-        raise ValueError(f"transport {name!r}: choose from {sorted(_MODULES)}")
-    importlib.import_module(_MODULES[name])
+    importlib.import_module(transport_module(name))
     return TRANSPORTS[name](timeout_s=timeout_s, device=device, secret=secret)

@@ -130,6 +130,127 @@ class _FrameWriter:
         return self.remaining == 0
 
 
+class _PushStream:
+    """What the receiver knows of one Push stream while it consumes it.
+
+    At most one frame is in flight: either `writer` is filling a validated frame's pages, or
+    `skip` counts the payload bytes of a rejected frame still to be discarded; never both.
+    `transfer_id` is the transfer the stream carries (the authenticated one, else the last
+    header's) and `ack` the answer so far (None until a frame was answered).
+    """
+
+    def __init__(self, receiver: KVReceiver, only_transfer_id: str | None) -> None:
+        self.receiver = receiver
+        self.only_transfer_id = only_transfer_id
+        self.transfer_id = only_transfer_id or ""
+        self.writer: _FrameWriter | None = None
+        self.skip = 0
+        self.ack: pb.TransferAck | None = None
+
+    def rejected(self, error: str) -> pb.TransferAck:
+        """A REJECTED ack for the current transfer, keeping an earlier rejection's reason
+        (the first rejection is the one reported)."""
+        ack = self.ack
+        if (
+            ack is not None
+            and ack.status == pb.TRANSFER_STATUS_REJECTED
+            and ack.transfer_id == self.transfer_id
+        ):
+            return ack
+        return pb.TransferAck(
+            transfer_id=self.transfer_id, status=pb.TRANSFER_STATUS_REJECTED, error=error
+        )
+
+    def open_frame(self, h: pb.KVFrameHeader) -> pb.TransferAck | None:
+        """Start the frame `h` announces; an ack to end the stream with at once, else None.
+
+        Must hold (else TransferRejected, a framing violation): the previous frame's payload
+        is complete, and `h` names the transfer the call authenticated for, if any. An abort
+        fails the transfer here. A frame the receiver rejects is answered REJECTED and its
+        payload skipped, so the stream stays in step; one too large to skip ends the stream.
+        """
+        if self.writer is not None or self.skip:
+            raise TransferRejected(
+                "a header arrived before the previous frame's payload was complete"
+            )
+        if self.only_transfer_id is not None and h.transfer_id != self.only_transfer_id:
+            raise TransferRejected(
+                f"frame of transfer {h.transfer_id!r} on a stream authenticated "
+                f"for {self.only_transfer_id!r}"
+            )
+        self.transfer_id = h.transfer_id
+        if h.abort:
+            error = f"aborted by sender: {h.abort_reason}"
+            self.receiver.fail(h.transfer_id, error)
+            self.ack = pb.TransferAck(
+                transfer_id=h.transfer_id, status=pb.TRANSFER_STATUS_ABORTED, error=error
+            )
+            return None
+        try:
+            res, regions = self.receiver.begin_frame(h)
+        except TransferRejected as e:
+            self.ack = self.rejected(str(e))
+            self.skip = int(h.payload_bytes)
+            return self.ack if self.skip > _SKIP_LIMIT_BYTES else None
+        self.writer = _FrameWriter(res, h, regions)
+        if self.writer.done:  # pragma: no cover - empty frames are rejected upstream
+            self.receiver.end_frame(res, h)
+            self.writer = None
+        return None
+
+    def land(self, data: bytes | memoryview) -> None:
+        """Write a data chunk into the open frame's pages, or discard it while skipping a
+        rejected frame. A chunk with neither is a framing violation (TransferRejected).
+        A frame that completes is ended and its ack taken before the engine may take the
+        blocks."""
+        writer = self.writer
+        if writer is not None:
+            writer.write(data)
+            if writer.done:
+                self.receiver.end_frame(writer.res, writer.header)
+                self.ack = ack_of(writer.res)
+                self.writer = None
+        elif self.skip:
+            self.skip = max(0, self.skip - len(data))
+        else:
+            raise TransferRejected("data chunk without a frame header")
+
+    def break_off(self, error: str) -> None:
+        """The stream failed: end the open frame (if any) and fail the transfer, so its
+        blocks are released now rather than left to the lease."""
+        if self.writer is not None:
+            self.receiver.end_frame(self.writer.res, self.writer.header, error=error)
+        self.receiver.fail(self.transfer_id, error)
+
+    def finish(self) -> pb.TransferAck:
+        """The stream ended cleanly: its answer. A frame still open was truncated; frames
+        that landed without completing the transfer fail it (one stream is one transfer,
+        so nothing more can arrive for it)."""
+        tid = self.transfer_id
+        if self.writer is not None:
+            self.receiver.end_frame(
+                self.writer.res, self.writer.header, error="stream ended mid-frame"
+            )
+            return pb.TransferAck(
+                transfer_id=tid,
+                status=pb.TRANSFER_STATUS_REJECTED,
+                error="stream ended mid-frame (truncated)",
+            )
+        ack = self.ack
+        if ack is None:
+            return self.receiver.ack(tid)
+        if ack.status == pb.TRANSFER_STATUS_UNSPECIFIED:  # frames landed, but not all of them
+            error = "stream ended before every layer arrived"
+            self.receiver.fail(tid, error)
+            return pb.TransferAck(
+                transfer_id=tid,
+                status=pb.TRANSFER_STATUS_ABORTED,
+                error=error,
+                bytes_received=ack.bytes_received,
+            )
+        return ack
+
+
 def consume_stream(
     receiver: KVReceiver,
     chunks: Iterator[pb.KVChunk | memoryview],
@@ -143,106 +264,27 @@ def consume_stream(
     the one reported. `only_transfer_id`: the transfer the call authenticated for; a header
     naming any other is a framing violation.
     """
-    writer: _FrameWriter | None = None
-    skip = 0
-    transfer_id = only_transfer_id or ""
-    ack: pb.TransferAck | None = None
-
-    def rejected(error: str) -> pb.TransferAck:
-        """A REJECTED ack for the current transfer, keeping an earlier rejection's reason."""
-        if (
-            ack is not None
-            and ack.status == pb.TRANSFER_STATUS_REJECTED
-            and ack.transfer_id == transfer_id
-        ):
-            return ack
-        return pb.TransferAck(
-            transfer_id=transfer_id, status=pb.TRANSFER_STATUS_REJECTED, error=error
-        )
-
+    stream = _PushStream(receiver, only_transfer_id)
     try:
         for chunk in chunks:
-            data: bytes | memoryview | None = None
             if isinstance(chunk, memoryview):
-                data = chunk
+                stream.land(chunk)
             elif chunk.HasField("data"):
-                data = chunk.data
-            if data is None and chunk.HasField("header"):  # type: ignore[union-attr]
-                assert not isinstance(chunk, memoryview)
-                h = chunk.header
-                if writer is not None or skip:
-                    raise TransferRejected(
-                        "a header arrived before the previous frame's payload was complete"
-                    )
-                if only_transfer_id is not None and h.transfer_id != only_transfer_id:
-                    raise TransferRejected(
-                        f"frame of transfer {h.transfer_id!r} on a stream authenticated "
-                        f"for {only_transfer_id!r}"
-                    )
-                transfer_id = h.transfer_id
-                if h.abort:
-                    receiver.fail(h.transfer_id, f"aborted by sender: {h.abort_reason}")
-                    ack = pb.TransferAck(
-                        transfer_id=h.transfer_id,
-                        status=pb.TRANSFER_STATUS_ABORTED,
-                        error=f"aborted by sender: {h.abort_reason}",
-                    )
-                    continue
-                try:
-                    res, regions = receiver.begin_frame(h)
-                except TransferRejected as e:
-                    ack = rejected(str(e))
-                    skip = int(h.payload_bytes)
-                    if skip > _SKIP_LIMIT_BYTES:
-                        return ack
-                    continue
-                writer = _FrameWriter(res, h, regions)
-                if writer.done:  # pragma: no cover - empty frames are rejected upstream
-                    receiver.end_frame(res, h)
-                    writer = None
-            elif data is not None:
-                if writer is not None:
-                    writer.write(data)
-                    if writer.done:
-                        receiver.end_frame(writer.res, writer.header)
-                        ack = ack_of(writer.res)  # before the engine may take the blocks
-                        writer = None
-                elif skip:
-                    skip = max(0, skip - len(data))
-                else:
-                    raise TransferRejected("data chunk without a frame header")
+                stream.land(chunk.data)
+            elif chunk.HasField("header"):
+                ack = stream.open_frame(chunk.header)
+                if ack is not None:  # a rejected frame too large to skip
+                    return ack
     except TransferRejected as e:
-        if writer is not None:
-            receiver.end_frame(writer.res, writer.header, error=str(e))
-        receiver.fail(transfer_id, str(e))
-        return rejected(str(e))
+        stream.break_off(str(e))
+        return stream.rejected(str(e))
     except Exception as e:
         error = f"stream broke off: {e}"
-        if writer is not None:
-            receiver.end_frame(writer.res, writer.header, error=error)
-        receiver.fail(transfer_id, error)
+        stream.break_off(error)
         return pb.TransferAck(
-            transfer_id=transfer_id, status=pb.TRANSFER_STATUS_ABORTED, error=error
+            transfer_id=stream.transfer_id, status=pb.TRANSFER_STATUS_ABORTED, error=error
         )
-    if writer is not None:
-        receiver.end_frame(writer.res, writer.header, error="stream ended mid-frame")
-        return pb.TransferAck(
-            transfer_id=transfer_id,
-            status=pb.TRANSFER_STATUS_REJECTED,
-            error="stream ended mid-frame (truncated)",
-        )
-    if ack is None:
-        return receiver.ack(transfer_id)
-    if ack.status == pb.TRANSFER_STATUS_UNSPECIFIED:  # frames landed, but not all of them
-        error = "stream ended before every layer arrived"
-        receiver.fail(transfer_id, error)
-        return pb.TransferAck(
-            transfer_id=transfer_id,
-            status=pb.TRANSFER_STATUS_ABORTED,
-            error=error,
-            bytes_received=ack.bytes_received,
-        )
-    return ack
+    return stream.finish()
 
 
 class _Servicer:

@@ -27,28 +27,40 @@ secret gates pairing and control records, not the gloo or NCCL payload connectio
 
 A pair that breaks (peer died, stalled past the timeout, undecodable frame) fails the
 transfers it carried and is dropped; other pairs are separate groups and carry on.
+
+This module serves and sends frames; how a pair comes to be (its store keys, the challenge,
+the control connection's records, the group) is in `torch_dist_pairing`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import socket
-import struct
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
 
-from kv_transfer import auth
 from kv_transfer.auth import RecordSeal
 from kv_transfer.receiver import KVReceiver, ack_of
 from kv_transfer.transports.base import Endpoint, SendChannel, Transport, register
+from kv_transfer.transports.torch_dist_pairing import (
+    VERDICT_REFUSED,
+    PairGroup,
+    PairRefused,
+    PairSlot,
+    Records,
+    answer,
+    auth_key,
+    challenge,
+    ctl_key,
+    make_pair_group,
+    td,
+)
 from kv_transfer.wire import (
     TransferError,
     TransferRejected,
@@ -61,88 +73,9 @@ from protos.pdserve.v1 import kv_transfer_pb2 as pb
 log = logging.getLogger(__name__)
 
 CLOSE_REASON = "pair closed"
-VERDICT_OPEN = "open"  # the receiver has no secret: the pair is not authenticated
-VERDICT_REFUSED = "refused: "
 _ELEM_BYTES = {pb.KV_DTYPE_FLOAT32: 4, pb.KV_DTYPE_BFLOAT16: 2, pb.KV_DTYPE_FLOAT16: 2}
 _MAX_DRAIN_BYTES = 1 << 30
-_MAX_RECORD_BYTES = 1 << 24  # a control record (header or ack) larger than this is garbage
 _POLL_PAIRS_S = 0.01  # how often the endpoint looks for new pairs in its store
-_LEN = struct.Struct("!I")
-
-
-def _td(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)
-
-
-class PairGroup(Protocol):
-    """The point-to-point part of a backend process group (gloo or NCCL)."""
-
-    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> dist.Work: ...
-
-    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> dist.Work: ...
-
-
-def make_pair_group(
-    store: dist.Store, rank: int, device: torch.device, timeout_s: float
-) -> PairGroup:
-    """A two-rank group without init_process_group: NCCL on CUDA, gloo on CPU."""
-    if device.type == "cuda":  # pragma: no cover - needs two GPUs (NCCL cannot pair one)
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = _td(timeout_s)
-        return cast(PairGroup, dist.ProcessGroupNCCL(store, rank, 2, opts))
-    return cast(PairGroup, dist.ProcessGroupGloo(store, rank, 2, _td(timeout_s)))
-
-
-def _ctl(pair: int, what: str) -> str:
-    return f"ctl/{pair}/{what}"
-
-
-def _auth(pair: int, what: str) -> str:
-    return f"auth/{pair}/{what}"
-
-
-class _Records:
-    """Length-prefixed records on a socket. `read` keeps a partial record across timeouts,
-    so a timeout (the stall check) never loses the stream's framing."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._buf = bytearray()
-
-    def write(self, record: bytes) -> None:
-        self.sock.sendall(_LEN.pack(len(record)) + record)
-
-    def read(self, timeout_s: float | None) -> bytes | None:
-        """The next record; None on timeout. Raises EOFError when the peer closed."""
-        self.sock.settimeout(timeout_s)
-        while True:
-            if len(self._buf) >= _LEN.size:
-                (n,) = _LEN.unpack_from(self._buf)
-                if n > _MAX_RECORD_BYTES:
-                    raise EOFError(f"control record of {n} bytes")
-                if len(self._buf) >= _LEN.size + n:
-                    record = bytes(self._buf[_LEN.size : _LEN.size + n])
-                    del self._buf[: _LEN.size + n]
-                    return record
-            try:
-                chunk = self.sock.recv(1 << 16)
-            except TimeoutError:
-                return None
-            if not chunk:
-                raise EOFError("control connection closed")
-            self._buf += chunk
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-
-
-def _pair_seal(secret: str | None, nonce: str, pair: int, sender: str) -> RecordSeal:
-    """The key both sides derive for the pair's control records (None without a secret)."""
-    if secret is None:
-        return RecordSeal(None)
-    return RecordSeal(auth.mac(secret, "torch_dist/records", nonce, str(pair), sender))
 
 
 class TorchDistEndpoint(Endpoint):
@@ -153,7 +86,7 @@ class TorchDistEndpoint(Endpoint):
         self.timeout_s = timeout_s
         self._secret = secret
         self.store = dist.TCPStore(
-            host, 0, None, True, timeout=_td(max(timeout_s, 30.0)), wait_for_workers=False
+            host, 0, None, True, timeout=td(max(timeout_s, 30.0)), wait_for_workers=False
         )
         self.address = f"{host}:{self.store.port}"
         self._listener = socket.create_server((host, 0))
@@ -165,7 +98,7 @@ class TorchDistEndpoint(Endpoint):
         self.refused_connections = 0  # control connections claiming a pair they cannot seal
         self._lock = threading.Lock()
         self._seals: dict[int, RecordSeal] = {}  # pair -> its records' seal (after auth)
-        self._pending: dict[int, _PairSlot] = {}  # pair -> its control connection, once here
+        self._pending: dict[int, PairSlot] = {}  # pair -> its control connection, once here
         self._threads = [
             threading.Thread(target=self._accept, name="kv-accept", daemon=True),
             threading.Thread(target=self._accept_control, name="kv-accept-ctl", daemon=True),
@@ -173,9 +106,9 @@ class TorchDistEndpoint(Endpoint):
         for t in self._threads:
             t.start()
 
-    def _slot(self, pair: int) -> _PairSlot:
+    def _slot(self, pair: int) -> PairSlot:
         with self._lock:
-            return self._pending.setdefault(pair, _PairSlot())
+            return self._pending.setdefault(pair, PairSlot())
 
     def _accept(self) -> None:
         i = 0
@@ -205,7 +138,7 @@ class TorchDistEndpoint(Endpoint):
     def _hello(self, conn: socket.socket) -> None:
         """Bind a control connection to the pair its sealed hello names, or refuse it."""
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        records = _Records(conn)
+        records = Records(conn)
         try:
             record = records.read(self.timeout_s)
             if record is None:  # said nothing in time
@@ -232,31 +165,17 @@ class TorchDistEndpoint(Endpoint):
         slot.connected.set()
 
     def _challenge(self, pair: int, sender: str) -> RecordSeal | None:
-        """Authenticate the pair's sender; its records' seal, or None when refused."""
-        nonce = auth.new_nonce()
-        self.store.set(_auth(pair, "nonce"), nonce)
+        """Authenticate the pair's sender; its records' seal, or None when refused (the
+        refusal is counted before its verdict is written, so a refused sender sees it)."""
         try:
-            self.store.wait([_auth(pair, "proof")], _td(self.timeout_s))
-            presented = self.store.get(_auth(pair, "proof"))
-            self.store.delete_key(_auth(pair, "proof"))
-        except Exception:
-            self._refuse(pair, sender, f"no answer to the challenge within {self.timeout_s} s")
+            return challenge(self.store, pair, sender, self._secret, self.timeout_s)
+        except PairRefused as e:
+            self._refuse(pair, sender, str(e))
             return None
-        self.store.delete_key(_auth(pair, "nonce"))
-        secret = self._secret
-        if secret is None:
-            self.store.set(_auth(pair, "verdict"), VERDICT_OPEN)
-            return RecordSeal(None)
-        if not auth.verify(secret, presented, "torch_dist/sender", nonce, str(pair), sender):
-            self._refuse(pair, sender, "authentication failed (no or wrong shared secret)")
-            return None
-        accept = auth.proof(secret, "torch_dist/receiver", nonce, str(pair), sender)
-        self.store.set(_auth(pair, "verdict"), accept)
-        return _pair_seal(secret, nonce, pair, sender)
 
     def _refuse(self, pair: int, sender: str, why: str) -> None:
         self.refused_pairs += 1
-        self.store.set(_auth(pair, "verdict"), VERDICT_REFUSED + why)
+        self.store.set(auth_key(pair, "verdict"), VERDICT_REFUSED + why)
         log.warning("kv pair %d from %r refused: %s", pair, sender, why)
 
     def _serve_pair(self, pair: int, sender: str) -> None:
@@ -288,7 +207,7 @@ class TorchDistEndpoint(Endpoint):
                 self._pending.pop(pair, None)
 
     def _serve_frames(
-        self, pair: int, sender: str, seal: RecordSeal, group: PairGroup, records: _Records
+        self, pair: int, sender: str, seal: RecordSeal, group: PairGroup, records: Records
     ) -> None:
         acks = _AckWriter(records, seal)
         active: dict[str, float] = {}  # transfer id -> time of its last frame
@@ -308,7 +227,7 @@ class TorchDistEndpoint(Endpoint):
             if record is None:
                 self._expire_stalled(active, sender)
                 continue
-            key = _ctl(pair, f"frame/{seq}")
+            key = ctl_key(pair, f"frame/{seq}")
             seq += 1
             raw = seal.open(key, record)
             if raw is None:
@@ -355,7 +274,7 @@ class TorchDistEndpoint(Endpoint):
         try:
             works = [group.recv([as_bytes(r)], 0, 0) for r in regions]
             for w in works:
-                w.wait(_td(self.timeout_s))
+                w.wait(td(self.timeout_s))
         except Exception as e:
             self.receiver.end_frame(res, header, error=f"peer {sender} broke off: {e}")
             active.pop(header.transfer_id, None)
@@ -379,7 +298,7 @@ class TorchDistEndpoint(Endpoint):
         )
         try:
             for n in sizes:
-                group.recv([scratch[:n]], 0, 0).wait(_td(self.timeout_s))
+                group.recv([scratch[:n]], 0, 0).wait(td(self.timeout_s))
         except Exception:
             return False
         return True
@@ -417,19 +336,10 @@ class TorchDistEndpoint(Endpoint):
             t.join(self.timeout_s + 1.0)
 
 
-@dataclass
-class _PairSlot:
-    """Rendezvous of a pair's thread (after authentication) and its control connection."""
-
-    sealed: threading.Event = field(default_factory=threading.Event)
-    connected: threading.Event = field(default_factory=threading.Event)
-    records: _Records | None = None
-
-
 class _AckWriter:
     """The receiving side's acknowledgements for one pair; the first answer stands."""
 
-    def __init__(self, records: _Records, seal: RecordSeal) -> None:
+    def __init__(self, records: Records, seal: RecordSeal) -> None:
         self.records = records
         self.seal = seal
         self.num_sent = 0
@@ -441,7 +351,7 @@ class _AckWriter:
         if len(self._answered) >= 4096:  # bounded; transfer ids are never reused
             self._answered.clear()
         self._answered.add(ack.transfer_id)
-        key = _ctl(pair, f"ack/{self.num_sent}")
+        key = ctl_key(pair, f"ack/{self.num_sent}")
         with contextlib.suppress(OSError):  # the sender is gone: nobody waits for it
             self.records.write(self.seal.seal(key, ack.SerializeToString()))
         self.num_sent += 1
@@ -483,17 +393,17 @@ class TorchDistChannel(SendChannel):
         # decode worker would cost seconds per attempt; a plain TCP probe fails in
         # milliseconds and keeps "peer is gone" distinct from "peer is slow".
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
-        self.store = dist.TCPStore(host, int(port), None, False, timeout=_td(timeout_s))
+        self.store = dist.TCPStore(host, int(port), None, False, timeout=td(timeout_s))
         self.pair = int(self.store.add("next_pair", 1)) - 1
         self.store.set(f"pair/{self.pair}", sender_id)
-        self.seal = self._answer(sender_id, secret)
+        self.seal = answer(self.store, self.pair, sender_id, secret, address)
         self.group = make_pair_group(
             dist.PrefixStore(f"pg/{self.pair}", self.store), 0, device, timeout_s
         )
         ctl_port = int(self.store.get("ctl_port"))
         sock = socket.create_connection((host, ctl_port), timeout=timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._records = _Records(sock)
+        self._records = Records(sock)
         hello = self.seal.seal(f"hello/{self.pair}", b"hello")
         self._records.write(f"{self.pair}:".encode() + hello)
         self._seq = 0
@@ -512,31 +422,6 @@ class TorchDistChannel(SendChannel):
         )
         self._reader.start()
 
-    def _answer(self, sender_id: str, secret: str | None) -> RecordSeal:
-        """Answer the receiver's challenge and check its verdict (before any group exists)."""
-        pair = self.pair
-        nonce = self.store.get(_auth(pair, "nonce")).decode()  # blocks until it is written
-        parts = (nonce, str(pair), sender_id)
-        answer = "" if secret is None else auth.proof(secret, "torch_dist/sender", *parts)
-        self.store.set(_auth(pair, "proof"), answer)
-        verdict = self.store.get(_auth(pair, "verdict")).decode(errors="replace")
-        self.store.delete_key(_auth(pair, "verdict"))
-        if verdict.startswith(VERDICT_REFUSED):
-            raise TransferUnauthenticated(
-                f"{self.address} refused the pair: {verdict[len(VERDICT_REFUSED) :]}"
-            )
-        if secret is None:
-            if verdict != VERDICT_OPEN:
-                raise TransferUnauthenticated(
-                    f"{self.address} requires authentication; this sender has no shared secret"
-                )
-            return RecordSeal(None)
-        if not auth.verify(secret, verdict, "torch_dist/receiver", *parts):
-            raise TransferUnauthenticated(
-                f"{self.address} failed authentication (it has no or a different shared secret)"
-            )
-        return _pair_seal(secret, nonce, pair, sender_id)
-
     # ---- acknowledgements ----------------------------------------------------------------
     def _read_acks(self) -> None:
         n = 0
@@ -549,7 +434,7 @@ class TorchDistChannel(SendChannel):
                 return
             if record is None:
                 continue
-            key = _ctl(self.pair, f"ack/{n}")
+            key = ctl_key(self.pair, f"ack/{n}")
             body = self.seal.open(key, record)
             if body is None:
                 self._fail_waiters(f"an ack from {self.address} failed authentication")
@@ -575,7 +460,7 @@ class TorchDistChannel(SendChannel):
             slot.done.set()
 
     def _put_header(self, header: pb.KVFrameHeader) -> None:
-        key = _ctl(self.pair, f"frame/{self._seq}")
+        key = ctl_key(self.pair, f"frame/{self._seq}")
         self._records.write(self.seal.seal(key, header.SerializeToString()))
         self._seq += 1
 
@@ -602,7 +487,7 @@ class TorchDistChannel(SendChannel):
         try:
             try:
                 for w in self._works.pop(transfer_id, []):
-                    w.wait(_td(timeout_s))
+                    w.wait(td(timeout_s))
             except Exception as e:
                 self.broken = True
                 # A receiver that rejected a frame it cannot drain (its header does not say

@@ -30,7 +30,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from engine.block_manager import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
+from engine.prefix_hash import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 
 log = logging.getLogger(__name__)
 

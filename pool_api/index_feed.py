@@ -16,24 +16,13 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 
-from engine.block_manager import BlockEvent
 from engine.loop import EngineLoop
-from kv_transfer.config import IndexConfig
-from kv_transfer.prefix_index import PrefixIndex, RedisPrefixIndex
+from pool_api.config import IndexConfig
+from pool_api.messages import IndexUpdate
+from pool_api.prefix_index import PrefixIndex, RedisPrefixIndex
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class IndexUpdate:
-    """A worker's block events since the last update (router-pulled, in-memory mode)."""
-
-    worker: str
-    epoch: str
-    events: tuple[BlockEvent, ...]
-    held: tuple[int, ...] | None = None  # everything held now, on periodic refreshes
 
 
 class IndexFeed:

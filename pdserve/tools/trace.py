@@ -17,46 +17,35 @@ What is timed
   at the same point of every layer, so each interval is one layer's worth of work; the first
   interval starts when `forward` starts and also holds the embedding lookup, and the tail
   after the last hook is reported as the head (final norm + lm_head).
-* **Per-op time** (`layer_ops[j].time_ms`): layer 0's math re-run op by op outside the engine,
-  with the same weights, the same shapes and the same torch calls, on a scratch KV cache;
-  median of several runs after one warm-up. Per-op overhead that the engine pays between ops
-  (Python, allocation) is in the per-layer time but only partly in the per-op times.
+* **Per-op time** (`layer_ops[j].time_ms`): layer 0 re-run call by call outside the engine,
+  on a scratch KV cache, making the very calls `LlamaModel._layer` makes, in its order, with
+  its weights and shapes: `rms_norm`; the model's projection object `model.proj` (packed
+  oneDNN matmuls with fused epilogues on CPU, `F.linear` elsewhere) for qkv, for o_proj
+  with its residual add and for the MLP with its residual add; `model.rotary.rotate` on q
+  and k in one pass; `PagedKVCache.write` and `DecodeWorkspace.write`; the attention method
+  `_layer` dispatches to. So each row times code the engine runs; a call that runs several
+  logical ops is one timed row with the ops as its untimed parts. Whole passes (embedding,
+  layer 0, head) are repeated after one warm-up and each call is timed in its place in the
+  pass; the median per call is reported. What the engine pays between the calls (views,
+  Python) is in the per-layer time but not in the per-op times; the rotary tables, looked
+  up once per forward, are in `layers[0].time_ms` and in no per-op time.
 * On CUDA every timestamp is taken after `torch.cuda.synchronize()`; on CPU torch is
   synchronous.
 
-Counting conventions
---------------------
-* ``T`` is the number of new tokens in the step (prompt length for prefill, 1 for decode) and
-  ``S`` the context length attention sees (``T`` for prefill, prompt + 1 for decode).
-* **Matmul FLOPs** are ``2 * m * n * k`` (one multiply and one add per MAC), so the four
-  projections of a layer cost ``2 * T * (d*(q + 2kv) + q*d + 3*d*ffn)``; a Qwen2 bias adds
-  ``T * (q + 2kv)``. The head runs only on the rows that produce logits (1 here), and so
-  does a prefill step's last layer past its qkv projection and K/V write (the engine prunes it).
-* **Attention FLOPs** are ``4 * H * D`` per attended (query, key) pair (``QK^T`` and ``PV``);
-  only pairs the mask lets through count (causal: ``T(T+1)/2`` per head in prefill, ``S`` in
-  decode; a sliding window caps both). Softmax, scaling and masking are not counted.
-* **Elementwise FLOPs**: RMSNorm 4 per element (square, sum, scale, weight), rotary 3 per
-  rotated element, SiLU-and-multiply 5 per FFN element, residual add 1 per element.
-* **Bytes** are counted per logical op (one row of the op table), as if each op were one
-  kernel: every input read once, every output written once, no cache reuse between ops, and
-  nothing counted for intermediates inside an op (the attention scores ``[H, T, S]`` are not
-  materialized; rotary's temporaries are not counted). So the layer total is the traffic of
-  the unfused eager model, not the compulsory minimum. Index tensors (token ids, slots) and
-  the float32 cast of the logits are not counted.
-* **Weights** (`weight_bytes`) are the parameter bytes a step reads: every projection matrix
-  and norm vector once, the lm_head once, and the embedding rows of the step's tokens.
-* **KV**: `kv_bytes_written` is what the step stores in the paged cache,
-  ``T * 2 * layers * kv_heads * head_dim * dtype_bytes``. Decode also reads the context back:
-  the engine keeps the running batch's K/V contiguous in its decode workspace
-  (`engine.decode_workspace`), appends the new token there too (`kv_append`), and attention
-  reads all ``S`` positions in place (counted in `kv_bytes_read`).
-* **Roofs**: the matmul peak is the best of a few ``N^3`` matmuls in the engine's dtype (N
-  grows from 2048 while a run is short); the memory bandwidth is the better of a copy of one
-  256 MiB buffer (its bytes counted twice, read + write) and a read-only sum over it. The
-  ridge is peak / bandwidth; a phase whose intensity is above it is compute-bound, below it
-  memory-bound. Both roofs are measured once per run, on a machine that may be shared: when
-  a step beats a roof, the roof was measured low (contention) or, for memory, the operands
-  sat in cache.
+Counting
+--------
+FLOPs and bytes follow the conventions in `pdserve.tools.trace_counts` (per logical op, as
+the unfused eager model would move them).
+
+Roofs
+-----
+The matmul peak is the best of a few ``N^3`` matmuls in the engine's dtype (N grows from
+2048 while a run is short); the memory bandwidth is the better of a copy of one 256 MiB
+buffer (its bytes counted twice, read + write) and a read-only sum over it. The ridge is
+peak / bandwidth; a phase whose intensity is above it is compute-bound, below it
+memory-bound. Both roofs are measured once per run, on a machine that may be shared: when a
+step beats a roof, the roof was measured low (contention) or, for memory, the operands sat
+in cache.
 """
 
 from __future__ import annotations
@@ -73,16 +62,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-import torch.nn.functional as F
 
 from engine.config import CacheConfig, ModelConfig, ceil_div
 from engine.decode_workspace import DecodeWorkspace
 from engine.kv_cache import PagedKVCache, dtype_name
-from engine.model import LlamaModel, rms_norm
+from engine.model import AttentionMetadata, LlamaModel, PrefillSegment, rms_norm
 from engine.sampling import SamplingParams
+from pdserve.engine_load import load_engine
+from pdserve.tools.trace_counts import OpCount, Totals, embed_ops, head_ops, layer_ops
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -98,265 +88,14 @@ BANDWIDTH_BYTES = 256 << 20
 BANDWIDTH_REPEATS = 5
 ENGINE_RUNS = 3  # timed engine runs after the warm-up (fewer if they exceed the budget)
 ENGINE_BUDGET_S = 5.0
-OP_MIN_REPEATS = 3
+OP_MIN_REPEATS = 3  # timed passes over the embedding, layer 0 and the head, per phase
 OP_MAX_REPEATS = 50
-OP_BUDGET_S = 0.25  # per op, once OP_MIN_REPEATS are done
-
-# Elementwise FLOPs per element (see the module docstring).
-RMSNORM_FLOPS = 4
-ROTARY_FLOPS = 3
-SILU_MUL_FLOPS = 5
-RESIDUAL_FLOPS = 1
+OP_BUDGET_S = 1.0  # all passes of a phase, once OP_MIN_REPEATS are done
 
 # Below this fraction of the roofline the step is dominated by neither roof but by overhead.
 OVERHEAD_FRACTION = 0.1
 
-Shape = tuple[int, ...]
-
-
-# ---- counting ------------------------------------------------------------------------------
-@dataclass
-class OpCount:
-    """FLOPs and bytes of one logical op; `time_s` is set when the op was timed."""
-
-    name: str
-    kind: str  # "matmul" | "attention" | "elementwise" | "memory"
-    inputs: dict[str, Shape]
-    outputs: dict[str, Shape]
-    flops: int
-    bytes_read: int
-    bytes_written: int
-    weight_bytes: int = 0  # the part of bytes_read that is parameters
-    kv_bytes_written: int = 0  # the part of bytes_written stored in the KV cache
-    kv_bytes_read: int = 0  # the part of bytes_read loaded from the KV cache
-    note: str = ""
-    time_s: float | None = None
-
-    @property
-    def shape_text(self) -> str:
-        def fmt(d: dict[str, Shape]) -> str:
-            return " ".join(f"{k}[{','.join(map(str, s))}]" for k, s in d.items())
-
-        text = f"{fmt(self.inputs)} → {fmt(self.outputs)}"
-        return f"{text} ({self.note})" if self.note else text
-
-
-@dataclass(frozen=True)
-class Totals:
-    """Sums over a list of ops."""
-
-    flops: int
-    matmul_flops: int
-    attention_flops: int
-    elementwise_flops: int
-    bytes_read: int
-    bytes_written: int
-    weight_bytes: int
-    kv_bytes_written: int
-    kv_bytes_read: int
-
-    @classmethod
-    def of(cls, ops: list[OpCount]) -> Totals:
-        def kind(k: str) -> int:
-            return sum(o.flops for o in ops if o.kind == k)
-
-        return cls(
-            flops=sum(o.flops for o in ops),
-            matmul_flops=kind("matmul"),
-            attention_flops=kind("attention"),
-            elementwise_flops=kind("elementwise"),
-            bytes_read=sum(o.bytes_read for o in ops),
-            bytes_written=sum(o.bytes_written for o in ops),
-            weight_bytes=sum(o.weight_bytes for o in ops),
-            kv_bytes_written=sum(o.kv_bytes_written for o in ops),
-            kv_bytes_read=sum(o.kv_bytes_read for o in ops),
-        )
-
-    @property
-    def bytes(self) -> int:
-        return self.bytes_read + self.bytes_written
-
-    @property
-    def intensity(self) -> float:
-        return self.flops / self.bytes if self.bytes else 0.0
-
-
-def attended_pairs(num_queries: int, ctx_len: int, window: int | None) -> int:
-    """(query, key) pairs a causal (optionally sliding-window) mask lets through, per head.
-
-    The queries are the last `num_queries` of `ctx_len` positions; the query at position ``p``
-    sees keys ``max(0, p - window + 1) .. p``.
-    """
-    first = ctx_len - num_queries
-    if window is None:
-        return sum(p + 1 for p in range(first, ctx_len))
-    return sum(min(p + 1, window) for p in range(first, ctx_len))
-
-
-def _norm_op(name: str, t: int, d: int, b: int, src: str, dst: str) -> OpCount:
-    return OpCount(
-        name,
-        "elementwise",
-        {src: (t, d), "w": (d,)},
-        {dst: (t, d)},
-        flops=RMSNORM_FLOPS * t * d,
-        bytes_read=(t * d + d) * b,
-        bytes_written=t * d * b,
-        weight_bytes=d * b,
-    )
-
-
-def _matmul_op(name: str, src: str, dst: str, t: int, n_in: int, n_out: int, b: int) -> OpCount:
-    """``dst[T, n_out] = src[T, n_in] @ W[n_out, n_in]^T`` (F.linear)."""
-    return OpCount(
-        name,
-        "matmul",
-        {src: (t, n_in), "W": (n_out, n_in)},
-        {dst: (t, n_out)},
-        flops=2 * t * n_in * n_out,
-        bytes_read=(t * n_in + n_out * n_in) * b,
-        bytes_written=t * n_out * b,
-        weight_bytes=n_out * n_in * b,
-    )
-
-
-def _residual_op(name: str, t: int, d: int, b: int) -> OpCount:
-    return OpCount(
-        name,
-        "elementwise",
-        {"x": (t, d), "y": (t, d)},
-        {"x": (t, d)},
-        flops=RESIDUAL_FLOPS * t * d,
-        bytes_read=2 * t * d * b,
-        bytes_written=t * d * b,
-    )
-
-
-def layer_ops(
-    cfg: ModelConfig,
-    layer: int,
-    t: int,
-    ctx: int,
-    b: int,
-    decode: bool,
-    rows: int | None = None,
-) -> list[OpCount]:
-    """The ops of one decoder layer, in `LlamaModel._layer` order, for `t` new tokens.
-
-    `ctx` is the context attention sees (new tokens included); `b` is bytes per element.
-    Prefill is counted without a cached prefix (`trace` never reuses one), so ``ctx == t``.
-    Decode appends the new K/V to the decode workspace too (`kv_append`) and attention reads
-    the whole context from it. `rows`: how many tokens go on past the K/V write (all `t`
-    unless given: a prefill step's last layer carries on only the rows that give logits,
-    the last ones).
-    """
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    h, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q, kv = cfg.q_size, cfg.kv_size
-    n_qkv = q + 2 * kv
-    window = cfg.sliding_windows[layer]
-    t_in, t = t, t if rows is None else rows  # t from here on: rows past the K/V write
-    pairs = attended_pairs(t, ctx, window)
-
-    qkv = _matmul_op("qkv_proj", "h", "qkv", t_in, d, n_qkv, b)
-    if cfg.attention_bias:
-        qkv.inputs["bias"] = (n_qkv,)
-        qkv.flops += t_in * n_qkv
-        qkv.bytes_read += n_qkv * b
-        qkv.weight_bytes += n_qkv * b
-    ops = [
-        _norm_op("input_norm", t_in, d, b, "x", "h"),
-        qkv,
-        OpCount(
-            "rotary",
-            "elementwise",
-            {"q": (t_in, h, hd), "k": (t_in, hkv, hd), "cos": (t_in, hd), "sin": (t_in, hd)},
-            {"q": (t_in, h, hd), "k": (t_in, hkv, hd)},
-            flops=ROTARY_FLOPS * t_in * (q + kv),
-            bytes_read=(t_in * (q + kv) + 2 * t_in * hd) * b,
-            bytes_written=t_in * (q + kv) * b,
-        ),
-        OpCount(
-            "kv_write",
-            "memory",
-            {"k": (t_in, hkv, hd), "v": (t_in, hkv, hd)},
-            {"cache": (2, t_in, hkv, hd)},
-            flops=0,
-            bytes_read=2 * t_in * kv * b,
-            bytes_written=2 * t_in * kv * b,
-            kv_bytes_written=2 * t_in * kv * b,
-        ),
-    ]
-    if decode:
-        ops.append(
-            OpCount(
-                "kv_append",
-                "memory",
-                {"k": (t_in, hkv, hd), "v": (t_in, hkv, hd)},
-                {"workspace": (2, hkv, t_in, hd)},
-                flops=0,
-                bytes_read=2 * t_in * kv * b,
-                bytes_written=2 * t_in * kv * b,
-            )
-        )
-    mask = "causal" if window is None else f"causal, window {window}"
-    ops += [
-        OpCount(
-            "attention",
-            "attention",
-            {"q": (h, t, hd), "k": (hkv, ctx, hd), "v": (hkv, ctx, hd)},
-            {"o": (t, q)},
-            flops=4 * h * hd * pairs,
-            bytes_read=(t * q + 2 * ctx * kv) * b,
-            bytes_written=t * q * b,
-            # Decode reads the context from the workspace (K/V of earlier steps); prefill
-            # without a cached prefix reads only the K/V it just computed.
-            kv_bytes_read=2 * ctx * kv * b if decode else 0,
-            note=f"scores [{h},{t},{ctx}] {mask}, {pairs} pairs/head",
-        ),
-        _matmul_op("o_proj", "o", "y", t, q, d, b),
-        _residual_op("attn_residual", t, d, b),
-        _norm_op("post_norm", t, d, b, "x", "h"),
-        _matmul_op("gate_up_proj", "h", "gate_up", t, d, 2 * f, b),
-        OpCount(
-            "silu_mul",
-            "elementwise",
-            {"gate": (t, f), "up": (t, f)},
-            {"a": (t, f)},
-            flops=SILU_MUL_FLOPS * t * f,
-            bytes_read=2 * t * f * b,
-            bytes_written=t * f * b,
-        ),
-        _matmul_op("down_proj", "a", "y", t, f, d, b),
-        _residual_op("ffn_residual", t, d, b),
-    ]
-    return ops
-
-
-def embed_ops(cfg: ModelConfig, t: int, b: int) -> list[OpCount]:
-    """Embedding lookup: the `t` rows of the table are weights read, ``x [T, d]`` written."""
-    d = cfg.hidden_size
-    return [
-        OpCount(
-            "embed",
-            "memory",
-            {"ids": (t,), "E": (cfg.vocab_size, d)},
-            {"x": (t, d)},
-            flops=0,
-            bytes_read=t * d * b,
-            bytes_written=t * d * b,
-            weight_bytes=t * d * b,
-        )
-    ]
-
-
-def head_ops(cfg: ModelConfig, n: int, b: int) -> list[OpCount]:
-    """Final norm and lm_head on the `n` rows that produce logits."""
-    d = cfg.hidden_size
-    return [
-        _norm_op("final_norm", n, d, b, "x", "h"),
-        _matmul_op("lm_head", "h", "logits", n, d, cfg.vocab_size, b),
-    ]
+T = TypeVar("T")
 
 
 # ---- the machine -------------------------------------------------------------------------
@@ -571,110 +310,148 @@ def _median_run(runs: list[StepRun]) -> StepRun:
     return sorted(runs, key=lambda r: r.time_s)[(len(runs) - 1) // 2]
 
 
-def _median_time(fn: Callable[[], object], sync: Callable[[], None]) -> float:
-    fn()
-    sync()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < OP_MAX_REPEATS and (
-        len(times) < OP_MIN_REPEATS or time.perf_counter() - start < OP_BUDGET_S
-    ):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+@dataclass
+class LayerInputs:
+    """What `LlamaModel.forward` hands `_layer` for one step of the traced request.
+
+    Built the way `ModelRunner` builds a step (one request, K/V in blocks ``0 .. n-1`` of a
+    scratch cache, so slot == position), so that the calls `time_layer_ops` re-runs take the
+    engine's paths: one prefill segment without a cached prefix, or a decode step of batch 1
+    reading its context from a `DecodeWorkspace`.
+    """
+
+    input_ids: torch.Tensor  # [T]
+    x: torch.Tensor  # [T, d]: the residual stream into layer 0 (the embedding rows)
+    meta: AttentionMetadata
+    cache: PagedKVCache
+    rope: tuple[torch.Tensor, torch.Tensor]  # `Rotary.tables` at the step's positions
+    keep: list[int] | None  # rows layer 0 carries on past its K/V write (None: all)
 
 
 @torch.inference_mode()
-def time_layer_ops(
+def layer_inputs(
     model: LlamaModel, block_size: int, ids: list[int], ctx: int, decode: bool
-) -> dict[str, float]:
-    """Median time of each op of layer 0, re-run in isolation with the model's own weights.
+) -> LayerInputs:
+    """Layer 0's inputs for the tokens `ids` at positions ``ctx - len(ids) .. ctx - 1``.
 
-    Mirrors `LlamaModel._layer` (same torch calls, shapes and weights) for the tokens `ids`
-    at positions ``ctx - len(ids) .. ctx - 1``, writing K/V into a scratch paged cache.
+    The scratch cache holds stand-in values of the right dtype for the decode context.
     """
-    cfg, lw, dev = model.cfg, model.w.layers[0], model.device
-    sync = _sync_fn(dev)
-    eps = cfg.rms_norm_eps
-    t = len(ids)
-    h_, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    window = cfg.sliding_windows[0]
-    scratch = PagedKVCache(
-        cfg, CacheConfig(block_size, ceil_div(ctx, block_size)), model.dtype, dev
-    )
-    scratch.data.normal_()  # the decode context: stand-in values of the right dtype
+    cfg, dev, t = model.cfg, model.device, len(ids)
+    cache = PagedKVCache(cfg, CacheConfig(block_size, ceil_div(ctx, block_size)), model.dtype, dev)
+    cache.data.normal_()
     positions = torch.arange(ctx - t, ctx, device=dev)
-    slots = positions  # blocks 0..n-1 in order: slot == position
-    times: dict[str, float] = {}
-
-    def timed(name: str, fn: Callable[[], Any]) -> Any:
-        times[name] = _median_time(fn, sync)
-        return fn()
-
-    x = timed("embed", lambda: model.w.embed[torch.tensor(ids, device=dev)])
-    h = timed("input_norm", lambda: rms_norm(x, lw.input_norm, eps))
-    qkv = timed("qkv_proj", lambda: F.linear(h, lw.qkv, lw.qkv_bias))
-    q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-    q, k, v = q.view(t, h_, hd), k.view(t, hkv, hd), v.view(t, hkv, hd)
-    q, k = timed(
-        "rotary", lambda: (model.rotary.apply(q, positions), model.rotary.apply(k, positions))
-    )
-    timed("kv_write", lambda: scratch.write(0, slots, k, v))
+    keep = None
     if decode:
-        # The decode workspace of a batch of one: the context copied out of the pages once
-        # (as when the request joined the batch, not timed), then this step's append.
-        ws = DecodeWorkspace(scratch, 1 << 40)
-        ws.prepare([("trace", 0)], [ctx], [list(range(scratch.num_blocks))])
-        timed("kv_append", lambda: ws.write(0, k, v))
-        kc, vc = ws.layer(0, 1, ctx)  # [1, Hkv, S, D]
-        dmask = None
-        if window is not None and window < ctx:
-            dmask = (torch.arange(ctx, device=dev) > ctx - 1 - window).view(1, 1, 1, ctx)
-
-        def attention() -> torch.Tensor:
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(2),
-                kc,
-                vc,
-                attn_mask=dmask,
-                scale=model.scale,
-                enable_gqa=True,
-            )
-            return o.view(t, -1)
-
+        ws = DecodeWorkspace(cache, 1 << 40)  # the context copied in once, as a request joins
+        ws.prepare([("trace", 0)], [ctx], [list(range(cache.num_blocks))])
+        lens = torch.tensor([ctx], device=dev)
+        meta = AttentionMetadata(positions, positions, decode_ctx_lens=lens, decode_workspace=ws)
     else:
-        pmask = None
-        if window is not None and window < ctx:
-            qp = positions[:, None]
-            kp = torch.arange(ctx, device=dev)[None, :]
-            pmask = (kp <= qp) & (kp > qp - window)
+        blocks = None if ctx == t else torch.arange(cache.num_blocks, device=dev)
+        segment = PrefillSegment(0, t, ctx, blocks)
+        meta = AttentionMetadata(positions, positions, prefill=[segment], logit_rows=[t - 1])
+        if cfg.num_layers == 1 and t > 1:  # layer 0 is the last: forward prunes it
+            keep = [t - 1]
+    input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+    x = model.w.embed[input_ids]
+    return LayerInputs(input_ids, x, meta, cache, model.rotary.tables(positions), keep)
 
-        def attention() -> torch.Tensor:
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0),
-                k.transpose(0, 1).unsqueeze(0),
-                v.transpose(0, 1).unsqueeze(0),
-                attn_mask=pmask,
-                is_causal=pmask is None,
-                scale=model.scale,
-                enable_gqa=True,
-            )
-            return o[0].transpose(0, 1).reshape(t, -1)
 
-    o = timed("attention", attention)
-    y = timed("o_proj", lambda: F.linear(o, lw.o))
-    x = timed("attn_residual", lambda: x + y)
+class CallTimer:
+    """Times calls where they sit in a sequence: `timed(name, fn)` runs `fn`, appends its
+    wall time to ``times[name]`` and returns its result, the input of the next call."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self.sync = sync
+        self.times: dict[str, list[float]] = {}
+
+    def __call__(self, name: str, fn: Callable[[], T]) -> T:
+        self.sync()
+        t0 = time.perf_counter()
+        out = fn()
+        self.sync()
+        self.times.setdefault(name, []).append(time.perf_counter() - t0)
+        return out
+
+
+def _attention_call(
+    model: LlamaModel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inp: LayerInputs
+) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """Layer 0's attention as `_layer` dispatches it -> ``(residual stream, o)``.
+
+    A pruned layer (`inp.keep`) also picks its rows of the stream first, as `_layer` does;
+    otherwise the stream is `inp.x` as it is. These are `LlamaModel`'s private methods on
+    purpose: they are what `_layer` calls.
+    """
+    cache, meta, window = inp.cache, inp.meta, model.cfg.sliding_windows[0]
+    segments, keep = meta.prefill, inp.keep
+    if keep is not None:
+        assert segments is not None
+        rows = torch.tensor(keep, dtype=torch.long, device=inp.x.device)
+        return lambda: (
+            inp.x[rows],
+            model._row_attention(0, q, k, v, keep, segments, cache, window),
+        )
+    if segments is not None:
+        return lambda: (inp.x, model._prefill_attention(0, q, k, v, segments, cache, window))
+    return lambda: (inp.x, model._decode_attention(0, q, meta, cache, window))
+
+
+def _run_layer_ops(model: LlamaModel, inp: LayerInputs, timed: CallTimer) -> torch.Tensor:
+    """Layer 0 call by call, exactly as `LlamaModel._layer` runs it; the stream out.
+
+    Every row of `trace_counts.layer_ops` is one `timed` call here, under its name.
+    """
+    cfg, lw, proj, eps = model.cfg, model.w.layers[0], model.proj, model.cfg.rms_norm_eps
+    cache, meta, x, t = inp.cache, inp.meta, inp.x, inp.x.shape[0]
+    h = timed("input_norm", lambda: rms_norm(x, lw.input_norm, eps))
+    qkv = timed("qkv_proj", lambda: proj.qkv(0, h))
+    qk_in = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, -1)
+    qk = timed("rotary", lambda: model.rotary.rotate(qk_in, *inp.rope))
+    q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+    v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, -1)
+    timed("kv_write", lambda: cache.write(0, meta.slot_mapping, k, v))
+    ws = meta.decode_workspace
+    if ws is not None:
+        timed("kv_append", lambda: ws.write(0, k, v))
+    x, o = timed("attention", _attention_call(model, q, k, v, inp))
+    # Untimed copy: the eager `o_residual` adds into the stream in place (`addmm_`), and
+    # `inp.x` must enter every pass unchanged.
+    x = x.clone()
+    x = timed("o_residual", lambda: proj.o_residual(0, o, x))
     h = timed("post_norm", lambda: rms_norm(x, lw.post_norm, eps))
-    gate, up = timed("gate_up_proj", lambda: F.linear(h, lw.gate_up)).chunk(2, dim=-1)
-    a = timed("silu_mul", lambda: F.silu(gate) * up)
-    y = timed("down_proj", lambda: F.linear(a, lw.down))
-    x = timed("ffn_residual", lambda: x + y)
-    last = x[-1:]
-    h = timed("final_norm", lambda: rms_norm(last, model.w.norm, eps))
-    timed("lm_head", lambda: F.linear(h, model.w.lm_head))
-    return times
+    return timed("mlp_residual", lambda: proj.mlp_residual(0, h, x))
+
+
+def _timed_pass(model: LlamaModel, inp: LayerInputs, timed: CallTimer) -> None:
+    """The embedding, layer 0 and the head call by call, as `LlamaModel.forward` runs them
+    (the head on the row that gives logits)."""
+    timed("embed", lambda: model.w.embed[inp.input_ids])
+    last = _run_layer_ops(model, inp, timed)[-1:]
+    h = timed("final_norm", lambda: rms_norm(last, model.w.norm, model.cfg.rms_norm_eps))
+    timed("lm_head", lambda: model.proj.lm_head(h).float())
+
+
+@torch.inference_mode()
+def time_layer_ops(model: LlamaModel, inp: LayerInputs) -> dict[str, float]:
+    """Median time of each call of the embedding, layer 0 and the head, by op row name.
+
+    Whole passes are repeated (one warm-up, then at least `OP_MIN_REPEATS`, more while
+    within `OP_BUDGET_S`, at most `OP_MAX_REPEATS`) and every call is timed in its place in
+    the pass, not in a loop of its own: a call repeated back to back runs faster than
+    between the others (warm caches and predictors), so its loop time would not describe
+    the layer. The passes leave `inp` as they found it, apart from the K/V they write.
+    """
+    timer = CallTimer(_sync_fn(model.device))
+    _timed_pass(model, inp, timer)
+    timer.times.clear()
+    start, passes = time.perf_counter(), 0
+    while passes < OP_MAX_REPEATS and (
+        passes < OP_MIN_REPEATS or time.perf_counter() - start < OP_BUDGET_S
+    ):
+        _timed_pass(model, inp, timer)
+        passes += 1
+    return {name: statistics.median(times) for name, times in timer.times.items()}
 
 
 # ---- one phase -----------------------------------------------------------------------------
@@ -778,6 +555,7 @@ def _op_json(op: OpCount, m: Machine) -> dict[str, Any]:
         "kv_bytes_read": op.kv_bytes_read,
         "time_ms": _round(op.time_s * 1e3 if op.time_s is not None else None),
         **_rates(m, op.flops, op.bytes_read + op.bytes_written, op.time_s),
+        **({"parts": [_op_json(part, m) for part in op.parts]} if op.parts else {}),
     }
 
 
@@ -860,8 +638,9 @@ TIMING_NOTES = {
     "layers.time_ms": "interval ending at the layer's layer_hook call, same forward; "
     "layers[0] includes the embedding lookup",
     "head.time_ms": "last layer_hook to the end of forward (final norm, lm_head)",
-    "layer_ops.time_ms": "layer 0's ops (plus embed and head) re-run in isolation with the "
-    "same weights and shapes; median of repeats",
+    "layer_ops.time_ms": "the engine's own calls of layer 0 (plus embed and head) re-run one "
+    "by one in _layer's order, same weights and shapes; median of repeats; a fused call's "
+    "parts run inside it and have no time of their own",
 }
 
 
@@ -918,6 +697,21 @@ def _rate_cells(m: Machine, flops: int, nbytes: int, time_s: float | None) -> li
     attainable = m.attainable(intensity)
     frac = _pct(achieved / attainable) if attainable else "-"
     return [_si(achieved, "FLOP/s"), frac, m.bound(intensity).removesuffix("-bound")]
+
+
+def _op_row(table: Table, m: Machine, label: str, op: OpCount, end_section: bool) -> None:
+    nbytes = op.bytes_read + op.bytes_written
+    table.add_row(
+        label,
+        op.shape_text,
+        _si(op.flops, ""),
+        _si(op.bytes_read, "B"),
+        _si(op.bytes_written, "B"),
+        f"{op.flops / nbytes:.3g}",
+        _ms(op.time_s),
+        *_rate_cells(m, op.flops, nbytes, op.time_s),
+        end_section=end_section,
+    )
 
 
 def _layer_row(
@@ -977,27 +771,18 @@ def render(
     for p in phases:
         ops_t = Table(
             title=f"{p.name}: one layer op by op (T={p.num_tokens}, S={p.context_len}); "
-            "layer 0's math re-run in isolation, same weights, median time",
+            "layer 0's engine calls re-run one by one, same weights, median time",
             title_justify="left",
         )
         ops_t.add_column("op")
         ops_t.add_column("shapes", overflow="fold")
         for c in heads:
             ops_t.add_column(c, justify="right")
-        shown = [*p.embed, *p.layers[0], *p.head]
-        for op in shown:
-            is_last_layer_op = op is p.layers[0][-1] or op is p.embed[-1]
-            ops_t.add_row(
-                op.name,
-                op.shape_text,
-                _si(op.flops, ""),
-                _si(op.bytes_read, "B"),
-                _si(op.bytes_written, "B"),
-                f"{op.flops / (op.bytes_read + op.bytes_written):.3g}",
-                _ms(op.time_s),
-                *_rate_cells(m, op.flops, op.bytes_read + op.bytes_written, op.time_s),
-                end_section=is_last_layer_op,
-            )
+        for op in [*p.embed, *p.layers[0], *p.head]:
+            rows = [(op.name, op), *((f"  ↳ {part.name}", part) for part in op.parts)]
+            for i, (label, row) in enumerate(rows):
+                ends = i == len(rows) - 1 and (op is p.layers[0][-1] or op is p.embed[-1])
+                _op_row(ops_t, m, label, row, end_section=ends)
         lt = Totals.of(p.layers[0])
         lt_s = sum(o.time_s or 0.0 for o in p.layers[0])
         ops_t.add_row(
@@ -1012,9 +797,10 @@ def render(
             style="bold",
         )
         ops_t.caption = (
-            "% roof = achieved / min(peak, FLOP/B × bandwidth). Each op is re-run on the same "
-            "tensors, so operands that fit in cache come from cache: over 100% of a memory roof "
-            "means DRAM was not the limit"
+            "% roof = achieved / min(peak, FLOP/B × bandwidth). ↳ rows run inside the call "
+            "above them, timed with it. Each call is re-run on the same tensors, so operands "
+            "that fit in cache come from cache: over 100% of a memory roof means DRAM was not "
+            "the limit"
         )
         console.print(ops_t)
 
@@ -1048,8 +834,6 @@ def render(
 # ---- entry point -------------------------------------------------------------------------
 def run_trace(args: argparse.Namespace) -> int:
     """`pdserve trace`: measure the roofs, trace prefill and one decode step, print."""
-    from pdserve.cli import load_engine
-
     engine = load_engine(args.model, args.dtype, args.weights_seed, args.chat_template)
     if engine.tokenizer is None:
         raise ValueError(f"--model {args.model!r}: trace needs a checkpoint with tokenizer.json")
@@ -1087,7 +871,7 @@ def run_trace(args: argparse.Namespace) -> int:
             t,
             b,
             _median_run(prefills),
-            time_layer_ops(model, bs, ids, t, decode=False),
+            time_layer_ops(model, layer_inputs(model, bs, ids, t, decode=False)),
         ),
         _build_phase(
             "decode",
@@ -1096,7 +880,7 @@ def run_trace(args: argparse.Namespace) -> int:
             t + 1,
             b,
             _median_run(decodes),
-            time_layer_ops(model, bs, [first_token], t + 1, decode=True),
+            time_layer_ops(model, layer_inputs(model, bs, [first_token], t + 1, decode=True)),
         ),
     ]
     model_path = args.model

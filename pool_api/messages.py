@@ -1,19 +1,40 @@
 """Typed messages that cross a Ray actor call between the router and the worker pools.
 
-This is the one leaf module both sides import: the router never imports a worker module,
-and workers never import the router. KV bytes never ride these messages; a ticket travels
-as the serialized `pdserve.v1.TransferTicket` protobuf.
+Both sides import this module: the router never imports a worker module, and workers never
+import the router. KV bytes never ride these messages; a ticket travels as the serialized
+`pdserve.v1.TransferTicket` protobuf.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from engine.engine import EngineStats
+from engine.prefix_hash import BlockEvent
+from engine.request import FinishReason
 from engine.sampling import SamplingParams, TokenLogprob
 
-if TYPE_CHECKING:
-    from engine.engine import LLMEngine
+__all__ = [
+    "DecodeStart",
+    "FinishReason",
+    "IndexUpdate",
+    "PrefillResult",
+    "PrefillTask",
+    "ReserveResult",
+    "Role",
+    "TokenBatch",
+    "WorkerRequest",
+    "WorkerStats",
+]
+
+
+class Role(str, enum.Enum):
+    """What a pool worker runs."""
+
+    PREFILL = "prefill"  # prompt passes; KV pushed to a decode worker
+    DECODE = "decode"  # reservations, KV landing, the token loop
+    COLOCATED = "colocated"  # a decode worker that also runs every prompt pass
 
 
 @dataclass(frozen=True)
@@ -48,7 +69,7 @@ class PrefillResult:
     text: str  # the first token's text delta
     logprob: TokenLogprob | None
     finished: bool  # the first token already ended the request (EOS, max_tokens=1, ...)
-    finish_reason: str | None  # "stop" | "length" when finished
+    finish_reason: FinishReason | None  # STOP or LENGTH when finished
     num_cached_tokens: int  # prompt tokens reused from the prefill worker's prefix cache
     queue_ms: float  # arrival on the worker until its prefill step began
     prefill_ms: float  # the prompt pass (all chunks)
@@ -75,7 +96,7 @@ class TokenBatch:
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None  # set when finished
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
@@ -86,7 +107,7 @@ class TokenBatch:
 @dataclass(frozen=True)
 class WorkerStats:
     name: str
-    role: str  # "prefill" | "decode" | "colocated"
+    role: Role
     num_free_blocks: int
     num_total_blocks: int
     num_running: int
@@ -95,39 +116,47 @@ class WorkerStats:
     queued_prefill_tokens: int  # prompt tokens not yet computed
     num_requests_total: int
     num_preemptions_total: int
-    extra: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, float] = field(default_factory=dict)  # role-specific gauges and counters
     kv_bytes_per_block: int = 0  # K + V of one block over all layers (what a transfer moves)
 
     @classmethod
-    def of_engine(
+    def of(
         cls,
         name: str,
-        role: str,
-        engine: LLMEngine,
+        role: Role,
+        engine: EngineStats,
         num_reserved: int,
         num_requests_total: int,
-        extra: dict[str, float] | None = None,
+        extra: dict[str, float],
     ) -> WorkerStats:
-        """A worker's load as its engine sees it (call on the engine thread)."""
-        blocks, sched = engine.blocks, engine.scheduler
-        ws = engine.runner.workspace
-        if ws is not None:
+        """A worker's load: its engine's stats plus what only the worker knows."""
+        if engine.decode_workspace_bytes is not None:
             extra = {
-                "decode_workspace_bytes": float(ws.bytes_held),
-                "decode_workspace_fallbacks_total": float(ws.fallbacks),
-                **(extra or {}),
+                "decode_workspace_bytes": float(engine.decode_workspace_bytes),
+                "decode_workspace_fallbacks_total": float(engine.decode_workspace_fallbacks_total),
+                **extra,
             }
         return cls(
             name=name,
             role=role,
-            num_free_blocks=blocks.num_free_blocks,
-            num_total_blocks=blocks.num_blocks,
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
+            num_free_blocks=engine.num_free_blocks,
+            num_total_blocks=engine.num_total_blocks,
+            num_running=engine.num_running,
+            num_waiting=engine.num_waiting,
             num_reserved=num_reserved,
-            queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
+            queued_prefill_tokens=engine.queued_prefill_tokens,
             num_requests_total=num_requests_total,
-            num_preemptions_total=sched.num_preemptions,
-            extra=extra or {},
-            kv_bytes_per_block=engine.cache.spec.page_bytes * engine.cache.spec.num_layers,
+            num_preemptions_total=engine.num_preemptions_total,
+            extra=extra,
+            kv_bytes_per_block=engine.kv_bytes_per_block,
         )
+
+
+@dataclass(frozen=True)
+class IndexUpdate:
+    """A worker's block events since the last update (router-pulled, in-memory mode)."""
+
+    worker: str
+    epoch: str
+    events: tuple[BlockEvent, ...]
+    held: tuple[int, ...] | None = None  # everything held now, on periodic refreshes

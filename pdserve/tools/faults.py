@@ -2,13 +2,14 @@
 
 `Rig` stands up what `pdserve serve` runs (the two pools as Ray actors, the router's gRPC
 server on an event loop thread of its own) and adds what a fault harness needs: each worker's
-process id, `kill -9` of a worker process, a stalled KV transfer (the prefill worker's
-fault-injection method, off unless called), and the quiescence checks: blocks still used on
-each worker and per-request state still held anywhere. `RedisProcess` is a redis-server child
-for the prefix index that can be killed like a crashed server and started again on the same
-port.
+process id, `kill -9` of a worker process, a stalled KV transfer (a wrapper around the
+prefill worker's transport, `pdserve.tools.stall`), and the quiescence checks: blocks still
+used on each worker and per-request state still held anywhere. `RedisProcess` is a
+redis-server child for the prefix index that can be killed like a crashed server and started
+again on the same port.
 
-Nothing here changes how pdserve behaves; it only reads worker state and injects faults.
+Nothing here changes how pdserve behaves; it reads worker state and injects faults from
+outside the production classes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from typing import Any, TypeVar
 from pdserve.config import ServeConfig
 from pdserve.launch import Deployment
 from pdserve.serve import freeze_startup_heap
-from router.service import Router, RouterServer, start_server
+from router.core import Router
+from router.service import RouterServer, start_server
 
 T = TypeVar("T")
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -130,6 +132,12 @@ def _pid(actor: Any) -> int:
     return os.getpid()
 
 
+def _stall(actor: Any, stall_s: float, num_transfers: int) -> None:
+    from pdserve.tools import stall
+
+    actor.worker.loop.call(lambda: stall.install(actor.worker, stall_s, num_transfers)).result()
+
+
 def _held_state(actor: Any) -> list[str]:
     """Per-request bookkeeping inside a worker (runs in the worker's process)."""
     w = actor.worker
@@ -210,9 +218,10 @@ class Rig:
         return pid
 
     def stall_transfers(self, name: str, stall_s: float, num_transfers: int) -> None:
-        """Prefill worker `name` holds back the KV of its next transfers for `stall_s`."""
+        """Prefill worker `name` holds back the KV of its next transfers for `stall_s`
+        (`pdserve.tools.stall` wraps its transport)."""
         actor = self.actors()[name]
-        self._get(actor.inject_transfer_stall.remote(stall_s, num_transfers), 30.0)
+        self._get(actor.__ray_call__.remote(_stall, stall_s, num_transfers), 30.0)
 
     def used_blocks(self, timeout_s: float = 10.0) -> dict[str, int | None]:
         """Blocks each worker holds for requests (total - free; cached blocks count as free).
@@ -250,7 +259,7 @@ class Rig:
         r = self.router
         assert r is not None
         loads = [
-            f"{w.handle.name}:{rid}"
+            f"{w.client.name}:{rid}"
             for w in r.prefill.workers + r.decode.workers
             for rid in w.active
         ]

@@ -1,9 +1,9 @@
 """`pdserve chaos` (`make chaos`): load while one fault at a time is injected, and what became
 of every request.
 
-It stands up a deployment in this process (`pdserve.faults.Rig`: 2 prefill + 2 decode workers
-as Ray actors with `max_restarts`, a redis-server child holding the prefix index, the router's
-gRPC server) and runs the scenarios in sequence, each a load plus one fault:
+It stands up a deployment in this process (`pdserve.tools.faults.Rig`: 2 prefill + 2 decode
+workers as Ray actors with `max_restarts`, a redis-server child holding the prefix index, the
+router's gRPC server) and runs the scenarios in sequence, each a load plus one fault:
 
 - cancel: 200 streams, each cut short (client cancel or `Abort`) at a point planned in one
   of four stages (before prefill, prefill, transfer, decode) from a calibration run's timings;
@@ -52,13 +52,14 @@ import grpc
 import numpy as np
 from tqdm import tqdm
 
+from kv_transfer.registry import SERVE_TRANSPORT_NAMES
 from pdserve.client import make_request
 from protos.pdserve.v1 import generation_pb2 as gen
 from protos.pdserve.v1 import generation_pb2_grpc as gen_grpc
 
 if TYPE_CHECKING:  # torch, Ray and the router load only when a run starts
     from pdserve.config import ServeConfig
-    from pdserve.faults import Quiescence, RedisProcess, Rig
+    from pdserve.tools.faults import Quiescence, RedisProcess, Rig
 
 FIRST_TOKEN_ID = 4  # ids below are special tokens in pdserve's checkpoints
 STAGES = ("before prefill", "prefill", "transfer", "decode")
@@ -1003,7 +1004,7 @@ def run(cfg: ChaosConfig) -> list[ScenarioResult]:
     unknown = [s for s in cfg.scenarios if s not in SCENARIOS]
     if unknown:
         raise ValueError(f"--scenarios: unknown {unknown}; choose from {list(SCENARIOS)}")
-    from pdserve.faults import RedisProcess, Rig
+    from pdserve.tools.faults import RedisProcess, Rig
 
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     _log_to(cfg.out_dir / "chaos.log")
@@ -1043,7 +1044,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         "--scenarios", default=",".join(d.scenarios), help=f"comma list of {','.join(SCENARIOS)}"
     )
     p.add_argument("--preset", default=d.preset, choices=["tiny", "small"])
-    p.add_argument("--transport", default=d.transport, choices=["torch_dist", "grpc"])
+    p.add_argument("--transport", default=d.transport, choices=SERVE_TRANSPORT_NAMES)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--num-cancel", type=int, default=d.num_cancel)
     p.add_argument(

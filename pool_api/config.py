@@ -1,0 +1,42 @@
+"""Configuration a pool worker is built from: what pdserve.launch hands each Ray actor.
+
+`TransferConfig` is kv_transfer's own; `IndexConfig` and `WorkerConfig` live here because the
+launcher, the router (in-memory index) and both worker packages read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.engine import EngineConfig
+from kv_transfer.config import TransferConfig
+from pool_api.messages import Role
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    """The prefix index: Redis when `redis_url` is set, else in-process (in the router)."""
+
+    # redis://[user:password@]host:port/db or rediss://...; may hold a password: not in repr
+    redis_url: str | None = field(default=None, repr=False)
+    ttl_s: float = 120.0  # block entries expire unless a holder refreshes them
+    timeout_s: float = 0.1  # per Redis call; a slower answer counts as a miss
+    publish_interval_s: float = 0.05  # how often workers ship block events
+    refresh_interval_s: float = 10.0  # how often workers re-assert all they hold
+
+    def __post_init__(self) -> None:
+        if min(self.ttl_s, self.timeout_s, self.publish_interval_s, self.refresh_interval_s) <= 0:
+            raise ValueError("index intervals, ttl and timeout must be positive")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything one pool worker needs; built by pdserve.launch from the serve config."""
+
+    name: str  # also its Ray actor name, e.g. pdserve-prefill-0
+    engine: EngineConfig
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    index: IndexConfig = IndexConfig()
+    model_name: str = "model"  # namespaces the prefix index
+    num_threads: int = 1  # torch intra-op threads (Ray starts actors with 1)
+    role: Role | None = None  # None: the worker class's own role

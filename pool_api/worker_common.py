@@ -1,0 +1,152 @@
+"""What both worker packages share: the engine on its thread, the transport, the index feed,
+stats, the integrity check, and the Ray actor shell. The router never imports this module.
+
+A worker is a plain class (tests build it without Ray); its actor (`ActorBase` subclass)
+only delegates. Everything that touches engine or block state runs on the engine thread
+through `self.loop`.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import threading
+from collections.abc import Callable
+from typing import ClassVar, Generic, TypeVar
+
+import torch
+
+from engine.engine import LLMEngine
+from engine.loop import EngineLoop
+from engine.request import RequestOutput
+from kv_transfer.transports.base import Transport, get_transport
+from pool_api.config import WorkerConfig
+from pool_api.index_feed import IndexFeed
+from pool_api.messages import IndexUpdate, Role, WorkerStats
+
+
+def exit_soon(error: BaseException) -> None:
+    """A dead engine must not keep a live actor: exit so Ray restarts it (`max_restarts`).
+
+    The short delay lets the error replies already queued reach their callers.
+    """
+    threading.Timer(0.5, os._exit, args=(1,)).start()
+
+
+def make_transport(cfg: WorkerConfig) -> Transport:
+    """The worker's KV transport, with the cluster secret resolved in this process."""
+    t = cfg.transfer
+    return get_transport(t.transport, t.timeout_s, cfg.engine.device, t.resolve_secret())
+
+
+class WorkerBase(abc.ABC):
+    """The engine loop and the calls every worker answers the same way.
+
+    A subclass sets up its own state, then calls `_start_loop` last: from then on the engine
+    thread may call `_on_outputs` and `_on_fatal`.
+    """
+
+    default_role: ClassVar[Role]
+
+    def __init__(self, cfg: WorkerConfig, engine: LLMEngine | None) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.role = cfg.role or self.default_role
+        self.engine = engine or LLMEngine.from_config(cfg.engine)
+        self.transport = make_transport(cfg)
+        self.num_requests_total = 0
+        self.fatal_hook: Callable[[BaseException], None] | None = None  # the actor exits
+
+    def _start_loop(self) -> None:
+        self.loop = EngineLoop(self.engine, self._on_outputs, self.name, self._on_fatal)
+        self.feed = IndexFeed(self.name, self.cfg.index, self.cfg.model_name, self.loop)
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> bool:
+        """End the request wherever it is on this worker and free its blocks."""
+
+    @abc.abstractmethod
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Engine thread: what the last step produced."""
+
+    @abc.abstractmethod
+    def _fail_all(self, error: BaseException) -> None:
+        """Engine thread, after a fatal engine error: answer every request in flight."""
+
+    @abc.abstractmethod
+    def _num_reserved(self) -> int:
+        """Engine thread: blocks held for transfers (leases, reservations)."""
+
+    @abc.abstractmethod
+    def _extra_stats(self) -> dict[str, float]:
+        """Engine thread: role-specific counters for `WorkerStats.extra`."""
+
+    def _on_fatal(self, error: BaseException) -> None:
+        """The engine died: answer every waiting request, then let the actor be replaced."""
+        self._fail_all(error)
+        if self.fatal_hook is not None:
+            self.fatal_hook(error)
+
+    async def start_feed(self) -> None:
+        """Start publishing block events (needs the caller's running event loop)."""
+        self.feed.start()
+
+    async def take_index_update(self, with_held: bool = False) -> IndexUpdate:
+        """Block events since the last call (the router's in-memory index pulls these)."""
+        return await self.feed.take(with_held)
+
+    async def stats(self) -> WorkerStats:
+        return await self.loop.run(self._stats)
+
+    def _stats(self) -> WorkerStats:
+        return WorkerStats.of(
+            self.name,
+            self.role,
+            self.engine.stats(),
+            self._num_reserved(),
+            self.num_requests_total,
+            self._extra_stats(),
+        )
+
+    async def check_integrity(self) -> int:
+        """Run the block manager's integrity check; returns the number of held blocks."""
+        return await self.loop.run(self._check_integrity)
+
+    def _check_integrity(self) -> int:
+        self.engine.blocks.check_integrity()
+        return self.engine.blocks.num_used_blocks
+
+    def shutdown(self) -> None:
+        self.feed.cancel()
+        self.loop.stop()
+
+
+W = TypeVar("W", bound=WorkerBase)
+
+
+class ActorBase(Generic[W]):
+    """The Ray actor shell of a worker: methods only delegate."""
+
+    def __init__(self, make_worker: Callable[[WorkerConfig], W], cfg: WorkerConfig) -> None:
+        torch.set_num_threads(cfg.num_threads)  # Ray starts actors with one thread
+        self.worker = make_worker(cfg)
+        self.worker.fatal_hook = exit_soon
+
+    async def ready(self) -> str:
+        await self.worker.start_feed()
+        return self.worker.name
+
+    async def take_index_update(self, with_held: bool = False) -> IndexUpdate:
+        return await self.worker.take_index_update(with_held)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.worker.abort(request_id)
+
+    async def stats(self) -> WorkerStats:
+        return await self.worker.stats()
+
+    async def check_integrity(self) -> int:
+        return await self.worker.check_integrity()
+
+    async def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -1,0 +1,141 @@
+"""Typed clients of the worker pools: the only place the router calls a worker.
+
+Each method of `PrefillClient` / `DecodeClient` names one worker method (`pool_api.api`), so
+mypy checks every call the router makes. A client wraps either a plain in-process worker
+(tests, benchmarks) or a Ray actor handle (`ray_api`), and turns a lost actor into
+`WorkerUnavailable`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, TypeVar, cast
+
+from pool_api.api import DecodeApi, PrefillApi, WorkerApi
+from pool_api.messages import (
+    DecodeStart,
+    IndexUpdate,
+    PrefillResult,
+    PrefillTask,
+    ReserveResult,
+    Role,
+    TokenBatch,
+    WorkerRequest,
+    WorkerStats,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+A = TypeVar("A", bound=WorkerApi)
+
+
+class WorkerUnavailable(Exception):
+    """The worker's process is gone or restarting: the call never ran there, or its answer
+    was lost with the process. Another worker of the pool may take the request."""
+
+
+class _RayApi:
+    """`api.m(*args)` awaits `actor.m.remote(*args)`; typed by the protocol it is cast to."""
+
+    def __init__(self, actor: Any) -> None:
+        self._actor = actor
+
+    def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
+        remote = getattr(self._actor, method).remote
+
+        async def call(*args: Any) -> Any:
+            return await remote(*args)
+
+        return call
+
+
+def ray_api(actor: Any) -> Any:
+    """A Ray actor handle seen as the worker API (cast it to `PrefillApi` / `DecodeApi`)."""
+    return _RayApi(actor)
+
+
+def _ray_lost() -> tuple[type[BaseException], ...]:
+    from ray.exceptions import RayActorError  # Ray is imported only where actors exist
+
+    return (RayActorError,)
+
+
+class WorkerClient(Generic[A]):
+    """Calls one worker. `lost`: the exceptions that mean its process is gone."""
+
+    def __init__(
+        self, name: str, role: Role, api: A, lost: tuple[type[BaseException], ...] = ()
+    ) -> None:
+        self.name = name
+        self.role = role
+        self._api = api
+        self._lost = lost
+
+    async def _call(self, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except self._lost as e:  # died, or unavailable while Ray restarts it
+            raise WorkerUnavailable(f"{self.name}: {e}") from e
+
+    async def stats(self) -> WorkerStats:
+        return await self._call(self._api.stats())
+
+    async def take_index_update(self, with_held: bool) -> IndexUpdate:
+        return await self._call(self._api.take_index_update(with_held))
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._call(self._api.abort(request_id))
+
+
+class PrefillClient(WorkerClient[PrefillApi]):
+    def __init__(
+        self, name: str, api: PrefillApi, lost: tuple[type[BaseException], ...] = ()
+    ) -> None:
+        super().__init__(name, Role.PREFILL, api, lost)
+
+    @classmethod
+    def of_actor(cls, name: str, actor: Any) -> PrefillClient:
+        return cls(name, cast(PrefillApi, ray_api(actor)), _ray_lost())
+
+    async def prefill(self, task: PrefillTask) -> PrefillResult:
+        return await self._call(self._api.prefill(task))
+
+
+class DecodeClient(WorkerClient[DecodeApi]):
+    def __init__(
+        self,
+        name: str,
+        api: DecodeApi,
+        lost: tuple[type[BaseException], ...] = (),
+        role: Role = Role.DECODE,
+    ) -> None:
+        super().__init__(name, role, api, lost)
+
+    @classmethod
+    def of_actor(cls, name: str, actor: Any, role: Role = Role.DECODE) -> DecodeClient:
+        return cls(name, cast(DecodeApi, ray_api(actor)), _ray_lost(), role)
+
+    async def reserve(self, request: WorkerRequest) -> ReserveResult:
+        return await self._call(self._api.reserve(request))
+
+    async def start(self, start: DecodeStart) -> None:
+        await self._call(self._api.start(start))
+
+    async def submit(self, request: WorkerRequest) -> None:
+        await self._call(self._api.submit(request))
+
+    async def release_reservation(self, request_id: str, transfer_id: str) -> None:
+        await self._call(self._api.release_reservation(request_id, transfer_id))
+
+    async def poll(self, request_id: str, timeout_s: float) -> TokenBatch:
+        return await self._call(self._api.poll(request_id, timeout_s))
+
+
+async def quietly(call: Awaitable[object], what: str, worker: str) -> None:
+    """Best-effort cleanup call: a failure is logged, never raised."""
+    try:
+        await call
+    except Exception as e:
+        log.warning("%s on %s failed: %s", what, worker, e)

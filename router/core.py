@@ -1,0 +1,259 @@
+"""The router: admission, the request table, health and cleanup, in front of the two pools.
+
+One request (docs/architecture.md): `admit` validates and tokenizes it at the edge; `run`
+drives it (`router.flow`); `finish` forgets it. Any exit path (finish, Abort, client cancel,
+deadline, worker death) releases the request's blocks on both pools. The gRPC service
+(`router.service`) and the HTTP app (`router.http`) are thin layers over this class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import grpc
+
+from engine.request import FinishReason
+from engine.sampling import InvalidParameterError, TokenLogprob
+from engine.tokenizer import Tokenizer
+from pool_api.prefix_index import MemoryPrefixIndex, PrefixIndex
+from protos.pdserve.v1 import generation_pb2 as gen
+from router import responses
+from router.active import ActiveRequest, RequestFailed, RequestObserver
+from router.clients import DecodeClient, PrefillClient, quietly
+from router.config import RouterConfig
+from router.flow import RequestFlow
+from router.index_sync import IndexSync
+from router.pools import Pool
+from router.reservation import Reserver
+from router.validation import ModelLimits, prepare
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        limits: ModelLimits,
+        tokenizer: Tokenizer | None,
+        model_info: gen.ModelInfo,
+        prefill: Pool[PrefillClient],
+        decode: Pool[DecodeClient],
+        transport: str,
+        index: PrefixIndex | None = None,
+        colocated: bool = False,
+    ) -> None:
+        self.cfg = cfg
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.model_info = model_info
+        self.prefill = prefill
+        self.decode = decode
+        self.transport = transport
+        self.colocated = colocated
+        self.index = index or MemoryPrefixIndex()
+        self.active: dict[str, ActiveRequest] = {}
+        self.num_queued = 0  # admitted, no token sent yet (bounded by max_queue_len)
+        self.draining = False
+        self.metrics = RequestObserver()  # per-request hooks; RouterMetrics.install sets one
+        # Health follows `serviceable()`: the gRPC server sets this (pdserve/serve.py).
+        self.on_serving_change: Callable[[bool], Awaitable[None]] | None = None
+        self._serving = False
+        self._last_refresh_s = 0.0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._refresher: asyncio.Task[None] | None = None
+        self._index_sync = IndexSync(self.index)
+        self.reserver = Reserver(cfg, prefill, decode, model_info.block_size, self._spawn)
+        self.flow = RequestFlow(
+            cfg, prefill, decode, self.index, model_info, self.reserver, self, colocated
+        )
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.refresh()
+        self._refresher = asyncio.create_task(self._refresh_loop())
+
+    async def refresh(self) -> None:
+        """Worker stats (load, health), serving state, and the in-memory index."""
+        interval = self.cfg.stats_interval_s
+        timeout = max(2.0, 10 * interval)
+        await asyncio.gather(
+            self.prefill.refresh(interval, timeout), self.decode.refresh(interval, timeout)
+        )
+        self._last_refresh_s = time.monotonic()
+        serving = self.serviceable()
+        if serving != self._serving and self.on_serving_change is not None:
+            log.warning("router %s", "serving again" if serving else "cannot serve: a pool is down")
+            await self.on_serving_change(serving)
+        self._serving = serving
+        await self._index_sync.pull(self.prefill.workers + self.decode.workers)
+
+    def serviceable(self) -> bool:
+        """Requests can succeed: not draining, a decode worker is up, and a prefill worker
+        too unless decode workers run both phases."""
+        if self.draining or not self.decode.serviceable():
+            return False
+        return self.colocated or not self.prefill.workers or self.prefill.serviceable()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.stats_interval_s)
+            await self.refresh()
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests; wait up to `grace_s` for in-flight ones to finish."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._refresher:
+            self._refresher.cancel()
+        await self.index.close()
+
+    # ---- one request ---------------------------------------------------------------------
+    def admit(self, request: gen.GenerateRequest) -> ActiveRequest:
+        """Validate at the edge; raises RequestFailed with the proper status."""
+        try:
+            act = self._admit(request)
+        except RequestFailed as e:
+            self.metrics.on_reject(e.code)
+            raise
+        self.metrics.on_admit(act)
+        return act
+
+    def _admit(self, request: gen.GenerateRequest) -> ActiveRequest:
+        if self.draining:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "server is draining")
+        try:
+            wr = prepare(request, self.tokenizer, self.limits)
+        except InvalidParameterError as e:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        except LookupError as e:
+            raise RequestFailed(grpc.StatusCode.NOT_FOUND, str(e)) from e
+        if wr.request_id in self.active:
+            raise RequestFailed(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request_id: {wr.request_id!r} is already in flight",
+            )
+        if self.num_queued >= self.cfg.max_queue_len:
+            raise RequestFailed(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"queue full ({self.cfg.max_queue_len} requests waiting)",
+            )
+        act = ActiveRequest(wr, time.perf_counter())
+        self.active[wr.request_id] = act
+        self.num_queued += 1
+        return act
+
+    def run(self, act: ActiveRequest) -> AsyncIterator[gen.GenerateResponse]:
+        """Drive one admitted request; yields its responses (`router.flow`)."""
+        return self.flow.run(act)
+
+    def _dequeue(self, act: ActiveRequest) -> None:
+        """The request left the queue (its first token went out, or it ended)."""
+        if act.queued:
+            act.queued = False
+            self.num_queued -= 1
+
+    # ---- responses (router.flow's Responder) ---------------------------------------------
+    def chunk(
+        self,
+        act: ActiveRequest,
+        ids: Sequence[int],
+        text: str,
+        logprobs: Sequence[TokenLogprob],
+    ) -> gen.GenerateResponse:
+        now = time.perf_counter()
+        self.metrics.on_tokens(act, len(ids), now)
+        if act.first_sent_s is None and ids:
+            act.first_sent_s = now
+            self._dequeue(act)
+        act.last_sent_s = now
+        act.num_sent += len(ids)
+        return responses.chunk(act.request_id, ids, text, logprobs)
+
+    def complete(self, act: ActiveRequest, reason: FinishReason) -> gen.GenerateResponse:
+        self.metrics.on_complete(act, reason, time.perf_counter())
+        return responses.complete(act, reason)
+
+    # ---- abort and cleanup ---------------------------------------------------------------
+    async def abort(self, request_id: str) -> bool:
+        act = self.active.get(request_id)
+        if act is None:
+            return False
+        act.aborted = True
+        await self._release(act)
+        return True
+
+    def finish(self, act: ActiveRequest, completed: bool) -> None:
+        """Forget the request; if it did not complete (cancel, deadline, error), free its
+        blocks on both pools in the background."""
+        self.active.pop(act.request_id, None)
+        self._dequeue(act)
+        for w in (act.prefill, act.decode):  # whatever path it ended on, no load is left
+            if w is not None:
+                w.untrack(act.request_id)
+        if not completed:
+            self._spawn(self._release(act, forget=True))
+
+    async def _release(self, act: ActiveRequest, forget: bool = False) -> None:
+        """Abort the request on both pools. `forget`: nobody relays it any more (client
+        gone, deadline, error), so its token stream on the decode worker is dropped too."""
+        rid = act.request_id
+        calls = []
+        if act.prefill is not None:
+            calls.append(quietly(act.prefill.client.abort(rid), "abort", act.prefill.name))
+        if act.decode is not None:
+            calls.append(self._abort_decode(act.decode.client, rid, forget))
+        await asyncio.gather(*calls)
+
+    async def _abort_decode(self, d: DecodeClient, request_id: str, forget: bool) -> None:
+        await quietly(d.abort(request_id), "abort", d.name)
+        if forget:  # a finished stream is dropped by the poll that returns its end
+            await quietly(d.poll(request_id, 0.0), "poll", d.name)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` in the background, keeping a reference until it is done."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- info ----------------------------------------------------------------------------
+    async def server_info(self) -> gen.ServerInfo:
+        # From the stats the refresh loop keeps, pulling anew at most once per interval, so
+        # a client calling this in a loop cannot turn it into a stats storm on the workers.
+        if time.monotonic() - self._last_refresh_s > self.cfg.stats_interval_s:
+            await self.refresh()
+        workers = [
+            gen.WorkerInfo(
+                name=w.name,
+                role=w.stats.role.value,
+                num_free_blocks=w.stats.num_free_blocks,
+                num_total_blocks=w.stats.num_total_blocks,
+                num_running=w.stats.num_running,
+                num_waiting=w.stats.num_waiting,
+                num_requests_total=w.stats.num_requests_total,
+                num_preemptions_total=w.stats.num_preemptions_total,
+            )
+            for w in self.prefill.workers + self.decode.workers
+            if w.stats is not None
+        ]
+        return gen.ServerInfo(
+            version=package_version(),
+            mode="colocated" if self.colocated else "disaggregated",
+            transport=self.transport,
+            index_backend=self.index.backend,
+            workers=workers,
+        )
+
+
+def package_version() -> str:
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        return "0+unknown"

@@ -1,0 +1,263 @@
+"""One request's prefill/decode protocol, from placement to its last token.
+
+Disaggregated (docs/architecture.md): reserve KV blocks on a decode worker
+(`router.reservation`); run the prompt pass on a prefill worker, which pushes the KV straight
+into the reserved blocks; send the first token at once; start the decode worker on it and
+relay its tokens until a stop. Local (colocated mode, a short uncached prompt, or no healthy
+prefill worker under the `recompute` policy): the decode worker runs both phases.
+
+A prefill worker that dies under a request is marked down; under `recompute` the request
+is placed again (another pair, or locally), under `fail` it ends UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
+
+import grpc
+
+from engine.prefix_hash import reusable_prefix_hashes
+from engine.request import FinishReason
+from engine.sampling import InvalidParameterError, TokenLogprob
+from kv_transfer.wire import TransferError
+from pool_api.messages import DecodeStart, PrefillResult, PrefillTask
+from pool_api.prefix_index import PrefixIndex
+from protos.pdserve.v1 import generation_pb2 as gen
+from protos.pdserve.v1 import kv_transfer_pb2 as kvpb
+from router.active import ActiveRequest, RequestFailed
+from router.clients import DecodeClient, PrefillClient, quietly
+from router.config import RouterConfig
+from router.pools import Pool, WorkerLoad
+from router.reservation import Reserver
+
+log = logging.getLogger(__name__)
+
+# A prefill result may come this long after its ticket's lease ran out (clocks of two nodes,
+# the decode side's reaper period) before the router stops waiting for it.
+_LEASE_GRACE_S = 2.0
+
+Responses = AsyncIterator[gen.GenerateResponse]
+
+
+class Responder(Protocol):
+    """Turns what a request sends into responses, keeping the router's books (metrics,
+    the queue count)."""
+
+    def chunk(
+        self,
+        act: ActiveRequest,
+        ids: Sequence[int],
+        text: str,
+        logprobs: Sequence[TokenLogprob],
+    ) -> gen.GenerateResponse: ...
+
+    def complete(self, act: ActiveRequest, reason: FinishReason) -> gen.GenerateResponse: ...
+
+
+class RequestFlow:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        prefill: Pool[PrefillClient],
+        decode: Pool[DecodeClient],
+        index: PrefixIndex,
+        model_info: gen.ModelInfo,
+        reserver: Reserver,
+        responder: Responder,
+        colocated: bool,
+    ) -> None:
+        self.cfg = cfg
+        self.prefill = prefill
+        self.decode = decode
+        self.index = index
+        self.model_info = model_info
+        self.reserver = reserver
+        self.out = responder
+        self.colocated = colocated
+
+    def block_hashes(self, act: ActiveRequest) -> list[int]:
+        """The prompt's chained block hashes that a prefix hit could reuse."""
+        r = act.request
+        return reusable_prefix_hashes(
+            r.prompt_token_ids,
+            self.model_info.block_size,
+            self.model_info.model_fingerprint,
+            r.cache_salt,
+        )
+
+    async def run(self, act: ActiveRequest) -> Responses:
+        """Drive one admitted request; every failure ends as RequestFailed (or an abort)."""
+        try:
+            matches = await self.index.lookup(self.block_hashes(act))
+            stream = (
+                self._local(act, matches)
+                if self._runs_locally(act, matches)
+                else self._disaggregated(act, matches)
+            )
+            async for resp in stream:
+                yield resp
+        except (RequestFailed, asyncio.CancelledError, GeneratorExit):
+            raise
+        except InvalidParameterError as e:  # a worker refused it (e.g. its id still runs there)
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"{e.field}: {e.message}") from e
+        except Exception as e:
+            if act.aborted:
+                yield self.out.complete(act, FinishReason.ABORT)
+                return
+            what = "KV transfer failed" if isinstance(e, TransferError) else "worker failure"
+            detail = str(e) if isinstance(e, TransferError) else f"{type(e).__name__}: {e}"
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"{what}: {detail}") from e
+        finally:
+            act.done = True
+
+    def _runs_locally(self, act: ActiveRequest, matches: dict[str, int]) -> bool:
+        """Conditional disaggregation: colocated mode, or few uncached tokens on the decode
+        worker holding the longest prefix; also when the whole prefill pool is down and the
+        policy is `recompute` (`fail` ends the request here)."""
+        best = self.decode.best_match(matches)
+        cached = matches.get(best.name, 0) * self.model_info.block_size if best else 0
+        if self.colocated or act.num_prompt_tokens - cached <= self.cfg.local_prefill_threshold:
+            return True
+        if self.prefill.healthy():
+            return False
+        if self.cfg.prefill_failure_policy == "fail":
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+        return True
+
+    async def _local(self, act: ActiveRequest, matches: dict[str, int]) -> Responses:
+        d = self.decode.best_match(matches) or self._pick_decode()
+        act.decode = d
+        d.track(act.request_id)
+        await d.client.submit(act.request)
+        act.timings.queue_ms = (time.perf_counter() - act.arrival_s) * 1e3
+        async for resp in self._relay(act, d):
+            yield resp
+
+    async def _disaggregated(self, act: ActiveRequest, matches: dict[str, int]) -> Responses:
+        while (got := await self._prefill_on_pair(act, matches)) is None:
+            # Its prefill worker died and the policy is `recompute`: place it again.
+            if act.aborted:
+                yield self.out.complete(act, FinishReason.ABORT)
+                return
+            if not self.prefill.healthy():
+                async for resp in self._local(act, {}):
+                    yield resp
+                return
+        d, res = got
+        if res.error or res.finished:
+            await quietly(
+                d.client.release_reservation(act.request_id, act.transfer_id),
+                "release_reservation",
+                d.name,
+            )
+        if res.error:
+            if act.aborted:
+                yield self.out.complete(act, FinishReason.ABORT)
+                return
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {res.error}")
+        logprobs = (res.logprob,) if res.logprob else ()
+        yield self.out.chunk(act, (res.first_token_id,), res.text, logprobs)
+        if res.finished:
+            yield self.out.complete(act, res.finish_reason or FinishReason.STOP)
+            return
+        await d.client.start(DecodeStart(act.request_id, act.transfer_id, res.first_token_id))
+        async for resp in self._relay(act, d):
+            yield resp
+
+    async def _prefill_on_pair(
+        self, act: ActiveRequest, matches: dict[str, int]
+    ) -> tuple[WorkerLoad[DecodeClient], PrefillResult] | None:
+        """Reserve, then prefill into the reservation. None: the prefill worker died and the
+        request may be placed again (its reservation is released)."""
+        rsv = await self.reserver.reserve(act, matches)
+        n, bs = act.num_prompt_tokens, self.model_info.block_size
+        p = rsv.prefill if rsv.prefill.healthy else self.prefill.pick_prefill(matches, n, bs)
+        act.prefill = p
+        try:
+            with p.prefilling(act.request_id, n):
+                res = await self._prefill(p, act, rsv.ticket)
+        except TransferError:
+            raise
+        except Exception as e:  # the prefill worker died (or its actor is gone)
+            await self._prefill_failed(act, p, rsv.decode, e)
+            return None
+        act.cached_tokens = res.num_cached_tokens
+        t = act.timings
+        t.queue_ms = (t.queue_ms or 0.0) + res.queue_ms
+        t.prefill_ms, t.transfer_ms = res.prefill_ms, res.transfer_ms
+        return rsv.decode, res
+
+    async def _prefill(
+        self, p: WorkerLoad[PrefillClient], act: ActiveRequest, ticket: bytes
+    ) -> PrefillResult:
+        """The prompt pass and its transfer, waited for no longer than the ticket's lease:
+        past it the decode side has let the blocks go, so whatever the prefill worker still
+        does (a stalled transfer) cannot land. The caller's cleanup aborts it there."""
+        lease = kvpb.TransferTicket.FromString(ticket).deadline_unix_ms / 1e3 - time.time()
+        try:
+            return await asyncio.wait_for(
+                p.client.prefill(PrefillTask(act.request, ticket)),
+                max(lease, 0.0) + _LEASE_GRACE_S,
+            )
+        except asyncio.TimeoutError as e:
+            raise TransferError(f"{p.name} did not finish the transfer within its lease") from e
+
+    async def _prefill_failed(
+        self,
+        act: ActiveRequest,
+        p: WorkerLoad[PrefillClient],
+        d: WorkerLoad[DecodeClient],
+        error: Exception,
+    ) -> None:
+        """A prefill worker died under this request: release its reservation, then fail it
+        (policy `fail`, unless it was aborted meanwhile) or let the caller place it again."""
+        p.mark_down("its prefill failed")
+        log.warning("prefill worker %s failed on %s: %s", p.name, act.request_id, error)
+        await quietly(
+            d.client.release_reservation(act.request_id, act.transfer_id),
+            "release_reservation",
+            d.name,
+        )
+        d.untrack(act.request_id)
+        act.prefill = act.decode = None
+        if not act.aborted and self.cfg.prefill_failure_policy == "fail":
+            raise RequestFailed(
+                grpc.StatusCode.UNAVAILABLE, f"prefill worker {p.name} died: {error}"
+            )
+
+    def _pick_decode(self) -> WorkerLoad[DecodeClient]:
+        order = self.decode.decode_order()
+        if not order:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+        return order[0]
+
+    async def _relay(self, act: ActiveRequest, d: WorkerLoad[DecodeClient]) -> Responses:
+        rid = act.request_id
+        try:
+            while True:
+                try:
+                    batch = await d.client.poll(rid, self.cfg.poll_timeout_s)
+                except Exception as e:  # the decode worker died: its streams end here
+                    if act.aborted:
+                        yield self.out.complete(act, FinishReason.ABORT)
+                        return
+                    d.mark_down("its stream failed")
+                    raise RequestFailed(
+                        grpc.StatusCode.UNAVAILABLE, f"decode worker {d.name} died: {e}"
+                    ) from e
+                if batch.error and not act.aborted:
+                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE, batch.error)
+                if batch.num_cached_tokens:
+                    act.cached_tokens = batch.num_cached_tokens
+                if batch.token_ids or batch.text:
+                    yield self.out.chunk(act, batch.token_ids, batch.text, batch.logprobs)
+                if batch.finished:
+                    reason = batch.finish_reason or FinishReason.STOP
+                    yield self.out.complete(act, FinishReason.ABORT if act.aborted else reason)
+                    return
+        finally:
+            d.untrack(rid)

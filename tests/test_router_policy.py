@@ -1,0 +1,210 @@
+"""Router policy as tables, without Ray, workers or a model: pair ranking, prefill
+placement, the waiting line, and conditional disaggregation."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+
+from engine.sampling import SamplingParams
+from pool_api.messages import Role, WorkerRequest, WorkerStats
+from pool_api.prefix_index import MemoryPrefixIndex
+from protos.pdserve.v1 import generation_pb2 as gen
+from router.active import ActiveRequest, RequestFailed
+from router.clients import DecodeClient, PrefillClient
+from router.config import PrefillFailurePolicy, RouterConfig
+from router.flow import RequestFlow
+from router.pools import Pool, WorkerLoad, rank_pairs
+from router.reservation import Reserver, WaitingLine
+
+BS = 16
+NEVER_CALLED: Any = None  # policy reads loads and stats only
+
+
+def stats(name: str, role: Role, free: int, kv_bytes_per_block: int = 1000) -> WorkerStats:
+    return WorkerStats(name, role, free, 64, 0, 0, 0, 0, 0, 0, {}, kv_bytes_per_block)
+
+
+def prefill_pool(*outstanding: int) -> Pool[PrefillClient]:
+    clients = [PrefillClient(f"p{i}", NEVER_CALLED) for i in range(len(outstanding))]
+    pool = Pool(Role.PREFILL, clients)
+    for w, n in zip(pool.workers, outstanding, strict=True):
+        w.outstanding_tokens = n
+        w.stats_arrived(stats(w.name, Role.PREFILL, 64))
+    return pool
+
+
+def decode_pool(*free: int) -> Pool[DecodeClient]:
+    pool = Pool(Role.DECODE, [DecodeClient(f"d{i}", NEVER_CALLED) for i in range(len(free))])
+    for w, n in zip(pool.workers, free, strict=True):
+        w.stats_arrived(stats(w.name, Role.DECODE, n))
+    return pool
+
+
+def names(pc: Any) -> tuple[str, str]:
+    return pc.prefill.name, pc.decode.name
+
+
+@pytest.mark.parametrize(
+    ("outstanding", "free", "matches", "num_tokens", "best"),
+    [
+        # idle, no cache: the tie breaks toward KV headroom
+        ((0, 0), (10, 40), {}, 64, ("p0", "d1")),
+        # a busy prefill worker loses to an idle one
+        ((4096, 0), (40, 40), {}, 64, ("p1", "d0")),
+        # a prefill worker holding the prefix wins although it has queued work
+        ((512, 0), (40, 40), {"p0": 60}, 64 * BS, ("p0", "d0")),
+        # a decode worker holding the prefix moves less KV
+        ((0, 0), (40, 40), {"d1": 3}, 4 * BS + 1, ("p0", "d1")),
+        # a decode worker without room for the delta ranks last, prefix or not
+        ((0, 0), (2, 40), {"d0": 3}, 10 * BS, ("p0", "d1")),
+    ],
+)
+def test_rank_pairs(
+    outstanding: tuple[int, ...],
+    free: tuple[int, ...],
+    matches: dict[str, int],
+    num_tokens: int,
+    best: tuple[str, str],
+) -> None:
+    pairs = rank_pairs(
+        prefill_pool(*outstanding).workers,
+        decode_pool(*free).workers,
+        matches,
+        num_tokens,
+        BS,
+        prefill_tokens_per_s=10_000.0,
+        transfer_bytes_per_s=1e6,
+    )
+    assert len(pairs) == len(outstanding) * len(free)
+    assert names(pairs[0]) == best
+    assert [p.sort_key() for p in pairs] == sorted(p.sort_key() for p in pairs)
+
+
+@pytest.mark.parametrize(
+    ("outstanding", "active", "matches", "down", "best"),
+    [
+        ((100, 0), (0, 0), {}, (), "p1"),  # least work
+        ((0, 0), (3, 1), {}, (), "p1"),  # equal work: fewest active requests
+        ((100, 0), (0, 0), {"p0": 8}, (), "p0"),  # its cached prefix is work it skips
+        ((0, 100), (0, 0), {}, ("p0",), "p1"),  # a down worker is not picked
+    ],
+)
+def test_pick_prefill(
+    outstanding: tuple[int, ...],
+    active: tuple[int, ...],
+    matches: dict[str, int],
+    down: tuple[str, ...],
+    best: str,
+) -> None:
+    pool = prefill_pool(*outstanding)
+    for w, n in zip(pool.workers, active, strict=True):
+        w.active = {f"r{i}" for i in range(n)}
+        if w.name in down:
+            w.mark_down("test")
+    assert pool.pick_prefill(matches, 10 * BS, BS).name == best
+
+
+def test_pick_prefill_with_every_worker_down() -> None:
+    pool = prefill_pool(0)
+    pool.workers[0].mark_down("test")
+    with pytest.raises(LookupError):
+        pool.pick_prefill({}, BS, BS)
+
+
+def test_load_counters_follow_the_prompt_pass() -> None:
+    w: WorkerLoad[PrefillClient] = prefill_pool(0).workers[0]
+    with w.prefilling("r", 100):
+        assert (w.outstanding_tokens, w.active) == (100, {"r"})
+    assert (w.outstanding_tokens, w.active) == (0, set())
+    d = decode_pool(10).workers[0]
+    d.reserved("r", 4)
+    assert (d.free_blocks, d.active) == (6, {"r"})
+    d.stats_arrived(stats(d.name, Role.DECODE, 6))  # fresh stats count the reservation
+    assert d.free_blocks == 6
+
+
+def test_waiting_line_is_first_come_first_served_and_an_abort_wakes_the_next() -> None:
+    """a holds the line; b gives up while waiting (abort); c is served once a is done."""
+
+    async def main() -> list[str]:
+        line, order = WaitingLine(), []
+        done, aborted = asyncio.Event(), set()
+
+        async def wait(name: str) -> None:
+            def give_up() -> None:
+                if name in aborted:
+                    raise RequestFailed(grpc.StatusCode.CANCELLED, f"{name} aborted")
+
+            try:
+                async with line.first(give_up):
+                    order.append(name)
+                    if name == "a":
+                        await done.wait()  # the head holds the line
+            except RequestFailed:
+                order.append(f"{name} left")
+
+        tasks = [asyncio.create_task(wait(n)) for n in "abc"]
+        await asyncio.sleep(0.1)
+        assert order == ["a"] and len(line) == 3
+        aborted.add("b")
+        await asyncio.sleep(0.2)  # b checks every 50 ms
+        assert order == ["a", "b left"] and len(line) == 2
+        done.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 2.0)
+        assert len(line) == 0
+        return order
+
+    assert asyncio.run(main()) == ["a", "b left", "c"]
+
+
+def flow(
+    threshold: int, policy: PrefillFailurePolicy, prefill_up: bool, colocated: bool = False
+) -> RequestFlow:
+    cfg = RouterConfig(local_prefill_threshold=threshold, prefill_failure_policy=policy)
+    prefill, decode = prefill_pool(0), decode_pool(40, 40)
+    if not prefill_up:
+        prefill.workers[0].mark_down("test")
+    info = gen.ModelInfo(block_size=BS, model_fingerprint="fp")
+    reserver = Reserver(cfg, prefill, decode, BS, lambda coro: None)
+    return RequestFlow(
+        cfg, prefill, decode, MemoryPrefixIndex(), info, reserver, NEVER_CALLED, colocated
+    )
+
+
+def active(num_tokens: int) -> ActiveRequest:
+    wr = WorkerRequest("r", tuple(range(num_tokens)), SamplingParams(max_tokens=4))
+    return ActiveRequest(wr, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("threshold", "num_tokens", "matches", "prefill_up", "colocated", "local"),
+    [
+        (0, 1, {}, True, False, False),  # threshold 0: always disaggregate
+        (32, 32, {}, True, False, True),  # at the threshold: local
+        (32, 33, {}, True, False, False),  # one token over: disaggregate
+        (32, 6 * BS, {"d1": 5}, True, False, True),  # the cached prefix does not count
+        (32, 6 * BS, {"p0": 5}, True, False, False),  # a prefill worker's prefix does not help
+        (0, 1000, {}, True, True, True),  # colocated: always local
+        (0, 1000, {}, False, False, True),  # no prefill worker up: recompute locally
+    ],
+)
+def test_conditional_disaggregation(
+    threshold: int,
+    num_tokens: int,
+    matches: dict[str, int],
+    prefill_up: bool,
+    colocated: bool,
+    local: bool,
+) -> None:
+    f = flow(threshold, "recompute", prefill_up, colocated)
+    assert f._runs_locally(active(num_tokens), matches) is local
+
+
+def test_no_prefill_worker_under_the_fail_policy_is_unavailable() -> None:
+    with pytest.raises(RequestFailed) as e:
+        flow(0, "fail", prefill_up=False)._runs_locally(active(100), {})
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
