@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from dataclasses import dataclass, field
 
 from engine.block_manager import NoFreeBlocksError
@@ -23,6 +25,8 @@ from kv_transfer.wire import TransferError
 from pool_api.config import WorkerConfig
 from pool_api.messages import DecodeStart, ReserveResult, Role, TokenBatch, WorkerRequest
 from pool_api.worker_common import WorkerBase
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,6 +42,7 @@ class _Stream:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str = ""
+    last_poll_s: float = field(default_factory=time.monotonic)  # opened, or last polled
 
     def push(self, out: RequestOutput) -> None:
         self.token_ids.extend(out.new_token_ids)
@@ -94,6 +99,7 @@ class DecodeWorker(WorkerBase):
         # only; the actor loop only reads it.
         self.reserved: dict[str, tuple[Request, str]] = {}
         self.streams: dict[str, _Stream] = {}
+        self._stream_reaper: asyncio.Task[None] | None = None
         self._start_loop()
 
     # ---- API -----------------------------------------------------------------------------
@@ -133,7 +139,9 @@ class DecodeWorker(WorkerBase):
         def admit() -> None:
             if self.reserved.pop(s.request_id, None) is None:
                 return  # aborted while its KV landed: abort() freed it and ends the stream
-            self.receiver.take(s.transfer_id)
+            if self.receiver.take_if_complete(s.transfer_id) is None:  # its lease ran out
+                stream.loop.call_soon_threadsafe(stream.fail, f"{s.request_id}: lease expired")
+                return
             self.num_requests_total += 1
             out = self.engine.add_prefilled(req, s.first_token_id)
             if out.finished:  # the first token was already final (the router knows it)
@@ -172,9 +180,11 @@ class DecodeWorker(WorkerBase):
                 finish_reason=FinishReason.ABORT,
                 error="unknown request",
             )
+        stream.last_poll_s = time.monotonic()
         if not stream.token_ids and not stream.finished:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stream.event.wait(), timeout_s)
+        stream.last_poll_s = time.monotonic()
         batch = stream.take()
         if batch.finished:
             self.streams.pop(request_id, None)
@@ -198,6 +208,8 @@ class DecodeWorker(WorkerBase):
         return found
 
     def shutdown(self) -> None:
+        if self._stream_reaper is not None:
+            self._stream_reaper.cancel()
         super().shutdown()
         self.receiver.close()
         self.endpoint.close()
@@ -206,7 +218,23 @@ class DecodeWorker(WorkerBase):
     def _open(self, req: Request) -> _Stream:
         stream = _Stream(req, asyncio.get_running_loop())
         self.streams[req.request_id] = stream
+        if self._stream_reaper is None:
+            self._stream_reaper = stream.loop.create_task(self._reap_unpolled())
         return stream
+
+    async def _reap_unpolled(self) -> None:
+        """Abort and drop streams nobody polled within `stream_idle_timeout_s`: their router
+        died (or forgot them), and they would otherwise decode to `max_tokens` and keep their
+        blocks and tokens for ever. Runs on the actor's loop, which owns `streams`."""
+        idle_s = self.cfg.stream_idle_timeout_s
+        while True:
+            await asyncio.sleep(min(idle_s / 4, 1.0))
+            now = time.monotonic()
+            for rid, stream in list(self.streams.items()):
+                if now - stream.last_poll_s > idle_s and self.streams.get(rid) is stream:
+                    log.warning("%s: %s not polled for %.0f s: aborted", self.name, rid, idle_s)
+                    await self.abort(rid)
+                    self.streams.pop(rid, None)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in list(self.streams.values()):

@@ -6,9 +6,11 @@ Rules (docs/lifecycle.md):
   for a transfer id that was not reserved.
 * `begin_frame` validates a header against this cache and the reservation *before* a byte is
   written and returns the destination regions; a failure raises `TransferRejected`.
-* A reservation ends exactly once: COMPLETE (every layer of every prompt block landed; the
-  engine takes the blocks over), or FAILED (abort, peer death, bad frame, lease expiry; the
-  blocks are freed). Blocks are never freed while a frame is being written into them: a
+* A reservation ends exactly once: taken by the engine once COMPLETE (every layer of every
+  prompt block landed; the engine takes the blocks over), or FAILED (abort, peer death, bad
+  frame, lease expiry; the blocks are freed). A COMPLETE reservation nobody takes within a
+  lease of its completion (its router died before `start`) fails too, so no state holds
+  blocks for ever. Blocks are never freed while a frame is being written into them: a
   failure during a frame frees them when that frame ends.
 * Frames for an unknown, finished or failed transfer id are rejected, so late bytes never
   reach blocks that a new request owns.
@@ -61,7 +63,7 @@ class Reservation:
     transfer_id: str
     dst_block_ids: tuple[int, ...]  # prompt blocks first_block.., in prompt order
     num_tokens: int
-    deadline_s: float  # time.monotonic() after which the lease expires
+    deadline_s: float  # time.monotonic() after which the lease expires (RESERVED, then COMPLETE)
     first_block: int = 0  # blocks before it were already cached here (shared, not sent)
     state: ReservationState = ReservationState.RESERVED
     error: str = ""
@@ -221,6 +223,7 @@ class KVReceiver:
                 self._fail(res, res.error)  # failed meanwhile: free now that no frame writes
             elif len(res.received) == self.cache.num_layers * len(res.dst_block_ids):
                 res.state = ReservationState.COMPLETE
+                res.deadline_s = time.monotonic() + self.lease_s  # a new lease: to be taken
                 res.done.set()
 
     # ---- endings -------------------------------------------------------------------------
@@ -265,6 +268,14 @@ class KVReceiver:
             assert res.state is ReservationState.COMPLETE, f"{transfer_id} is {res.state}"
             return res
 
+    def take_if_complete(self, transfer_id: str) -> Reservation | None:
+        """`take`, or None when the reservation failed or lapsed since it completed."""
+        with self.lock:
+            res = self._by_transfer.get(transfer_id)
+            if res is None or res.state is not ReservationState.COMPLETE:
+                return None
+            return self.take(transfer_id)
+
     def ack(self, transfer_id: str) -> pb.TransferAck:
         res = self.get(transfer_id)
         if res is None:
@@ -276,16 +287,18 @@ class KVReceiver:
         return ack_of(res)
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Fail every reservation past its lease; returns their transfer ids."""
+        """Fail every reservation past its lease, waiting for KV or (COMPLETE) for the engine
+        to take it; returns their transfer ids."""
         now = time.monotonic() if now is None else now
         with self.lock:
             overdue = [
                 r
                 for r in self._by_transfer.values()
-                if r.state is ReservationState.RESERVED and now > r.deadline_s
+                if r.state is not ReservationState.FAILED and now > r.deadline_s
             ]
             for r in overdue:
-                self._fail(r, "lease expired")
+                what = "not started" if r.state is ReservationState.COMPLETE else "no KV"
+                self._fail(r, f"lease expired ({what})")
         return [r.transfer_id for r in overdue]
 
     def start_reaper(self, interval_s: float = 0.5) -> None:

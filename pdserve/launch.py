@@ -141,6 +141,8 @@ class Deployment:
                 model_name=served_name(cfg),
                 num_threads=pool.num_threads,
                 role=role,
+                # ten missed long polls, and never under the default
+                stream_idle_timeout_s=max(30.0, 10 * cfg.router.poll_timeout_s),
             )
 
         if not cfg.colocated:

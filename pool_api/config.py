@@ -39,4 +39,7 @@ class WorkerConfig:
     index: IndexConfig = IndexConfig()
     model_name: str = "model"  # namespaces the prefix index
     num_threads: int = 1  # torch intra-op threads (Ray starts actors with 1)
+    # A decode stream nobody polls this long (its router died) is aborted and dropped; the
+    # router long-polls every stream at least every `router.poll_timeout_s`.
+    stream_idle_timeout_s: float = 30.0
     role: Role | None = None  # None: the worker class's own role

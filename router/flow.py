@@ -181,15 +181,29 @@ class RequestFlow:
             with p.prefilling(act.request_id, n):
                 res = await self._prefill(p, act, rsv.ticket)
         except TransferError:
+            self._transfer_done(act, p, rsv.decode, ok=False)
             raise
         except Exception as e:  # the prefill worker died (or its actor is gone)
             await self._prefill_failed(act, p, rsv.decode, e)
             return None
+        self._transfer_done(act, p, rsv.decode, ok=not res.error)
         act.cached_tokens = res.num_cached_tokens
         t = act.timings
         t.queue_ms = (t.queue_ms or 0.0) + res.queue_ms
         t.prefill_ms, t.transfer_ms = res.prefill_ms, res.transfer_ms
         return rsv.decode, res
+
+    @staticmethod
+    def _transfer_done(
+        act: ActiveRequest,
+        p: WorkerLoad[PrefillClient],
+        d: WorkerLoad[DecodeClient],
+        ok: bool,
+    ) -> None:
+        """Both ends of the pair learn how the transfer went (an abort says nothing)."""
+        if not act.aborted:
+            p.transfer_done(ok)
+            d.transfer_done(ok)
 
     async def _prefill(
         self, p: WorkerLoad[PrefillClient], act: ActiveRequest, ticket: bytes

@@ -27,6 +27,9 @@ C = TypeVar("C", bound=WorkerClient)
 # Probes of a worker that stopped answering back off from the refresh interval to this, so
 # a crash-looping or dead worker is asked a few times a minute, not five times a second.
 MAX_PROBE_INTERVAL_S = 5.0
+# A worker in this many failed KV transfers in a row is taken out of rotation for
+# MAX_PROBE_INTERVAL_S, then probed back: a broken link stops eating every request sent to it.
+TRANSFER_FAILURES_DOWN = 3
 
 
 @dataclass
@@ -40,6 +43,7 @@ class WorkerLoad(Generic[C]):
     down_since: float | None = None  # monotonic time it was marked down; None while up
     next_probe_s: float = 0.0  # monotonic time of the next stats probe while down
     probe_interval_s: float = 0.0  # current backoff between probes while down
+    transfer_failures_in_a_row: int = 0
 
     def mark_down(self, reason: object) -> None:
         """Out of rotation until a stats probe answers again (Ray restarts the actor)."""
@@ -62,6 +66,18 @@ class WorkerLoad(Generic[C]):
             max(2 * self.probe_interval_s, min_interval_s), MAX_PROBE_INTERVAL_S
         )
         self.next_probe_s = time.monotonic() + self.probe_interval_s
+
+    def transfer_done(self, ok: bool) -> None:
+        """A KV transfer this worker took part in ended; see `TRANSFER_FAILURES_DOWN`."""
+        if ok:
+            self.transfer_failures_in_a_row = 0
+            return
+        self.transfer_failures_in_a_row += 1
+        if self.transfer_failures_in_a_row >= TRANSFER_FAILURES_DOWN:
+            self.transfer_failures_in_a_row = 0
+            self.mark_down(f"{TRANSFER_FAILURES_DOWN} KV transfers in a row failed")
+            self.probe_interval_s = MAX_PROBE_INTERVAL_S
+            self.next_probe_s = time.monotonic() + MAX_PROBE_INTERVAL_S
 
     def mark_up(self) -> None:
         if self.down_since is not None:

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from protos.pdserve.v1 import generation_pb2 as gen
 from protos.pdserve.v1 import generation_pb2_grpc as gen_grpc
-from router.active import ActiveRequest, RequestFailed  # noqa: F401 (ActiveRequest: until router.http imports it from router.active)
+from router.active import RequestFailed
 from router.auth import api_key_interceptors
 from router.core import Router
 from router.tls import add_port

@@ -397,8 +397,8 @@ def test_auth_and_metrics_in_process() -> None:
 def test_failure_mapping() -> None:
     import grpc
 
+    from router.active import RequestFailed
     from router.http import from_failed
-    from router.service import RequestFailed
 
     busy = from_failed(RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full"))
     assert (busy.status, busy.headers.get("Retry-After"), busy.code) == (

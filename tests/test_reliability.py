@@ -63,7 +63,7 @@ from pdserve.tools.chaos import (
 )
 from pdserve.tools.faults import Rig
 from pool_api.config import WorkerConfig
-from pool_api.messages import ReserveResult, Role, WorkerRequest
+from pool_api.messages import PrefillTask, ReserveResult, Role, WorkerRequest
 from prefill_workers.worker import PrefillWorker
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from router.clients import DecodeClient, PrefillClient
@@ -231,6 +231,40 @@ def test_decode_worker_forgets_lapsed_reservations(tiny_dir: Path) -> None:
     asyncio.run(main())
 
 
+def test_what_a_dead_router_held_is_freed_by_leases(tiny_dir: Path) -> None:
+    """The router dies mid-request (it stops calling: no start, no poll, no abort). A
+    reservation whose KV landed but was never started is freed a lease after it completed;
+    a stream nobody polls is aborted after `stream_idle_timeout_s`; nothing stays held."""
+    cfg = in_process_config(tiny_dir, transfer={"transport": "local", "lease_s": 0.5})
+
+    async def main() -> None:
+        prefill = PrefillWorker(worker_config(cfg, "pdserve-prefill-0", Role.PREFILL))
+        dcfg = replace(
+            worker_config(cfg, "pdserve-decode-0", Role.DECODE), stream_idle_timeout_s=1.0
+        )
+        decode = DecodeWorker(dcfg)
+        try:
+            params = SamplingParams(max_tokens=1000, ignore_eos=True)
+            landed = WorkerRequest("landed", tuple(range(4, 70)), params)
+            rr = await decode.reserve(landed)
+            assert rr.ticket is not None
+            res = await prefill.prefill(PrefillTask(landed, rr.ticket))
+            assert not res.error  # its KV is COMPLETE on the decode side; no start follows
+            await decode.submit(WorkerRequest("unpolled", tuple(range(4, 40)), params))
+            held = await decode.stats()
+            assert held.num_free_blocks < held.num_total_blocks
+            await asyncio.sleep(2.5)  # the lease (0.5 s + reaper), the idle bound (1 s + 1 s)
+            stats = await decode.stats()
+            assert stats.num_free_blocks == stats.num_total_blocks, stats
+            assert decode.reserved == {} and decode.streams == {}
+            assert await decode.check_integrity() == 0
+        finally:
+            prefill.shutdown()
+            decode.shutdown()
+
+    asyncio.run(main())
+
+
 def test_a_full_decode_pool_sees_one_retry_at_a_time(tiny_dir: Path) -> None:
     """16 requests at once, room for 3: the 13 waiting ones queue in line, first come first
     served, and only the head retries its reservation (with backoff). Each waiting request
@@ -243,9 +277,7 @@ def test_a_full_decode_pool_sees_one_retry_at_a_time(tiny_dir: Path) -> None:
         prefill = PrefillWorker(worker_config(cfg, "pdserve-prefill-0", Role.PREFILL))
         decode = DecodeWorker(worker_config(cfg, "pdserve-decode-0", Role.DECODE))
         handle = CountingDecode(decode)
-        router = build_router(
-            cfg, tiny_dir, [PrefillClient(prefill.name, prefill)], [handle]
-        )
+        router = build_router(cfg, tiny_dir, [PrefillClient(prefill.name, prefill)], [handle])
         await router.start()
         rng = random.Random(0)
 

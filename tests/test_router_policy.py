@@ -4,7 +4,8 @@ placement, the waiting line, and conditional disaggregation."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import time
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -208,3 +209,30 @@ def test_no_prefill_worker_under_the_fail_policy_is_unavailable() -> None:
     with pytest.raises(RequestFailed) as e:
         flow(0, "fail", prefill_up=False)._runs_locally(active(100), {})
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+class StatsOnly:
+    """A decode worker that answers stats (what a probe asks), and nothing else."""
+
+    async def stats(self) -> WorkerStats:
+        return stats("d0", Role.DECODE, 40)
+
+
+def test_a_worker_failing_transfers_in_a_row_is_taken_out_and_probed_back() -> None:
+    from router.pools import TRANSFER_FAILURES_DOWN
+
+    pool = Pool(Role.DECODE, [DecodeClient("d0", cast(Any, StatsOnly()))])
+    d = pool.workers[0]
+    for _ in range(TRANSFER_FAILURES_DOWN - 1):
+        d.transfer_done(ok=False)
+    d.transfer_done(ok=True)  # a success in between: the count starts again
+    for _ in range(TRANSFER_FAILURES_DOWN - 1):
+        d.transfer_done(ok=False)
+    assert d.healthy
+    d.transfer_done(ok=False)
+    assert not d.healthy
+    asyncio.run(pool.refresh(0.2, 1.0))  # inside the cool-down: not probed, still down
+    assert not d.healthy
+    d.next_probe_s = time.monotonic()  # the cool-down is over: the probe brings it back
+    asyncio.run(pool.refresh(0.2, 1.0))
+    assert d.healthy

@@ -1,0 +1,158 @@
+"""The router's responses as OpenAI's JSON (docs/http.md): `text_completion`,
+`chat.completion` and their streamed chunks, usage, logprobs and finish reasons, and the SSE
+framing the chunks travel in.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.tokenizer import Tokenizer
+from protos.pdserve.v1 import generation_pb2 as gen
+
+_FINISH = {
+    gen.FINISH_REASON_STOP: "stop",
+    gen.FINISH_REASON_LENGTH: "length",
+    gen.FINISH_REASON_ABORT: "abort",
+    gen.FINISH_REASON_UNSPECIFIED: "stop",
+}
+
+
+def finish_reason(c: gen.GenerateComplete) -> str:
+    return _FINISH[c.finish_reason]
+
+
+def _finite(x: float) -> float:
+    """JSON has no -inf: a token the sampler could never pick gets a very low logprob."""
+    return x if math.isfinite(x) else -9999.0
+
+
+def usage_dict(c: gen.GenerateComplete) -> dict[str, Any]:
+    u = c.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event: a JSON object, or a bare word (`[DONE]`)."""
+    body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {body}\n\n".encode()
+
+
+@dataclass
+class Formatter:
+    """OpenAI's JSON for one request: `text_completion` or `chat.completion`. One per
+    request: completions' logprobs count text offsets across its chunks."""
+
+    chat: bool
+    id: str
+    model: str
+    tokenizer: Tokenizer | None
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    _offset: int = 0  # completions logprobs: text offset of the next token
+
+    def _token(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        s = self._token(token_id)
+        return {"token": s, "logprob": _finite(logprob), "bytes": list(s.encode())}
+
+    def _chat_logprobs(self, lps: list[gen.TokenLogprob]) -> dict[str, Any]:
+        content = []
+        for lp in lps:
+            entry = self._chat_entry(lp.token_id, lp.logprob)
+            entry["top_logprobs"] = [self._chat_entry(t.token_id, t.logprob) for t in lp.top]
+            content.append(entry)
+        return {"content": content, "refusal": None}
+
+    def _completion_logprobs(self, lps: list[gen.TokenLogprob]) -> dict[str, Any]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for lp in lps:
+            s = self._token(lp.token_id)
+            tokens.append(s)
+            token_lps.append(_finite(lp.logprob))
+            tops.append({self._token(t.token_id): _finite(t.logprob) for t in lp.top})
+            offsets.append(self._offset)
+            self._offset += len(s)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_lps,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def logprobs(self, lps: list[gen.TokenLogprob]) -> dict[str, Any] | None:
+        if not lps:
+            return None
+        return self._chat_logprobs(lps) if self.chat else self._completion_logprobs(lps)
+
+    def _envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
+        if self.chat:
+            obj = "chat.completion.chunk" if stream else "chat.completion"
+        else:
+            obj = "text_completion"
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+
+    # streaming
+    def chunk(
+        self,
+        text: str,
+        lps: list[gen.TokenLogprob],
+        finish: str | None = None,
+        role: bool = False,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text or role:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self.logprobs(lps)
+        choice["finish_reason"] = finish
+        out = self._envelope([choice], stream=True)
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, c: gen.GenerateComplete) -> dict[str, Any]:
+        out = self._envelope([], stream=True)
+        out["usage"] = usage_dict(c)
+        return out
+
+    # whole response
+    def full(
+        self, text: str, lps: list[gen.TokenLogprob], c: gen.GenerateComplete
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self.logprobs(lps)
+        choice["finish_reason"] = finish_reason(c)
+        out = self._envelope([choice], stream=False)
+        out["usage"] = usage_dict(c)
+        return out

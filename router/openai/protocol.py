@@ -1,0 +1,492 @@
+"""The OpenAI request bodies (docs/http.md) as pydantic models, their translation into a
+`pdserve.v1.GenerateRequest`, and OpenAI's error object.
+
+A body is validated in parts, each a model over the same JSON object: how it streams
+(`StreamOptions`), its prompt (`CompletionPrompt`, `ChatPrompt`), then its sampling fields
+(`CompletionSampling`, `ChatSampling`). Chat renders its prompt between the last two, since an
+unset `max_tokens` is the rest of the context; and the parts, like the fields within each,
+come in the order the checks have always run, because only the first mistake is answered: a
+400 naming its field (`param`) in OpenAI's error body. Unknown fields are ignored (as OpenAI
+does) and a top-level null is the same as an absent field.
+
+Shapes and types are checked here, and the chat content's length, which must be bounded
+before the template runs. Other values (sampling ranges, prompt lengths, the served model name)
+are the router's (router/validation.py, engine/validation.py), shared with gRPC.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Protocol, TypeVar, get_args
+
+from fastapi.responses import JSONResponse
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    AliasPath,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import ErrorDetails, PydanticCustomError
+
+from engine.tokenizer import Tokenizer
+from protos.pdserve.v1 import generation_pb2 as gen
+from router.validation import ModelLimits
+
+INT32 = (-(2**31), 2**31 - 1)
+INT64 = (-(2**63), 2**63 - 1)
+
+
+# ---- errors -------------------------------------------------------------------------------
+class HTTPError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(param: str | None, message: str) -> HTTPError:
+    return HTTPError(400, message, param=param)
+
+
+# The validators' own errors: worded after the field's name ("stop" + "must be ..."), or whole.
+_AFTER_NAME = "pdserve_after_name"
+_WHOLE = "pdserve_whole"
+# pydantic's errors in the wording clients have always had; `{input}` is the value as JSON.
+_PHRASES = {
+    "float_type": "must be a number, got {input}",
+    "int_type": "must be an integer, got {input}",
+    "bool_type": "must be a boolean, got {input}",
+    "string_type": "must be a string",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+}
+_OUT_OF_RANGE = ("greater_than_equal", "less_than_equal")
+
+
+def invalid(what: str) -> PydanticCustomError:
+    """A validator's failure, said after the field's name: `invalid("must be ...")`."""
+    return PydanticCustomError(_AFTER_NAME, what)
+
+
+def refused(message: str) -> PydanticCustomError:
+    """A validator's failure, said in a message of its own."""
+    return PydanticCustomError(_WHOLE, message)
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """pydantic's location as a path: `("messages", 0, "role")` is `messages[0].role`."""
+    if not loc:
+        return None
+    path = str(loc[0])
+    for part in loc[1:]:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return path
+
+
+def _message(err: ErrorDetails, param: str | None) -> str:
+    """One error as the message a client gets; pydantic's own words only where no phrase
+    covers the error."""
+    kind, name = err["type"], param or "request body"
+    if kind == _WHOLE:
+        return err["msg"]
+    if kind == _AFTER_NAME:
+        return f"{name} {err['msg']}"
+    if kind in _OUT_OF_RANGE:
+        return f"{name} is out of range: {_integral(err['input'])}"
+    phrase = _PHRASES.get(kind)
+    if phrase is None:
+        return f"{name}: {err['msg']}"
+    if "{input}" in phrase:
+        phrase = phrase.format(input=json.dumps(err["input"]))
+    return f"{name} {phrase}"
+
+
+def from_validation(e: ValidationError) -> HTTPError:
+    """The first of pydantic's errors (fields are declared in the order they are checked) as
+    the 400 a client gets."""
+    err = e.errors(include_url=False)[0]
+    param = _param(err["loc"])
+    return bad_request(param, _message(err, param))
+
+
+# ---- field types --------------------------------------------------------------------------
+def _integral(v: object) -> object:
+    """JSON has one number type: 2.0 is the integer 2, 2.5 is not an integer."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def _reworded(what: str) -> WrapValidator:
+    """Whatever is wrong with the value, the client reads `what` after the field's name."""
+
+    def wrap(v: object, handler: ValidatorFunctionWrapHandler) -> object:
+        try:
+            return handler(v)
+        except ValidationError:
+            raise invalid(what) from None
+
+    return WrapValidator(wrap)
+
+
+def _unsupported(allowed: object, why: str) -> AfterValidator:
+    """A field pdserve does not implement: only unset, empty or `allowed` passes."""
+
+    def check(v: object) -> object:
+        if v is not None and v != allowed and v not in ({}, []):
+            raise invalid(f"is not supported ({why})")
+        return v
+
+    return AfterValidator(check)
+
+
+_StrictInt32 = Annotated[StrictInt, Field(ge=INT32[0], le=INT32[1])]  # 2.0 is refused
+Int32 = Annotated[_StrictInt32, BeforeValidator(_integral)]
+Int64 = Annotated[StrictInt, Field(ge=INT64[0], le=INT64[1]), BeforeValidator(_integral)]
+Number = StrictFloat  # an int is a number too; a boolean is not
+Stop = Annotated[StrictStr | list[StrictStr], _reworded("must be a string or a list of strings")]
+TokenIdList = Annotated[list[_StrictInt32], _reworded("must be a list of integers")]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+B = TypeVar("B", bound="RequestPart")
+
+
+class RequestPart(BaseModel):
+    """One part of a request body, validated from the whole JSON object."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        """A null field is unset, as if absent (defaults and required fields included)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+    @classmethod
+    def of(cls: type[B], body: dict[str, Any], **context: Any) -> B:
+        """The part of `body` this model describes; its first error is an HTTPError."""
+        try:
+            return cls.model_validate(body, context=context or None)
+        except ValidationError as e:
+            raise from_validation(e) from e
+
+
+# ---- streaming ----------------------------------------------------------------------------
+class StreamOptions(RequestPart):
+    """`stream`, and `stream_options`, which only a streaming request may send."""
+
+    # a bad include_usage is named by its own name, not its path, as it always was
+    model_config = ConfigDict(extra="ignore", frozen=True, loc_by_alias=False)
+
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
+    include_usage: StrictBool = Field(
+        False, validation_alias=AliasPath("stream_options", "include_usage")
+    )
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(
+        cls, v: dict[str, Any] | None, info: ValidationInfo
+    ) -> dict[str, Any] | None:
+        if v is not None and not info.data.get("stream"):
+            raise invalid("is only allowed when stream is true")
+        return v
+
+    @field_validator("include_usage", mode="before")
+    @classmethod
+    def _null_is_false(cls, v: object) -> object:
+        return False if v is None else v
+
+
+# ---- prompts ------------------------------------------------------------------------------
+def _one_prompt(v: object) -> object:
+    """A string or a list of token ids, or a batch of exactly one of those."""
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str | list):
+        v = v[0]
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        if not all(INT32[0] <= t <= INT32[1] for t in v):
+            raise refused("prompt token ids are out of range")
+        return v
+    if isinstance(v, list) and len(v) > 1:
+        raise refused("batched prompts are not supported: send one prompt")
+    if v is None or v == []:
+        raise invalid("is required")
+    raise invalid("must be a string or a list of token ids")
+
+
+def _request(model: str | None, cache_salt: str | None, request_id: str) -> gen.GenerateRequest:
+    r = gen.GenerateRequest(request_id=request_id, model=model or "")
+    if cache_salt:
+        r.cache_salt = cache_salt
+    return r
+
+
+class CompletionPrompt(RequestPart):
+    """POST /v1/completions: the prompt and what names it."""
+
+    echo: Annotated[Any, _unsupported(False, "echo must be false")] = None
+    best_of: Annotated[Any, _unsupported(1, "best_of must be 1")] = None
+    suffix: Annotated[Any, _unsupported("", "no suffix")] = None
+    logit_bias: Annotated[Any, _unsupported(None, "no logit_bias")] = None
+    model: StrictStr | None = None
+    cache_salt: StrictStr | None = None
+    # validated when absent too: the validator says it is required
+    prompt: Annotated[StrictStr | list[StrictInt], BeforeValidator(_one_prompt)] = Field(
+        None, validate_default=True
+    )
+
+    def request(self, request_id: str) -> gen.GenerateRequest:
+        r = _request(self.model, self.cache_salt, request_id)
+        if isinstance(self.prompt, str):
+            r.text = self.prompt
+        else:
+            r.token_ids.ids.extend(self.prompt)
+        return r
+
+
+class TextPart(BaseModel):
+    """A chat content part: only text is supported."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    type: Literal["text"]
+    text: StrictStr
+
+
+_TEXT_PARTS = TypeAdapter(list[TextPart])
+
+
+def _text_content(v: object) -> object:
+    """Content as one string: null is empty, text parts are joined."""
+    if v is None:
+        return ""
+    if isinstance(v, list):
+        try:
+            parts = _TEXT_PARTS.validate_python(v)
+        except ValidationError:
+            raise refused("only text content parts are supported") from None
+        return "".join(p.text for p in parts)
+    return v
+
+
+class ChatMessage(BaseModel):
+    """One chat message as the template sees it: a role and its text."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    # validated when absent too: a message without a role names the roles
+    role: Annotated[Role, _reworded(f"must be one of {list(get_args(Role))}")] = Field(
+        None, validate_default=True
+    )
+    content: Annotated[StrictStr, BeforeValidator(_text_content)] = ""
+
+
+def _non_empty_list(v: object) -> object:
+    if not isinstance(v, list) or not v:
+        raise invalid("must be a non-empty list")
+    return v
+
+
+def _text_format(v: object) -> object:
+    if v is not None and v != {"type": "text"}:
+        raise refused("only response_format {'type': 'text'} is supported")
+    return v
+
+
+class ChatPrompt(RequestPart):
+    """POST /v1/chat/completions: the messages and what names the request. Validated with
+    context `max_content_chars`: the content is bounded before the template runs."""
+
+    logit_bias: Annotated[Any, _unsupported(None, "no logit_bias")] = None
+    tools: Annotated[Any, _unsupported(None, "no tool calling")] = None
+    functions: Annotated[Any, _unsupported(None, "no function calling")] = None
+    response_format: Annotated[Any, AfterValidator(_text_format)] = None
+    messages: Annotated[list[ChatMessage], BeforeValidator(_non_empty_list)] = Field(
+        None, validate_default=True
+    )
+    model: StrictStr | None = None
+    cache_salt: StrictStr | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _within_limit(cls, v: list[ChatMessage], info: ValidationInfo) -> list[ChatMessage]:
+        limit = int((info.context or {})["max_content_chars"])
+        if sum(len(m.content) for m in v) > limit:
+            raise invalid(f"hold over {limit} characters of content")
+        return v
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+    def request(self, request_id: str) -> gen.GenerateRequest:
+        return _request(self.model, self.cache_salt, request_id)
+
+
+# ---- sampling -----------------------------------------------------------------------------
+_NUMBERS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+
+
+class Sampling(RequestPart):
+    """OpenAI's sampling fields plus vLLM's extras; unset stays unset in the proto."""
+
+    max_tokens: Int32 | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    presence_penalty: Number | None = None
+    top_k: Int32 | None = None
+    min_tokens: Int32 | None = None
+    n: Int32 | None = None
+    seed: Int64 | None = None
+    ignore_eos: StrictBool | None = None
+    stop: Stop | None = None
+    stop_token_ids: TokenIdList | None = None
+
+    def proto(self, max_tokens: int | None) -> gen.SamplingParams:
+        s = gen.SamplingParams()
+        for key in _NUMBERS:
+            if (v := getattr(self, key)) is not None:
+                setattr(s, key, v)
+        if self.top_k is not None and self.top_k not in (-1, 0):  # vLLM: -1 or 0 disables
+            s.top_k = self.top_k
+        for key in ("min_tokens", "n", "seed"):
+            if (iv := getattr(self, key)) is not None:
+                setattr(s, key, iv)
+        if max_tokens is not None:
+            s.max_tokens = max_tokens
+        if self.ignore_eos is not None:
+            s.ignore_eos = self.ignore_eos
+        if isinstance(self.stop, str):
+            s.stop.append(self.stop)
+        elif self.stop is not None:
+            s.stop.extend(self.stop)
+        if self.stop_token_ids is not None:
+            s.stop_token_ids.extend(self.stop_token_ids)
+        return s
+
+
+class CompletionSampling(Sampling):
+    """POST /v1/completions: the sampling fields."""
+
+    logprobs: Int32 | None = None  # top-N
+
+
+class ChatSampling(Sampling):
+    """POST /v1/chat/completions: the sampling fields, checked after the prompt rendered."""
+
+    # max_completion_tokens wins; then max_tokens is not looked at (nor checked)
+    max_tokens: Int32 | None = Field(
+        None, validation_alias=AliasChoices("max_completion_tokens", "max_tokens")
+    )
+    top_logprobs: Int32 | None = None
+    logprobs: StrictBool | None = None
+
+
+# ---- requests -----------------------------------------------------------------------------
+class ChatRouter(Protocol):
+    """What a chat request needs of the router (`router.core.Router`)."""
+
+    @property
+    def tokenizer(self) -> Tokenizer | None: ...
+
+    @property
+    def limits(self) -> ModelLimits: ...
+
+
+def completion_request(d: dict[str, Any], request_id: str) -> gen.GenerateRequest:
+    """POST /v1/completions body -> GenerateRequest (one prompt)."""
+    prompt = CompletionPrompt.of(d)
+    sampling = CompletionSampling.of(d)
+    r = prompt.request(request_id)
+    r.sampling.CopyFrom(sampling.proto(sampling.max_tokens))
+    if sampling.logprobs is not None:
+        r.sampling.logprobs = sampling.logprobs
+    return r
+
+
+def _render(router: ChatRouter, prompt: ChatPrompt) -> list[int]:
+    """The template-rendered prompt's ids, tokenized without special tokens again: the
+    template placed BOS (if any), as HF's apply_chat_template(tokenize=True) and vLLM do."""
+    tokenizer = router.tokenizer
+    if tokenizer is None:
+        raise bad_request("messages", "this model has no tokenizer; use /v1/completions")
+    try:
+        return tokenizer.encode_chat(prompt.template_messages())
+    except ValueError as e:  # ChatTemplateError: the template's own message
+        raise bad_request("messages", str(e).removeprefix("messages: ")) from e
+
+
+def chat_request(router: ChatRouter, d: dict[str, Any], request_id: str) -> gen.GenerateRequest:
+    """POST /v1/chat/completions body -> GenerateRequest (the template-rendered prompt)."""
+    limits = router.limits
+    prompt = ChatPrompt.of(d, max_content_chars=limits.edge_limits().max_prompt_chars)
+    ids = _render(router, prompt)
+    sampling = ChatSampling.of(d)
+    r = prompt.request(request_id)
+    r.token_ids.ids.extend(ids)
+    max_tokens = sampling.max_tokens
+    if max_tokens is None:  # as vLLM: the rest of the context, or generation_config's
+        # max_new_tokens if smaller (at least 1, so an overlong prompt meets the
+        # context-length check rather than a max_tokens one)
+        rest = max(limits.max_model_len - len(ids), 1)
+        max_tokens = min(rest, limits.sampling_defaults.max_tokens or rest)
+    r.sampling.CopyFrom(sampling.proto(max_tokens))
+    if sampling.logprobs:
+        r.sampling.logprobs = sampling.top_logprobs or 0
+    elif sampling.top_logprobs:
+        raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
+    return r
