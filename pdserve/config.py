@@ -17,7 +17,7 @@ import yaml
 from engine.config import CacheConfig, SchedulerConfig
 from kv_transfer.config import TransferConfig
 from pdserve.models import DEFAULT_MODEL
-from pool_api.config import IndexConfig
+from pool_api.config import REDACTED, IndexConfig, redact_url
 from router.config import RouterConfig
 
 T = TypeVar("T")
@@ -94,8 +94,23 @@ class ServeConfig:
                 data[key] = value
         return from_dict(cls, data, "")
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_dict(self, *, reveal_secrets: bool = False) -> dict[str, Any]:
+        """The tree as plain data, fit to print or log: the secret fields (those kept out of
+        repr: `router.api_key`, `transfer.shared_secret`, `index.redis_url`) are masked, a URL
+        down to its password (`redis://user:***@host`). `reveal_secrets` keeps them."""
+        data = dataclasses.asdict(self)
+        return data if reveal_secrets else _redacted(self, data)
+
+
+def _redacted(obj: Any, data: dict[str, Any]) -> dict[str, Any]:
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if is_dataclass(value) and not isinstance(value, type):
+            _redacted(value, data[f.name])
+        elif not f.repr and value is not None:
+            is_url = isinstance(value, str) and f.name.endswith("_url")
+            data[f.name] = redact_url(value) if is_url else REDACTED
+    return data
 
 
 def from_dict(cls: type[T], data: dict[str, Any], where: str) -> T:

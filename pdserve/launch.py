@@ -9,7 +9,8 @@ weights.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import secrets
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from engine.config import GenerationDefaults, ModelConfig
 from engine.engine import EngineConfig, resolve_dtype
 from engine.tokenizer import Tokenizer
 from engine.weights import checkpoint_files, checkpoint_fingerprint
+from kv_transfer.auth import SECRET_ENV
+from kv_transfer.config import TransferConfig
 from pdserve.checkpoint import PRESETS
 from pdserve.config import PoolConfig, ServeConfig
 from pdserve.models import NAMED_MODELS, require_tokenizer, resolve_model
@@ -52,6 +55,25 @@ def served_name(cfg: ServeConfig) -> str:
         return model
     path = Path(model)
     return path.stem if path.suffix == ".gguf" else path.name
+
+
+def kv_secret_by_default(transfer: TransferConfig, own_cluster: bool) -> TransferConfig:
+    """KV channels are authenticated unless told otherwise. On the Ray cluster this process
+    started, with no secret configured, the deployment generates one for its workers, as
+    Ray generates its token. On an existing cluster the workers' nodes hold the secret
+    (env PDSERVE_KV_SECRET, which the Helm chart generates); none configured here is warned
+    about, since this process cannot see the workers' environment."""
+    if transfer.transport == "local" or transfer.resolve_secret() is not None:
+        return transfer
+    if not own_cluster:
+        log.warning(
+            "no KV secret configured here: KV channels are authenticated only if the worker "
+            "nodes set %s (the Helm chart does)",
+            SECRET_ENV,
+        )
+        return transfer
+    log.info("KV channels authenticated with a generated secret (%s sets your own)", SECRET_ENV)
+    return replace(transfer, shared_secret=secrets.token_urlsafe(32))
 
 
 def build_router(
@@ -130,7 +152,8 @@ class Deployment:
             )
             self.started_ray = cfg.ray.address is None
         ecfg = engine_config(cfg, self.model_path)
-        transfer = cfg.transfer  # host "auto" is resolved by each decode actor on its node
+        # host "auto" is resolved by each decode actor on its node
+        transfer = kv_secret_by_default(cfg.transfer, own_cluster=self.started_ray)
 
         def worker_cfg(name: str, pool: PoolConfig, role: Role) -> WorkerConfig:
             return WorkerConfig(

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import resource
 import signal
 import socket
 import sys
 
 from pdserve.config import ServeConfig
 from pdserve.launch import Deployment
+from pool_api.config import redact_url
 from router.config import RouterConfig
 from router.core import Router
 from router.http import HTTPServer, bind_socket, start_http_server
@@ -95,6 +97,44 @@ def _port_taken(key: str, host: str, port: int, e: OSError) -> str:
     )
 
 
+def secret_lines(cfg: ServeConfig) -> list[str]:
+    """What the startup log says about the secrets in use: that they are set, never them."""
+    lines = []
+    if cfg.router.api_key:
+        lines.append("pdserve: API key required on HTTP /v1/* and gRPC")
+    if cfg.index.redis_url:
+        lines.append(f"pdserve: prefix index on Redis at {redact_url(cfg.index.redis_url)}")
+    return lines
+
+
+FD_RESERVE = 1024  # descriptors besides the two ports' connections: Ray, torch, KV, logs
+
+
+def raise_fd_limit(cfg: RouterConfig) -> str | None:
+    """Raise the soft RLIMIT_NOFILE toward what `max_connections` on both ports needs (as
+    vLLM raises it), never above the hard limit; a warning when that is still short."""
+    if not cfg.max_connections:
+        return None
+    need = 2 * cfg.max_connections + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return None
+    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft >= need:
+        return None
+    return (
+        f"pdserve: warning: the fd limit ({soft}) is below what router.max_connections="
+        f"{cfg.max_connections} on both ports needs ({need}): lower max_connections or "
+        "raise `ulimit -n`"
+    )
+
+
 def run(cfg: ServeConfig) -> int:
     tls = ServerTLS.of(cfg.router)
     if tls is not None:
@@ -102,6 +142,10 @@ def run(cfg: ServeConfig) -> int:
         mtls = ", client certificates required (mTLS)" if tls.mutual else ""
         print(f"pdserve: TLS on gRPC and HTTP{mtls}", file=sys.stderr, flush=True)
     http_sock = reserve_ports(cfg.router)
+    if (fd_warning := raise_fd_limit(cfg.router)) is not None:
+        print(fd_warning, file=sys.stderr, flush=True)
+    for line in secret_lines(cfg):
+        print(line, file=sys.stderr, flush=True)
     deployment = Deployment(cfg)
     try:
         router = deployment.start()  # on the main thread: Ray installs its signal handlers here

@@ -7,10 +7,48 @@ launcher, the router (in-memory index) and both worker packages read them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from engine.engine import EngineConfig
 from kv_transfer.config import TransferConfig
 from pool_api.messages import Role
+
+REDACTED = "***"
+
+
+def url_password(url: str) -> str | None:
+    """The password inside `url` (percent-decoded), or None when it has none."""
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        return None
+    return unquote(password) if password else None
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password replaced by ***: what may be printed or logged."""
+    try:
+        parts = urlsplit(url)
+        if not parts.password:
+            return url
+    except ValueError:  # unparsable (a bad port, a stray bracket): print none of it
+        return REDACTED
+    user, _, host = parts.netloc.rpartition("@")
+    name = user.partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{name}:{REDACTED}@{host}"))
+
+
+def with_password(url: str, password: str) -> str:
+    """`url` with `password` (percent-encoded) in it, keeping an ACL user name if present.
+
+    Refuses a URL that already holds a password: which one was meant is unclear.
+    """
+    parts = urlsplit(url)
+    if parts.password:
+        raise ValueError("the Redis password is given twice: in the URL and on its own")
+    user, _, host = parts.netloc.rpartition("@")
+    name = quote(unquote(user.partition(":")[0]), safe="")
+    return urlunsplit(parts._replace(netloc=f"{name}:{quote(password, safe='')}@{host}"))
 
 
 @dataclass(frozen=True)
@@ -18,6 +56,8 @@ class IndexConfig:
     """The prefix index: Redis when `redis_url` is set, else in-process (in the router)."""
 
     # redis://[user:password@]host:port/db or rediss://...; may hold a password: not in repr
+    # (print it with redact_url). `pdserve serve` can merge the password in from env
+    # PDSERVE_REDIS_PASSWORD or --redis-password-file, so it is on no command line.
     redis_url: str | None = field(default=None, repr=False)
     ttl_s: float = 120.0  # block entries expire unless a holder refreshes them
     timeout_s: float = 0.1  # per Redis call; a slower answer counts as a miss

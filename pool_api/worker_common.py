@@ -36,7 +36,9 @@ def exit_soon(error: BaseException) -> None:
 def make_transport(cfg: WorkerConfig) -> Transport:
     """The worker's KV transport, with the cluster secret resolved in this process."""
     t = cfg.transfer
-    return get_transport(t.transport, t.timeout_s, cfg.engine.device, t.resolve_secret())
+    transport = get_transport(t.transport, t.timeout_s, cfg.engine.device, t.resolve_secret())
+    transport.configure(t)
+    return transport
 
 
 class WorkerBase(abc.ABC):

@@ -35,7 +35,8 @@ class RouterConfig:
     transfer_gbps: float = 1.0
     http_port: int = 8000  # the OpenAI-compatible HTTP server (docs/http.md); 0 picks one
     http_enabled: bool = True
-    # Bearer key for HTTP /v1/* and gRPC calls (env PDSERVE_API_KEY); never logged.
+    # Bearer key for HTTP /v1/* and gRPC calls; never logged, not in repr. `pdserve serve`
+    # reads it from --api-key-file or env PDSERVE_API_KEY (--api-key puts it in `ps`).
     api_key: str | None = field(default=None, repr=False)
     # TLS on both ports (router/tls.py; PEM files): certificate chain and its key, together.
     tls_cert: str | None = None
@@ -51,6 +52,33 @@ class RouterConfig:
     max_stop_chars: int = 256
     max_stop_token_ids: int = 256
     max_json_depth: int = 32
+    # Connection hygiene (docs/config.md#connections). HTTP (router/http_guard.py): a request
+    # head must arrive whole within http_header_timeout_s (counted from the connection, or
+    # from its first byte after a keep-alive wait: answered 408, closed); a body that sends
+    # nothing for http_body_timeout_s is dropped; an idle keep-alive connection is closed
+    # after http_keepalive_timeout_s (uvicorn's timeout_keep_alive).
+    http_header_timeout_s: float = 20.0
+    http_body_timeout_s: float = 60.0
+    http_keepalive_timeout_s: float = 5.0
+    http_max_header_bytes: int = 16384  # a larger request head is refused (400): h11's limit
+    http_backlog: int = 2048  # the HTTP socket's listen backlog (uvicorn's)
+    # Open connections on each port (HTTP and gRPC alike): one more is refused at once
+    # (HTTP: 503 and closed; gRPC: closed before its handshake). 0: no cap.
+    max_connections: int = 1024
+    # gRPC (router/service.py: grpc_options). Streams per connection (more wait client-side);
+    # a connection that has not completed its handshake (HTTP/2 preface, TLS) in time is
+    # closed; keepalive pings find dead peers; a connection with no call for
+    # grpc_max_connection_idle_s is closed (GOAWAY: clients reconnect on their next call).
+    grpc_max_concurrent_streams: int = 1024
+    grpc_handshake_timeout_s: float = 20.0
+    grpc_keepalive_time_s: float = 60.0
+    grpc_keepalive_timeout_s: float = 20.0
+    grpc_max_connection_idle_s: float = 300.0  # 0: never
+    # Connection age (GOAWAY after this long, to rebalance behind an L4 load balancer): 0
+    # never. Calls in flight then get grpc_max_connection_age_grace_s to finish (0: as long
+    # as they take, so a long Generate stream is never cut; new calls use a new connection).
+    grpc_max_connection_age_s: float = 0.0
+    grpc_max_connection_age_grace_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.grpc_port < 65536:
@@ -69,3 +97,29 @@ class RouterConfig:
             raise ValueError("tls_cert and tls_key go together: set both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
+        self._check_connection_limits()
+
+    def _check_connection_limits(self) -> None:
+        positive = (
+            "http_header_timeout_s",
+            "http_body_timeout_s",
+            "http_keepalive_timeout_s",
+            "http_max_header_bytes",
+            "http_backlog",
+            "grpc_max_concurrent_streams",
+            "grpc_handshake_timeout_s",
+            "grpc_keepalive_time_s",
+            "grpc_keepalive_timeout_s",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"router.{name} must be positive")
+        never_or_positive = (
+            "max_connections",
+            "grpc_max_connection_idle_s",
+            "grpc_max_connection_age_s",
+            "grpc_max_connection_age_grace_s",
+        )
+        for name in never_or_positive:
+            if getattr(self, name) < 0:
+                raise ValueError(f"router.{name} must be >= 0 (0: no limit)")

@@ -20,6 +20,7 @@ import grpc
 from engine.request import FinishReason
 from engine.sampling import InvalidParameterError, TokenLogprob
 from engine.tokenizer import Tokenizer
+from pool_api.messages import WorkerRequest
 from pool_api.prefix_index import MemoryPrefixIndex, PrefixIndex
 from protos.pdserve.v1 import generation_pb2 as gen
 from router import responses
@@ -116,21 +117,28 @@ class Router:
         await self.index.close()
 
     # ---- one request ---------------------------------------------------------------------
-    def admit(self, request: gen.GenerateRequest) -> ActiveRequest:
+    async def admit(self, request: gen.GenerateRequest) -> ActiveRequest:
         """Validate at the edge; raises RequestFailed with the proper status."""
         try:
-            act = self._admit(request)
+            act = await self._admit(request)
         except RequestFailed as e:
             self.metrics.on_reject(e.code)
             raise
         self.metrics.on_admit(act)
         return act
 
-    def _admit(self, request: gen.GenerateRequest) -> ActiveRequest:
+    async def _prepare(self, request: gen.GenerateRequest) -> WorkerRequest:
+        """Validate and tokenize. Text is tokenized on a worker thread (after the edge
+        limits, which run first either way): the event loop keeps serving meanwhile."""
+        if request.WhichOneof("prompt") == "text":
+            return await asyncio.to_thread(prepare, request, self.tokenizer, self.limits)
+        return prepare(request, self.tokenizer, self.limits)
+
+    async def _admit(self, request: gen.GenerateRequest) -> ActiveRequest:
         if self.draining:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "server is draining")
         try:
-            wr = prepare(request, self.tokenizer, self.limits)
+            wr = await self._prepare(request)
         except InvalidParameterError as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         except LookupError as e:

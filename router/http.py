@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from engine.sampling import InvalidParameterError
@@ -39,6 +40,7 @@ from protos.pdserve.v1 import generation_pb2 as gen
 from router.active import ActiveRequest, RequestFailed
 from router.auth import bearer_ok
 from router.core import Router
+from router.http_guard import uvicorn_options as connection_limits
 from router.metrics import RouterMetrics
 from router.openai.format import Formatter, finish_reason, sse
 from router.openai.protocol import (
@@ -122,12 +124,15 @@ class BodyLimits:
 async def _read_body(request: Request, max_bytes: int) -> bytes:
     """The body, or a 400 once it is over `max_bytes`."""
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= max_bytes:
-            chunks.append(chunk)
-        elif size > 8 * max_bytes:
-            break  # past this the client is not waiting for an answer: stop reading
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= max_bytes:
+                chunks.append(chunk)
+            elif size > 8 * max_bytes:
+                break  # past this the client is not waiting for an answer: stop reading
+    except ClientDisconnect as e:  # gone, or cut off by the body timeout: not a server error
+        raise bad_request(None, "the client stopped sending the request body") from e
     if size > max_bytes:
         # Read to the end (not kept) so a client still sending can read the answer.
         raise bad_request(None, f"request body is over {max_bytes} bytes")
@@ -282,7 +287,9 @@ class OpenAIApp:
         body = await read_json(request, self.body_limits)
         request_id, response_id = _ids(request, chat=True)
         opts = StreamOptions.of(body)
-        greq = chat_request(self.router, body, request_id)
+        # The template render and tokenization run off the event loop (the tokenizer lets go
+        # of the GIL), so a huge chat does not stall every other request and /health.
+        greq = await asyncio.to_thread(chat_request, self.router, body, request_id)
         fmt = Formatter(True, response_id, self.model, self.router.tokenizer, opts.include_usage)
         return await self.generate(request, greq, fmt, opts)
 
@@ -314,7 +321,7 @@ class OpenAIApp:
     ) -> Response:
         router = self.router
         try:
-            act = router.admit(greq)
+            act = await router.admit(greq)
         except RequestFailed as e:
             raise from_failed(e) from e
         run = _Run(router, act, router.run(act))
@@ -499,6 +506,7 @@ async def start_http_server(
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=graceful_s,
+        **connection_limits(router.cfg),  # head/body timeouts, keep-alive, cap
         **(tls.uvicorn_options() if tls else {}),
     )
     server = _EmbeddedServer(config)

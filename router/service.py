@@ -17,6 +17,7 @@ from protos.pdserve.v1 import generation_pb2 as gen
 from protos.pdserve.v1 import generation_pb2_grpc as gen_grpc
 from router.active import RequestFailed
 from router.auth import api_key_interceptors
+from router.config import RouterConfig
 from router.core import Router
 from router.tls import add_port
 
@@ -31,7 +32,7 @@ class GenerationService(gen_grpc.GenerationServicer):
         self, request: gen.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gen.GenerateResponse]:
         try:
-            act = self.router.admit(request)
+            act = await self.router.admit(request)
         except RequestFailed as e:
             await context.abort(e.code, e.details)
             return
@@ -69,7 +70,43 @@ def grpc_options(router: Router) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", 64 << 20),
         ("grpc.max_receive_message_length", max(receive, 4 << 20)),
+        *connection_options(router.cfg),
     ]
+
+
+_MAX_MS = (1 << 31) - 1  # gRPC's millisecond arguments are C ints
+MIN_CLIENT_PING_S = 10.0  # clients may ping this often, with or without calls
+
+
+def _ms(seconds: float) -> int:
+    return min(int(seconds * 1000), _MAX_MS)
+
+
+def connection_options(cfg: RouterConfig) -> list[tuple[str, int]]:
+    """Connection hygiene (docs/config.md#connections): streams per connection, the
+    handshake deadline, keepalive both ways, idle and age limits, the connection cap.
+
+    Age is off by default; when set, its grace is unlimited unless configured, so a Generate
+    stream in flight when its connection reaches its age finishes on it (the GOAWAY only
+    moves new calls to a new connection), as gRPC's own default grace does."""
+    opts = [
+        ("grpc.max_concurrent_streams", cfg.grpc_max_concurrent_streams),
+        ("grpc.server_handshake_timeout_ms", _ms(cfg.grpc_handshake_timeout_s)),
+        ("grpc.keepalive_time_ms", _ms(cfg.grpc_keepalive_time_s)),
+        ("grpc.keepalive_timeout_ms", _ms(cfg.grpc_keepalive_timeout_s)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", _ms(MIN_CLIENT_PING_S)),
+    ]
+    if cfg.grpc_max_connection_idle_s:
+        opts.append(("grpc.max_connection_idle_ms", _ms(cfg.grpc_max_connection_idle_s)))
+    if cfg.grpc_max_connection_age_s:
+        opts.append(("grpc.max_connection_age_ms", _ms(cfg.grpc_max_connection_age_s)))
+        if cfg.grpc_max_connection_age_grace_s:
+            grace = _ms(cfg.grpc_max_connection_age_grace_s)
+            opts.append(("grpc.max_connection_age_grace_ms", grace))
+    if cfg.max_connections:
+        opts.append(("grpc.max_allowed_incoming_connections", cfg.max_connections))
+    return opts
 
 
 @dataclass

@@ -474,6 +474,46 @@ def tx_num_channels(state: State, key: str) -> int:
     return state.tx[key].sender.num_channels
 
 
+# ---- torch_dist pairing: shared secrets and the endpoint's pair counts -----------------------
+@command
+def rx_open_with_secret(
+    state: State, key: str, secret: str, timeout_s: float = 2.0, seed: int = 999
+) -> dict[str, Any]:
+    """`rx_open` for a float32 cache on a torch_dist endpoint that requires `secret`."""
+    cache = make_cache("float32", 64)
+    fill(cache, seed)
+    blocks = BlockManager(64, BLOCK_SIZE)
+    pinned = fragment(blocks, seed)
+    receiver = KVReceiver(cache, blocks, transport="torch_dist")
+    endpoint = get_transport("torch_dist", timeout_s, secret=secret).listen(receiver)
+    receiver.address = endpoint.address
+    state.rx[key] = Rx(
+        cache, blocks, receiver, endpoint, cache.data.clone(), blocks.num_free_blocks, pinned
+    )
+    return {"address": endpoint.address, "free": blocks.num_free_blocks, "pinned": pinned}
+
+
+@command
+def tx_open_with_secret(
+    state: State, key: str, secret: str | None, seed: int, timeout_s: float = 2.0
+) -> str:
+    """`tx_open` for a float32 cache whose torch_dist channels prove `secret`."""
+    cache = make_cache("float32", SRC_BLOCKS)
+    fill(cache, seed)
+    tr = get_transport("torch_dist", timeout_s, secret=secret)
+    sender = KVSender(cache, f"{state.name}/{key}", tr)
+    state.tx[key] = Tx(cache, sender, tr, seed)
+    return sender.sender_id
+
+
+@command
+def rx_pairs(state: State, key: str) -> dict[str, int | None]:
+    """The torch_dist endpoint's pair counts (None where the transport keeps none)."""
+    endpoint = state.rx[key].endpoint
+    names = ("num_pairs", "skipped_pairs", "refused_pairs", "busy_pairs", "broken_pairs")
+    return {n: getattr(endpoint, n, None) for n in names}
+
+
 # How a misconfigured prefill worker's cache differs from the test geometry; the value is the
 # field name a rejection must mention.
 BAD_LAYOUTS: dict[str, str] = {

@@ -78,7 +78,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     proc.stop()
 
 
-def _post(server: ServeProcess, body: bytes | dict[str, Any], path: str = "/v1/completions"):
+def _post(
+    server: ServeProcess, body: bytes | dict[str, Any], path: str = "/v1/completions"
+) -> tuple[int, dict[str, Any], float]:
     t0 = time.monotonic()
     status, _, raw = server.request("POST", path, body)
     return status, json.loads(raw or b"{}").get("error", {}), time.monotonic() - t0
@@ -160,3 +162,191 @@ def test_grpc_rejects_at_the_edge(
     assert len(info.value.details() or "") < 300
     # and the server still serves
     assert client.generate("still here", max_tokens=2).complete is not None
+
+
+# ---- the fuzz matrix -----------------------------------------------------------------------
+# Every case is one field of an otherwise valid request set to a bad (or odd) value. The
+# server may accept it (200, a full answer) or refuse it (400 naming that field); it must
+# never answer 500, never hang, and nothing may stay held afterwards.
+SURROGATE = "\x00SURROGATE\x00"  # replaced by a raw \ud800 escape in the JSON body
+FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+    "presence_penalty",
+)  # fmt: skip
+INT_FIELDS = ("max_tokens", "top_k", "min_tokens", "n", "seed", "logprobs")
+BAD_NUMBERS: tuple[Any, ...] = ("x", [1], {"a": 1}, True, -1e9, 1e9, float("nan"), float("inf"))
+BAD_INTS: tuple[Any, ...] = ("x", 1.5, [1], True, -5, 2**31, 2**63, 10**30)
+
+
+def _http_cases() -> list[tuple[str, str, str, Any]]:
+    """(case id, endpoint, field, value); endpoint "c" = completions, "chat"."""
+    cases: list[tuple[str, str, str, Any]] = []
+
+    def add(endpoint: str, field: str, values: tuple[Any, ...] | list[Any]) -> None:
+        for i, v in enumerate(values):
+            cases.append((f"{endpoint}-{field}-{i}", endpoint, field, v))
+
+    for f in FLOAT_FIELDS:
+        add("c", f, BAD_NUMBERS)
+    for f in INT_FIELDS:
+        add("c", f, BAD_INTS)
+    for f in ("ignore_eos", "stream"):
+        add("c", f, ("yes", 1, [], {}))
+    for f in ("model", "cache_salt"):
+        add("c", f, (1, [], {}, SURROGATE, "x" * 100_000))
+    add("c", "stop", (5, [1], [[]], ["a"] * 17, ["x" * 300], [None], SURROGATE, [SURROGATE]))
+    add("c", "stop_token_ids", ("x", [-1], [2**40], ["a"], [1.5], list(range(300))))
+    add("c", "prompt", ("", [], [[1, 2]], [-1], [10**6], [1.5], None, 5, {"a": 1}, SURROGATE))
+    add("c", "stream_options", ("x", {"include_usage": "yes"}, []))
+    add("c", "echo", (True,))
+    add("c", "best_of", (2,))
+    add("c", "suffix", ("x",))
+    add("c", "logit_bias", ({"1": 1},))
+    add("chat", "messages", (
+        [], "x", [{"role": "bogus", "content": "a"}], [{"content": "a"}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        [{"role": "user", "content": SURROGATE}], [{"role": "user", "content": "w" * 70_000}], [5],
+    ))  # fmt: skip
+    add("chat", "tools", ([{"type": "function"}],))
+    add("chat", "response_format", ({"type": "json_schema"}, "x"))
+    add("chat", "logprobs", ("x", 3))
+    add("chat", "top_logprobs", (-1, "x", 10**6))
+    add("chat", "max_completion_tokens", ("x", -1, 2**31))
+    return cases
+
+
+HTTP_CASES = _http_cases()
+
+
+def _body(endpoint: str, field: str, value: Any) -> bytes:
+    base: dict[str, Any] = {"max_tokens": 2, "temperature": 0.0}
+    if endpoint == "chat":
+        base["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        base["prompt"] = "hi"
+    if value is None:
+        base.pop(field, None)
+        raw = json.dumps({**base, field: None})
+    else:
+        raw = json.dumps({**base, field: value})  # NaN and Infinity as Python writes them
+    return raw.replace(json.dumps(SURROGATE)[1:-1], "\\ud800").encode()
+
+
+def _names_the_field(param: str | None, field: str, body: bytes) -> bool:
+    """A rejection of `field` names it, a part of it (`messages[0].role`), or the name it
+    maps to; a body that is not JSON at all (NaN, Infinity) has no field to name."""
+    if param is None:
+        return b"NaN" in body or b"Infinity" in body
+    aliases = {
+        "max_completion_tokens": ("max_tokens",),
+        "top_logprobs": ("logprobs",),
+        "prompt": ("prompt_token_ids",),
+    }
+    return any(
+        param == n or param.startswith((f"{n}[", f"{n}.")) for n in (field, *aliases.get(field, ()))
+    )
+
+
+def test_the_fuzz_matrix_is_large_enough() -> None:
+    assert len(HTTP_CASES) >= 150 and len(GRPC_CASES) >= 60
+
+
+def test_http_fuzz_matrix(server: ServeProcess) -> None:
+    failures = []
+    for name, endpoint, field, value in HTTP_CASES:
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        body = _body(endpoint, field, value)
+        t0 = time.monotonic()
+        status, _, raw = server.request("POST", path, body)
+        elapsed_s = time.monotonic() - t0
+        reply = json.loads(raw or b"{}")
+        error = reply.get("error", {})
+        if status == 200:
+            ok = "choices" in reply or raw.startswith(b"data:")
+        else:
+            ok = status == 400 and _names_the_field(error.get("param"), field, body)
+        if not ok or elapsed_s > 5.0:
+            failures.append((name, status, error or raw[:200], round(elapsed_s, 2)))
+    assert failures == [], failures
+    _assert_nothing_held(server)
+
+
+def _grpc_cases() -> list[tuple[str, str, dict[str, Any]]]:
+    """(case id, field the rejection must name, make_request kwargs)."""
+    s: list[tuple[str, str, dict[str, Any]]] = []
+    nan, inf = float("nan"), float("inf")
+    for f, values in {
+        "temperature": (-1.0, nan, inf, 1e9),
+        "top_p": (-0.1, 1.5, nan, 0.0),
+        "top_k": (-5, -1, 0, 2**31 - 1),
+        "min_p": (-1.0, 2.0, nan),
+        "repetition_penalty": (0.0, -1.0, nan, 1e9),
+        "frequency_penalty": (-3.0, 3.0, nan),
+        "presence_penalty": (-3.0, 3.0, nan),
+        "seed": (-1, 2**63 - 1),
+        "max_tokens": (0, -1, 2**31 - 1),
+        "min_tokens": (-1, 100, 2**31 - 1),
+        "n": (0, 2, -1),
+        "logprobs": (-1, 21, 1000),
+        "stop": (["a"] * 17, ["x" * 300], [""], ["\ud800"]),
+        "stop_token_ids": ([-1], [10**9], [2**31 - 1], [1] * 257),
+        "cache_salt": ("s" * 300, "\ud800"),
+        "model": ("nope", "m" * 300),
+        "request_id": ("r" * 300, "\ud800", "r" * 256),
+    }.items():
+        for i, v in enumerate(values):
+            s.append((f"{f}-{i}", f, {f: v}))
+    prompts = ([], [10**9], [-1], [0] * 2049, list(range(1, 3000)), "", "x" * 70_000, "\ud800")
+    for i, p in enumerate(prompts):
+        s.append((f"prompt-{i}", "prompt", {"prompt": p}))
+    return s
+
+
+GRPC_CASES = _grpc_cases()
+# A max_tokens past the context is refused as vLLM does: naming the prompt it would not fit.
+_GRPC_FIELD_NAMES = {
+    "prompt": ("prompt", "text", "token_ids"),
+    "max_tokens": ("max_tokens", "prompt"),
+}
+
+
+def test_grpc_fuzz_matrix(server: ServeProcess) -> None:
+    client = Client(server.grpc_target, timeout_s=10)
+    failures = []
+    for name, field, kwargs in GRPC_CASES:
+        kwargs = dict(kwargs)
+        prompt, model = kwargs.pop("prompt", "hi"), kwargs.pop("model", "")
+        kwargs.setdefault("max_tokens", 2)
+        try:
+            req = make_request(prompt, **kwargs)
+            req.model = model
+        except (ValueError, TypeError, OverflowError):
+            continue  # protobuf itself refuses the value: it cannot reach the server
+        try:
+            out = list(client.stream(req))
+            ok = out and out[-1].HasField("complete")
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details() or ""
+            names = _GRPC_FIELD_NAMES.get(field, (field,))
+            if code == grpc.StatusCode.NOT_FOUND:
+                ok = field == "model"
+            else:
+                ok = code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(names)
+            if not ok:
+                failures.append((name, code, details[:200]))
+                continue
+        if not ok:
+            failures.append((name, "no complete", ""))
+    assert failures == [], failures
+    _assert_nothing_held(server)
+
+
+def _assert_nothing_held(server: ServeProcess) -> None:
+    client = Client(server.grpc_target, timeout_s=10)
+
+    def held() -> list[tuple[str, int]]:
+        info = client.stub.GetServerInfo(gen.GetServerInfoRequest(), timeout=10)
+        return [(w.name, w.num_total_blocks - w.num_free_blocks) for w in info.workers]
+
+    assert server.wait_for(lambda: not any(n for _, n in held()), timeout_s=15.0), held()

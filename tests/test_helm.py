@@ -8,6 +8,9 @@ finds no error, the values schema refuses bad values, every core Kubernetes obje
 kubernetes-validate (the CRDs, RayCluster and ServiceMonitor, are checked structurally here),
 the ConfigMap's config loads with `ServeConfig.load`, and the two shell scripts the chart
 runs (the router's start script, the bundled Redis's start command) are run here too.
+Secrets: every one comes from a Secret by env (`secretKeyRef`), none is on a command line,
+and by default the chart generates the API key and the KV transfer secret and restricts the
+router's ports with a NetworkPolicy.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ import pytest
 import redis
 import yaml
 
+from kv_transfer.auth import check_secret
+from pdserve.cli import build_parser
+from pdserve.cli import serve_config as cli_serve_config
 from pdserve.config import ServeConfig
 
 CHART = Path(__file__).resolve().parents[1] / "k8s" / "helm" / "pdserve"
@@ -183,6 +189,10 @@ def test_lint_reports_no_errors(profile: str) -> None:
         {"image": {"tag": ""}},
         {"tls": {"enabled": "yes"}},
         {"tls": {"caSecret": "x"}},
+        {"router": {"apiKey": {"value": "inline"}}},  # no inline API key
+        {"router": {"apiKey": {"enabled": "yes"}}},
+        {"kvTransfer": {"sharedSecret": {"enabled": 1}}},
+        {"networkPolicy": {"routerFrom": ["10.0.0.0/8"]}},  # peers are objects
     ],
 )
 def test_schema_rejects_bad_values(chart: Any, bad: dict[str, Any]) -> None:
@@ -215,6 +225,7 @@ def test_schema_config_sections_are_the_serve_config_tree(chart: Any) -> None:
             "config.transfer.shared_secret",
         ),
         ({"config": {"model": {"device": "cuda"}}}, "config.model.device"),
+        ({"config": {"router": {"api_key": "inline-key"}}}, "config.router.api_key"),
         (
             {"redis": {"enabled": False, "url": "redis://:hunter2@redis:6379/0"}},
             "must not hold a password",
@@ -265,6 +276,8 @@ def test_default_profile_objects(rendered: dict[str, list[dict[str, Any]]]) -> N
         ("PodDisruptionBudget", f"{FULLNAME}-head"),
         ("PodDisruptionBudget", f"{FULLNAME}-prefill"),
         ("RayCluster", FULLNAME),
+        ("Secret", f"{FULLNAME}-api-key"),
+        ("Secret", f"{FULLNAME}-kv"),
         ("Secret", f"{FULLNAME}-ray-auth"),
         ("Secret", f"{FULLNAME}-redis"),
         ("Service", FULLNAME),
@@ -397,6 +410,7 @@ def test_network_policies_keep_ray_ports_internal(
     )
     (rule,) = router["spec"]["ingress"]
     assert {p["port"] for p in rule["ports"]} == ROUTER_PORTS
+    assert rule["from"] == [{"podSelector": {}}]  # by default: this namespace's pods only
 
     redis_policy = one(docs, "NetworkPolicy", f"{FULLNAME}-redis")
     (rule,) = redis_policy["spec"]["ingress"]
@@ -408,6 +422,29 @@ def test_network_policies_keep_ray_ports_internal(
             ports = {p["port"] for p in rule.get("ports", [])}
             if ports & RAY_PORTS or not ports:
                 assert rule["from"] == [{"podSelector": {"matchLabels": selector}}]
+
+
+@pytest.mark.parametrize(
+    "router_from",
+    [
+        [],  # open: any source (the rule has no `from`)
+        [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress"}}},
+            {"ipBlock": {"cidr": "203.0.113.0/24"}},
+        ],
+    ],
+)
+def test_router_ports_accept_router_from(chart: Any, router_from: list[Any]) -> None:
+    docs = render(chart, {"networkPolicy": {"routerFrom": router_from}})
+    (rule,) = one(docs, "NetworkPolicy", f"{FULLNAME}-router")["spec"]["ingress"]
+    assert {p["port"] for p in rule["ports"]} == ROUTER_PORTS
+    if router_from:
+        assert rule["from"] == router_from
+    else:
+        assert "from" not in rule
+    for doc in docs:  # and every object still validates
+        if not doc["apiVersion"].startswith(CRD_GROUPS):
+            kubernetes_validate.validate(doc, KUBE_VERSIONS[-1], strict=True)
 
 
 def test_dashboard_access_is_opt_in(chart: Any) -> None:
@@ -490,7 +527,7 @@ def test_bundled_redis_password_comes_from_the_secret(
     ref = {"secretKeyRef": {"name": f"{FULLNAME}-redis", "key": "redis-password"}}
     head = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]
     env = env_of(containers(head)["router"])
-    assert env["REDIS_PASSWORD"]["valueFrom"] == ref
+    assert env["PDSERVE_REDIS_PASSWORD"]["valueFrom"] == ref
     assert env["PDSERVE_REDIS_URL"]["value"] == f"redis://{FULLNAME}-redis.{NAMESPACE}.svc:6379/0"
     sts = one(docs, "StatefulSet", f"{FULLNAME}-redis")
     redis_env = env_of(containers(sts["spec"]["template"])["redis"])
@@ -515,7 +552,7 @@ def test_external_redis_password_comes_from_the_existing_secret(
     head = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]
     env = env_of(containers(head)["router"])
     assert env["PDSERVE_REDIS_URL"]["value"] == "rediss://pdserve@redis.example.internal:6380/2"
-    assert env["REDIS_PASSWORD"]["valueFrom"] == {
+    assert env["PDSERVE_REDIS_PASSWORD"]["valueFrom"] == {
         "secretKeyRef": {"name": "external-redis", "key": "password"}
     }
     assert env["PDSERVE_API_KEY"]["valueFrom"] == {
@@ -526,11 +563,12 @@ def test_external_redis_password_comes_from_the_existing_secret(
     docs = render(chart, {"redis": {"enabled": False, "url": "redis://cache:6379/0"}})
     env = env_of(containers(one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"])["router"])
     assert (
-        "REDIS_PASSWORD" not in env and env["PDSERVE_REDIS_URL"]["value"] == "redis://cache:6379/0"
+        "PDSERVE_REDIS_PASSWORD" not in env
+        and env["PDSERVE_REDIS_URL"]["value"] == "redis://cache:6379/0"
     )
     docs = render(chart, {"redis": {"enabled": False}})
     env = env_of(containers(one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"])["router"])
-    assert "REDIS_PASSWORD" not in env and "PDSERVE_REDIS_URL" not in env
+    assert "PDSERVE_REDIS_PASSWORD" not in env and "PDSERVE_REDIS_URL" not in env
 
 
 @pytest.mark.parametrize("profile", list(PROFILES))
@@ -562,23 +600,143 @@ def test_ray_token_auth_everywhere(rendered: dict[str, list[dict[str, Any]]], pr
 def test_kv_transfer_secret_reaches_the_worker_pods_only(
     rendered: dict[str, list[dict[str, Any]]], profile: str
 ) -> None:
-    """Set: a secretKeyRef in both pools' workers (they hold the KV channels), not in the
-    head pod (router and Ray head move no KV); unset: no PDSERVE_KV_SECRET anywhere."""
+    """A secretKeyRef in both pools' workers (they hold the KV channels), not in the head
+    pod (router and Ray head move no KV: `TransferConfig.resolve_secret` runs in workers
+    only): the chart's generated Secret by default, or kvTransfer.sharedSecret.existingSecret."""
     docs = rendered[profile]
     rc = one(docs, "RayCluster")
     for c in rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"]:
         assert "PDSERVE_KV_SECRET" not in env_of(c)
+    if profile == "external-redis":
+        ref = {"name": "pdserve-kv", "key": "secret"}
+        assert not [d for d in docs if d["metadata"]["name"] == f"{FULLNAME}-kv"]
+    else:
+        ref = {"name": f"{FULLNAME}-kv", "key": "kv-secret"}
+        generated = one(docs, "Secret", f"{FULLNAME}-kv")
+        secret = base64.b64decode(generated["data"]["kv-secret"]).decode()
+        check_secret(secret, "the generated KV secret")  # what the workers will demand
+        assert len(secret) >= 32
     for role, group in groups(docs).items():
         env = env_of(containers(group["template"])["ray-worker"])
-        if profile == "external-redis":
-            assert env["PDSERVE_KV_SECRET"] == {
-                "name": "PDSERVE_KV_SECRET",
-                "valueFrom": {"secretKeyRef": {"name": "pdserve-kv", "key": "secret"}},
-            }, role
-        else:
-            assert "PDSERVE_KV_SECRET" not in env, role
+        assert env["PDSERVE_KV_SECRET"] == {
+            "name": "PDSERVE_KV_SECRET",
+            "valueFrom": {"secretKeyRef": ref},
+        }, role
     config_yaml = one(docs, "ConfigMap", f"{FULLNAME}-config")["data"]["config.yaml"]
     assert "shared_secret" not in config_yaml
+
+
+def test_kv_transfer_authentication_can_be_turned_off(chart: Any) -> None:
+    docs = render(chart, {"kvTransfer": {"sharedSecret": {"enabled": False}}})
+    assert not [d for d in docs if d["metadata"]["name"] == f"{FULLNAME}-kv"]
+    rc = one(docs, "RayCluster")
+    for t in [rc["spec"]["headGroupSpec"]["template"]] + [
+        g["template"] for g in rc["spec"]["workerGroupSpecs"]
+    ]:
+        for c in t["spec"]["containers"]:
+            assert "PDSERVE_KV_SECRET" not in env_of(c)
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_api_key_comes_from_a_secret(
+    rendered: dict[str, list[dict[str, Any]]], profile: str, tmp_path: Path
+) -> None:
+    """On by default: the chart's generated Secret, or router.apiKey.existingSecret; the
+    router container only, by env; never in the ConfigMap's config."""
+    docs = rendered[profile]
+    if profile == "external-redis":
+        ref = {"name": "pdserve-api", "key": "key"}
+    else:
+        ref = {"name": f"{FULLNAME}-api-key", "key": "api-key"}
+        generated = one(docs, "Secret", f"{FULLNAME}-api-key")
+        assert len(base64.b64decode(generated["data"]["api-key"])) >= 32
+    rc = one(docs, "RayCluster")
+    head = containers(rc["spec"]["headGroupSpec"]["template"])
+    assert env_of(head["router"])["PDSERVE_API_KEY"] == {
+        "name": "PDSERVE_API_KEY",
+        "valueFrom": {"secretKeyRef": ref},
+    }
+    assert "PDSERVE_API_KEY" not in env_of(head["ray-head"])
+    for group in groups(docs).values():
+        assert "PDSERVE_API_KEY" not in env_of(containers(group["template"])["ray-worker"])
+    assert serve_config(docs, tmp_path).router.api_key is None  # not in the ConfigMap
+
+
+def test_api_key_can_be_turned_off(chart: Any) -> None:
+    docs = render(chart, {"router": {"apiKey": {"enabled": False}}})
+    assert not [d for d in docs if d["metadata"]["name"] == f"{FULLNAME}-api-key"]
+    head = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]
+    assert "PDSERVE_API_KEY" not in env_of(containers(head)["router"])
+
+
+SECRET_ENV = {
+    "RAY_AUTH_TOKEN",
+    "PDSERVE_API_KEY",
+    "PDSERVE_KV_SECRET",
+    "PDSERVE_REDIS_PASSWORD",
+    "REDIS_PASSWORD",
+    "REDISCLI_AUTH",
+}
+
+
+def pod_templates(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rc = one(docs, "RayCluster")
+    templates = [rc["spec"]["headGroupSpec"]["template"]]
+    templates += [g["template"] for g in rc["spec"]["workerGroupSpecs"]]
+    templates += [d["spec"]["template"] for d in docs if d["kind"] == "StatefulSet"]
+    return templates
+
+
+def command_lines(container: dict[str, Any]) -> list[str]:
+    """Every argv the container runs: command, args and exec probes."""
+    argv = list(container.get("command", [])) + list(container.get("args", []))
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        argv += container.get(probe, {}).get("exec", {}).get("command", [])
+    return argv
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_no_secret_on_any_command_line(
+    rendered: dict[str, list[dict[str, Any]]], profile: str
+) -> None:
+    """`ps` and Ray's job table show a process's argv: every secret reaches its process by
+    env from a Secret, and no generated value appears outside its own Secret."""
+    docs = rendered[profile]
+    generated = [
+        base64.b64decode(v).decode()
+        for d in docs
+        if d["kind"] == "Secret"
+        for v in d["data"].values()
+    ]
+    assert len(generated) == (0 if profile == "external-redis" else 4)
+    for t in pod_templates(docs):
+        for c in t["spec"]["containers"] + t["spec"].get("initContainers", []):
+            argv = " ".join(command_lines(c))
+            assert "--api-key" not in argv and "--redis-url" not in argv, c["name"]
+            assert not [s for s in generated if s in argv], c["name"]
+            for name, e in env_of(c).items():
+                if name in SECRET_ENV:
+                    assert set(e) == {"name", "valueFrom"}, name
+                    assert set(e["valueFrom"]) == {"secretKeyRef"}, name
+    for doc in docs:
+        if doc["kind"] != "Secret":
+            text = json.dumps(doc)
+            assert not [s for s in generated if s in text], doc["metadata"]["name"]
+    script = one(docs, "ConfigMap", f"{FULLNAME}-config")["data"]["start-router.sh"]
+    assert "--api-key" not in script and "--redis-url" not in script
+
+
+def test_generated_secrets_are_kept_across_upgrades() -> None:
+    """Each generated value is the live Secret's when there is one (`lookup`): an upgrade
+    must not rotate a token, a password or a key under running pods and clients. (Offline
+    renders have no cluster to look up, so this reads the template.)"""
+    text = (CHART / "templates" / "secrets.yaml").read_text()
+    generated = [ln for ln in text.splitlines() if "randAlphaNum" in ln]
+    assert len(generated) == 4
+    for line in generated:
+        key = line.strip().split(":")[0]
+        assert f'(index $live.data "{key}")' in line, line
+    assert text.count('lookup "v1" "Secret" .Release.Namespace $name') == 4
 
 
 @pytest.mark.parametrize("profile", list(PROFILES))
@@ -612,11 +770,14 @@ def test_service_monitor_scrapes_the_router(rendered: dict[str, list[dict[str, A
 
 
 # ---- the scripts the chart runs -------------------------------------------------------------
-def test_router_start_script_adds_the_secret_password_to_the_url(
-    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+def test_router_start_script_passes_secrets_by_env_only(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """start-router.sh with stub `ray` (the head is up) and `pdserve` (prints its argv)."""
-    script = one(rendered["default"], "ConfigMap")["data"]["start-router.sh"]
+    """start-router.sh with stub `ray` (the head is up) and `pdserve` (prints its argv): the
+    argv holds no secret whatever the env, and `pdserve serve` given that argv and the env
+    the chart sets builds the Redis URL with its password, and the API key."""
+    docs = rendered["default"]
+    script = one(docs, "ConfigMap")["data"]["start-router.sh"]
     (tmp_path / "start-router.sh").write_text(script)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -624,13 +785,12 @@ def test_router_start_script_adds_the_secret_password_to_the_url(
     (bin_dir / "pdserve").write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
-    python_dir = Path(shutil.which("python3") or "/usr/bin/python3").parent
-    password = "p@ss:w/rd %1"
+    password, api_key = "p@ss:w/rd %1", "k3y-from-the-secret-0123456789"
 
     def run(**env: str) -> list[str]:
         out = subprocess.run(
             ["/bin/sh", str(tmp_path / "start-router.sh")],
-            env={"PATH": f"{bin_dir}:{python_dir}:/usr/bin:/bin", **env},
+            env={"PATH": f"{bin_dir}:/usr/bin:/bin", **env},
             capture_output=True,
             text=True,
             timeout=60,
@@ -640,17 +800,27 @@ def test_router_start_script_adds_the_secret_password_to_the_url(
 
     base = ["serve", "--config", "/etc/pdserve/config.yaml", "--ray-address", "auto"]
     assert run() == base
-    argv = run(PDSERVE_REDIS_URL="redis://pd-redis.ns.svc:6379/0", REDIS_PASSWORD=password)
-    assert argv[:-2] == base and argv[-2] == "--redis-url"
-    kwargs = redis.ConnectionPool.from_url(argv[-1]).connection_kwargs
-    assert (kwargs["password"], kwargs["host"], kwargs["port"]) == (
-        password,
-        "pd-redis.ns.svc",
-        6379,
-    )
-    argv = run(PDSERVE_REDIS_URL="rediss://pdserve@r.example:6380/2", REDIS_PASSWORD=password)
-    kwargs = redis.ConnectionPool.from_url(argv[-1]).connection_kwargs
-    assert (kwargs["username"], kwargs["password"], kwargs["db"]) == ("pdserve", password, 2)
+    config = tmp_path / "config.yaml"
+    config.write_text(one(docs, "ConfigMap")["data"]["config.yaml"])
+    for url, user, db in [
+        ("redis://pd-redis.ns.svc:6379/0", None, 0),
+        ("rediss://pdserve@r.example:6380/2", "pdserve", 2),
+    ]:
+        env = {
+            "PDSERVE_REDIS_URL": url,
+            "PDSERVE_REDIS_PASSWORD": password,
+            "PDSERVE_API_KEY": api_key,
+        }
+        argv = run(**env)
+        assert argv == base
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        argv[argv.index("/etc/pdserve/config.yaml")] = str(config)
+        cfg = cli_serve_config(build_parser().parse_args(argv))
+        assert cfg.router.api_key == api_key
+        assert cfg.index.redis_url is not None
+        kwargs = redis.ConnectionPool.from_url(cfg.index.redis_url).connection_kwargs
+        assert (kwargs.get("username"), kwargs["password"], kwargs["db"]) == (user, password, db)
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")

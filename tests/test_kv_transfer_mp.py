@@ -472,3 +472,62 @@ def test_torch_dist_nccl_between_gpus(dtype: str) -> None:
         assert chk["untouched"] and chk["free"] == chk["base_free"], chk
     finally:
         shutdown([d, p])
+
+
+# ---- torch_dist pairing that no outsider can wedge ---------------------------------------------
+PAIRING_BOUND_S = 3.0  # well under the 10 s transfer timeout a strictly ordered receiver hit
+SECRET = "mp-kv-secret-0123456789abcdef"
+WRONG_SECRET = "mp-other-secret-0123456789abcdef"
+
+
+def test_torch_dist_pairs_after_an_outsider_draws_a_pair_number(cluster: dict[str, Any]) -> None:
+    """An outsider draws the next pair number from D1's store and never registers it (as a
+    sender killed between the two would): the next senders, other processes, still pair and
+    transfer bit for bit at once, not after the transfer timeout, and not never."""
+    import datetime
+
+    import torch.distributed as dist
+
+    w = cluster["w"]
+    key = "pairing-outsider"
+    info = w["D1"].call("rx_open", key, "torch_dist", "float32", timeout_s=10.0)
+    host, port = info["address"].rsplit(":", 1)
+    outsider = dist.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=5))
+    assert outsider.add("next_pair", 1) == 1
+    for p in ("P0", "P1"):
+        w[p].call("tx_open", key, "torch_dist", "float32", seed_of(p, "float32"), timeout_s=10.0)
+        t0 = time.monotonic()
+        transfer(cluster, "D1", p, key, f"after-outsider-{p}", 16 * 3 + 5)
+        assert time.monotonic() - t0 < PAIRING_BOUND_S
+    chk = assert_clean(cluster, "D1", key)
+    assert chk["num_pairs"] == 2 and chk["broken_pairs"] == 0, chk
+    assert w["D1"].call("rx_pairs", key)["skipped_pairs"] == 0  # number 0 waits out its 10 s
+
+
+def test_torch_dist_wrong_secret_refused_then_right_one_pairs(cluster: dict[str, Any]) -> None:
+    """With a secret, P0 holding another one is refused (no byte lands, the reservation
+    stays), then P1 holding the right one pairs and lands the same ticket."""
+    w = cluster["w"]
+    key = "pairing-secret"
+    w["D1"].call("rx_open_with_secret", key, SECRET, timeout_s=TIMEOUT_S)
+    w["P0"].call("tx_open_with_secret", key, WRONG_SECRET, seed_of("P0", "float32"))
+    w["P1"].call("tx_open_with_secret", key, SECRET, seed_of("P1", "float32"))
+    num_tokens = 16 * 2 + 3
+    src = kv_procs.spread_ids(blocks_for(num_tokens))
+    ticket = w["D1"].call("rx_reserve", key, "secret", num_tokens)
+    tid = pb.TransferTicket.FromString(ticket).transfer_id
+    t0 = time.monotonic()
+    [outcome] = w["P0"].call("tx_send", key, [(ticket, src)])
+    assert outcome.startswith("TransferUnauthenticated"), outcome
+    assert "authentication failed" in outcome, outcome
+    assert time.monotonic() - t0 < PAIRING_BOUND_S
+    assert w["D1"].call("rx_progress", key, tid)["bytes"] == 0
+    assert w["D1"].call("rx_pairs", key)["refused_pairs"] == 1
+    t0 = time.monotonic()
+    assert w["P1"].call("tx_send", key, [(ticket, src)]) == [COMPLETE]
+    assert time.monotonic() - t0 < PAIRING_BOUND_S
+    got = w["D1"].call("rx_collect", key, tid, seed_of("P1", "float32"), src, 10.0)
+    assert got["status"] == "complete" and got["exact"], got
+    assert_clean(cluster, "D1", key)
+    pairs = w["D1"].call("rx_pairs", key)
+    assert pairs["num_pairs"] == 2 and pairs["refused_pairs"] == 1, pairs

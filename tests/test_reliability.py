@@ -283,7 +283,7 @@ def test_a_full_decode_pool_sees_one_retry_at_a_time(tiny_dir: Path) -> None:
 
         async def one(i: int) -> int:
             ids = [rng.randrange(4, 512) for _ in range(64)]
-            act = router.admit(
+            act = await router.admit(
                 make_request(ids, f"r{i}", max_tokens=32, ignore_eos=True, temperature=0.0)
             )
             n = 0

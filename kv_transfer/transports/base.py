@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from kv_transfer.config import TransferConfig
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.registry import transport_module
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
@@ -63,6 +64,9 @@ class Transport(ABC):
         # The cluster's shared secret (kv_transfer/auth.py): an endpoint with one refuses
         # channels that cannot prove it; a channel with one talks only to endpoints that can.
         self.secret = secret
+
+    def configure(self, cfg: TransferConfig) -> None:  # noqa: B027 - most transports need none
+        """Take this transport's own settings from the config (before `listen`)."""
 
     @abstractmethod
     def listen(self, receiver: KVReceiver, host: str = "127.0.0.1") -> Endpoint: ...

@@ -16,6 +16,12 @@ With a shared secret (kv_transfer/auth.py) the call's metadata carries the trans
 sender's id and an HMAC over both; the servicer checks it before reading a single chunk
 (UNAUTHENTICATED otherwise) and then accepts frames of that transfer only. It answers with
 its own proof in the trailing metadata, which a sender holding the secret requires.
+
+Connection hygiene: the endpoint serves at most `max_streams` Push streams at once (one
+thread each); one more is refused at once with RESOURCE_EXHAUSTED instead of waiting behind
+the others. A stream that sends nothing for `idle_timeout_s` (the transfer timeout; a
+sender's own deadline is as long, for the whole call) is cancelled and its transfer failed,
+freeing its blocks (grpc_idle.py). A connection still in its handshake after that is closed.
 """
 
 from __future__ import annotations
@@ -32,8 +38,11 @@ import numpy as np
 import torch
 
 from kv_transfer import auth
+from kv_transfer.config import DEFAULT_MAX_PUSH_STREAMS, TransferConfig
 from kv_transfer.receiver import KVReceiver, Reservation, ack_of
+from kv_transfer.transports.base import DEFAULT_TIMEOUT_S as IDLE_S
 from kv_transfer.transports.base import Endpoint, SendChannel, Transport, register
+from kv_transfer.transports.grpc_idle import IdleWatch
 from kv_transfer.wire import TransferError, TransferRejected, TransferUnauthenticated, as_bytes
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 
@@ -288,19 +297,24 @@ def consume_stream(
 
 
 class _Servicer:
-    def __init__(self, receiver: KVReceiver, secret: str | None) -> None:
+    def __init__(self, receiver: KVReceiver, secret: str | None, idle_s: float = IDLE_S) -> None:
         self.receiver = receiver
         self.secret = secret
         self.num_refused = 0  # calls refused for failing authentication
+        self.idle = IdleWatch(idle_s)
 
     def Push(
         self, request_iterator: Iterator[pb.KVChunk | memoryview], context: grpc.ServicerContext
     ) -> pb.TransferAck:
-        if self.secret is None:
-            return consume_stream(self.receiver, request_iterator)
+        only = None if self.secret is None else self._authenticate(self.secret, context)
+        with self.idle.watch(context) as stream:  # cancelled when idle: fails its transfer
+            return consume_stream(self.receiver, stream.chunks(request_iterator), only)
+
+    def _authenticate(self, secret: str, context: grpc.ServicerContext) -> str:
+        """The transfer id the call proved it may carry; aborts it (UNAUTHENTICATED) if not."""
         md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
         transfer_id, sender = md.get(MD_TRANSFER, ""), md.get(MD_SENDER, "")
-        if not auth.verify(self.secret, md.get(MD_PROOF, ""), "grpc/sender", transfer_id, sender):
+        if not auth.verify(secret, md.get(MD_PROOF, ""), "grpc/sender", transfer_id, sender):
             self.num_refused += 1
             log.warning(
                 "kv push from %r (%s) refused: authentication failed", sender, context.peer()
@@ -310,18 +324,32 @@ class _Servicer:
                 "kv transfer authentication failed (no or wrong shared secret)",
             )
         context.set_trailing_metadata(
-            ((MD_PROOF, auth.proof(self.secret, "grpc/receiver", transfer_id, sender)),)
+            ((MD_PROOF, auth.proof(secret, "grpc/receiver", transfer_id, sender)),)
         )
-        return consume_stream(self.receiver, request_iterator, transfer_id)
+        return transfer_id
 
 
 class GrpcEndpoint(Endpoint):
-    def __init__(self, receiver: KVReceiver, host: str, secret: str | None = None) -> None:
+    def __init__(
+        self,
+        receiver: KVReceiver,
+        host: str,
+        secret: str | None = None,
+        max_streams: int = DEFAULT_MAX_PUSH_STREAMS,
+        idle_timeout_s: float = IDLE_S,
+    ) -> None:
+        self.max_streams = max_streams
+        # One thread per stream, and no stream waiting for a thread: one more than
+        # `max_streams` is refused (RESOURCE_EXHAUSTED) by gRPC before it reaches us.
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kv-grpc"),
-            options=GRPC_OPTIONS,
+            futures.ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="kv-grpc"),
+            options=[
+                *GRPC_OPTIONS,
+                ("grpc.server_handshake_timeout_ms", int(idle_timeout_s * 1000)),
+            ],
+            maximum_concurrent_rpcs=max_streams,
         )
-        self.servicer = _Servicer(receiver, secret)
+        self.servicer = _Servicer(receiver, secret, idle_timeout_s)
         # The generated service, with `decode_chunk` as its request deserializer.
         push = grpc.stream_unary_rpc_method_handler(
             self.servicer.Push,
@@ -336,6 +364,7 @@ class GrpcEndpoint(Endpoint):
         self.address = f"{host}:{port}"
 
     def close(self) -> None:
+        self.servicer.idle.close()
         self.server.stop(grace=None)
 
 
@@ -467,9 +496,15 @@ class GrpcChannel(SendChannel):
 @register
 class GrpcTransport(Transport):
     name = "grpc"
+    # Concurrent Push streams per endpoint (TransferConfig.max_push_streams); the idle
+    # limit per stream is the transport's timeout_s.
+    max_push_streams: int = DEFAULT_MAX_PUSH_STREAMS
+
+    def configure(self, cfg: TransferConfig) -> None:
+        self.max_push_streams = cfg.max_push_streams
 
     def listen(self, receiver: KVReceiver, host: str = "127.0.0.1") -> Endpoint:
-        return GrpcEndpoint(receiver, host, self.secret)
+        return GrpcEndpoint(receiver, host, self.secret, self.max_push_streams, self.timeout_s)
 
     def connect(self, address: str, sender_id: str) -> SendChannel:
         return GrpcChannel(address, self.timeout_s, sender_id, self.secret)

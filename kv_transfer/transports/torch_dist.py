@@ -1,12 +1,15 @@
 """torch.distributed point-to-point transport: gloo for CPU caches, NCCL for CUDA caches.
 
 One two-rank process group per (prefill worker, decode worker) pair, created lazily, with
-no global world: the decode worker hosts a `TCPStore` (its ticket's `channel_address`); a
-sender registers pair number ``i`` under ``pair/<i>`` and both sides build a group on
-``PrefixStore("pg/<i>", store)``. Control and data take separate paths:
+no global world: the decode worker hosts a `TCPStore` (its ticket's `channel_address`,
+listening on `transfer.host` only); a sender draws pair number ``i`` from ``next_pair``,
+registers it under ``pair/<i>`` and both sides build a group on
+``PrefixStore("pg/<i>", store)``. Registrations are served as they appear, in any order: a
+number nobody registers in time is skipped and holds up no later pair (`PairWatch`). Control
+and data take separate paths:
 
 * headers (and acks, and abort/close frames) go over a plain TCP **control connection** per
-  pair, to a port the decode worker publishes in its store (``ctl_port``), as length-prefixed
+  pair, to a port the decode worker names in the pair's challenge, as length-prefixed
   sealed protobuf records. Each side reads it with blocking socket reads: nothing polls, so
   an idle or waiting pair costs no CPU (on a small box, polling threads steal cycles from the
   prefill they overlap), a header or ack is seen one loopback hop after it is written, and a
@@ -16,14 +19,16 @@ sender registers pair number ``i`` under ``pair/<i>`` and both sides build a gro
   into the receiver's reserved pages, after the receiver validated the header.
 
 Before either side builds the group, the pair authenticates under ``auth/<i>/...``
-(kv_transfer/auth.py): the receiver writes a fresh ``nonce``, the sender answers with a
-``proof`` (an HMAC under the shared secret, or empty without one), and the receiver writes a
-``verdict``: its own proof, ``open`` (it has no secret) or ``refused: ...``. A refused pair
-never gets a group. The control connection opens with a ``hello`` sealed with a per-pair key
-derived from the nonce, and every record on it is sealed too, so a connection claiming a pair
-it did not authenticate is refused. The store and the control connection are plaintext: the
-secret gates pairing and control records, not the gloo or NCCL payload connections
-(docs/lifecycle.md, "Channel authentication").
+(kv_transfer/auth.py), on a store connection of its own (a c10d client runs one request at a
+time: one pair's wait would hold up every other's): the receiver writes a fresh ``nonce``
+(with its control port), the sender answers with a ``proof`` (an HMAC under the shared
+secret, or empty without one), and the receiver writes a ``verdict``: its own proof,
+``open`` (no secret) or ``refused: ...``. A refused pair never gets a group; at most
+`_MAX_AUTHENTICATING` pairs are in their challenge at once. The control connection opens
+with a ``hello`` sealed with a per-pair key derived from the nonce, and every record on it is
+sealed too, so a connection claiming a pair it did not authenticate is refused. The store
+and the control connection are plaintext: the secret gates pairing and control records, not
+the gloo or NCCL payload connections (docs/lifecycle.md, "Channel authentication").
 
 A pair that breaks (peer died, stalled past the timeout, undecodable frame) fails the
 transfers it carried and is dropped; other pairs are separate groups and carry on.
@@ -53,12 +58,18 @@ from kv_transfer.transports.torch_dist_pairing import (
     PairGroup,
     PairRefused,
     PairSlot,
+    PairWatch,
     Records,
     answer,
     auth_key,
     challenge,
+    claim_pair,
     ctl_key,
+    host_store,
+    listen_socket,
     make_pair_group,
+    own_connection,
+    refuse_busy,
     td,
 )
 from kv_transfer.wire import (
@@ -76,6 +87,7 @@ CLOSE_REASON = "pair closed"
 _ELEM_BYTES = {pb.KV_DTYPE_FLOAT32: 4, pb.KV_DTYPE_BFLOAT16: 2, pb.KV_DTYPE_FLOAT16: 2}
 _MAX_DRAIN_BYTES = 1 << 30
 _POLL_PAIRS_S = 0.01  # how often the endpoint looks for new pairs in its store
+_MAX_AUTHENTICATING = 64  # pairs in their challenge at once; more are turned away busy
 
 
 class TorchDistEndpoint(Endpoint):
@@ -85,16 +97,17 @@ class TorchDistEndpoint(Endpoint):
         self.receiver = receiver
         self.timeout_s = timeout_s
         self._secret = secret
-        self.store = dist.TCPStore(
-            host, 0, None, True, timeout=td(max(timeout_s, 30.0)), wait_for_workers=False
-        )
+        self.store = host_store(host, max(timeout_s, 30.0))
         self.address = f"{host}:{self.store.port}"
-        self._listener = socket.create_server((host, 0))
-        self.store.set("ctl_port", str(self._listener.getsockname()[1]))
+        self._listener = listen_socket(host)
+        self._ctl_port: int = self._listener.getsockname()[1]
         self._closed = threading.Event()
-        self.num_pairs = 0
+        self.num_pairs = 0  # registrations served (challenged)
+        self.skipped_pairs = 0  # pair numbers drawn but never registered within timeout_s
         self.broken_pairs = 0
         self.refused_pairs = 0  # failed authentication: never given a group
+        self.busy_pairs = 0  # turned away before their challenge: too many authenticating
+        self._authenticating = 0
         self.refused_connections = 0  # control connections claiming a pair they cannot seal
         self._lock = threading.Lock()
         self._seals: dict[int, RecordSeal] = {}  # pair -> its records' seal (after auth)
@@ -111,19 +124,41 @@ class TorchDistEndpoint(Endpoint):
             return self._pending.setdefault(pair, PairSlot())
 
     def _accept(self) -> None:
-        i = 0
-        while not self._closed.is_set():
-            if not self.store.check([f"pair/{i}"]):
-                time.sleep(_POLL_PAIRS_S)
+        """Serve registrations as they appear, in any order, on a store connection of its own."""
+        watch = PairWatch(self.timeout_s)
+        store: dist.Store | None = None
+        while not self._closed.wait(_POLL_PAIRS_S):
+            try:
+                store = store or own_connection(self.store)
+                found = watch.poll(store)
+            except Exception as e:  # c10d drops a client whose request failed: reconnect
+                log.warning("kv pair registrations: store poll failed: %s", e)
+                store = None
+                self._closed.wait(1.0)
                 continue
-            sender = self.store.get(f"pair/{i}").decode()
-            t = threading.Thread(
-                target=self._serve_pair, args=(i, sender), name=f"kv-pair-{i}", daemon=True
-            )
-            t.start()
-            self._threads.append(t)
-            i += 1
-            self.num_pairs = i
+            self.skipped_pairs = watch.skipped
+            for pair, sender in found:
+                self._start_pair(store, pair, sender)
+
+    def _start_pair(self, store: dist.Store, pair: int, sender: str) -> None:
+        t = threading.Thread(
+            target=self._serve_pair, args=(pair, sender), name=f"kv-pair-{pair}", daemon=True
+        )
+        with self._lock:  # close() joins every thread started before it
+            if self._closed.is_set():
+                return
+            busy = self._authenticating >= _MAX_AUTHENTICATING
+            if not busy:
+                self._authenticating += 1
+                self._threads = [x for x in self._threads if x.is_alive()]
+                self._threads.append(t)
+                t.start()
+        self.num_pairs += 1
+        if busy:
+            self.busy_pairs += 1
+            log.warning("kv pair %d from %r turned away: too many authenticating", pair, sender)
+            with contextlib.suppress(Exception):  # unsaid, its sender waits out its timeout
+                refuse_busy(store, pair, f"more than {_MAX_AUTHENTICATING} pairs authenticating")
 
     def _accept_control(self) -> None:
         while not self._closed.is_set():
@@ -143,7 +178,7 @@ class TorchDistEndpoint(Endpoint):
             record = records.read(self.timeout_s)
             if record is None:  # said nothing in time
                 raise EOFError
-            pair = int(record[:10].split(b":")[0])
+            pair = int(record[:24].split(b":")[0])
         except (OSError, EOFError, ValueError):
             records.close()
             return
@@ -164,30 +199,39 @@ class TorchDistEndpoint(Endpoint):
             return
         slot.connected.set()
 
-    def _challenge(self, pair: int, sender: str) -> RecordSeal | None:
-        """Authenticate the pair's sender; its records' seal, or None when refused (the
-        refusal is counted before its verdict is written, so a refused sender sees it)."""
+    def _challenge(self, pair: int, sender: str) -> tuple[dist.Store, RecordSeal] | None:
+        """Authenticate the pair's sender on a store connection of its own; that connection
+        and the records' seal, or None when refused (counted before the verdict is written)."""
         try:
-            return challenge(self.store, pair, sender, self._secret, self.timeout_s)
-        except PairRefused as e:
-            self._refuse(pair, sender, str(e))
-            return None
+            store = own_connection(self.store)
+            try:
+                args = (self._secret, self.timeout_s, self._ctl_port, self._closed)
+                return store, challenge(store, pair, sender, *args)
+            except PairRefused as e:
+                self._refuse(store, pair, sender, str(e))
+        except Exception as e:  # the store connection failed (tampered keys, closing)
+            log.warning("kv pair %d from %r: challenge failed: %s", pair, sender, e)
+        finally:
+            with self._lock:
+                self._authenticating -= 1
+        return None
 
-    def _refuse(self, pair: int, sender: str, why: str) -> None:
+    def _refuse(self, store: dist.Store, pair: int, sender: str, why: str) -> None:
         self.refused_pairs += 1
-        self.store.set(auth_key(pair, "verdict"), VERDICT_REFUSED + why)
+        store.set(auth_key(pair, "verdict"), VERDICT_REFUSED + why)
         log.warning("kv pair %d from %r refused: %s", pair, sender, why)
 
     def _serve_pair(self, pair: int, sender: str) -> None:
-        seal = self._challenge(pair, sender)
-        if seal is None:
+        authenticated = self._challenge(pair, sender)
+        if authenticated is None:
             return
+        store, seal = authenticated
         slot = self._slot(pair)
         self._seals[pair] = seal
         slot.sealed.set()
         try:
             group = make_pair_group(
-                dist.PrefixStore(f"pg/{pair}", self.store),
+                dist.PrefixStore(f"pg/{pair}", store),
                 1,
                 self.receiver.cache.device,
                 self.timeout_s,
@@ -205,6 +249,7 @@ class TorchDistEndpoint(Endpoint):
             records.close()
             with self._lock:
                 self._pending.pop(pair, None)
+                self._seals.pop(pair, None)
 
     def _serve_frames(
         self, pair: int, sender: str, seal: RecordSeal, group: PairGroup, records: Records
@@ -324,6 +369,7 @@ class TorchDistEndpoint(Endpoint):
         with self._lock:
             self._closed.set()
             slots = list(self._pending.values())
+            threads = list(self._threads)
         with contextlib.suppress(OSError):  # shutdown, not just close, wakes accept()
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
@@ -332,7 +378,7 @@ class TorchDistEndpoint(Endpoint):
             slot.connected.set()
             if slot.records is not None:
                 slot.records.close()
-        for t in self._threads:
+        for t in threads:
             t.join(self.timeout_s + 1.0)
 
 
@@ -394,13 +440,11 @@ class TorchDistChannel(SendChannel):
         # milliseconds and keeps "peer is gone" distinct from "peer is slow".
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
         self.store = dist.TCPStore(host, int(port), None, False, timeout=td(timeout_s))
-        self.pair = int(self.store.add("next_pair", 1)) - 1
-        self.store.set(f"pair/{self.pair}", sender_id)
-        self.seal = answer(self.store, self.pair, sender_id, secret, address)
+        self.pair = claim_pair(self.store, sender_id)
+        self.seal, ctl_port = answer(self.store, self.pair, sender_id, secret, address)
         self.group = make_pair_group(
             dist.PrefixStore(f"pg/{self.pair}", self.store), 0, device, timeout_s
         )
-        ctl_port = int(self.store.get("ctl_port"))
         sock = socket.create_connection((host, ctl_port), timeout=timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._records = Records(sock)

@@ -73,16 +73,51 @@ pdserve.io/ray-cluster: {{ include "pdserve.fullname" . }}
 {{- end }}
 {{- end }}
 
-{{/* The KV transfer shared secret for a worker container, or nothing when none is set. */}}
-{{- define "pdserve.kvSecretEnv" -}}
+{{/* The Secret holding the router's API key, or "" when apiKey.enabled is off. */}}
+{{- define "pdserve.apiKeySecret" -}}
+{{- with .Values.router.apiKey }}
+{{- if .enabled }}
+{{- default (printf "%s-api-key" (include "pdserve.fullname" $)) .existingSecret }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.apiKeySecretKey" -}}
+{{- if .Values.router.apiKey.existingSecret }}{{ .Values.router.apiKey.key }}{{ else }}api-key{{ end }}
+{{- end }}
+
+{{/* The Secret holding the KV transfer shared secret, or "" when sharedSecret.enabled is off. */}}
+{{- define "pdserve.kvSecret" -}}
 {{- with .Values.kvTransfer.sharedSecret }}
-{{- if .existingSecret }}
+{{- if .enabled }}
+{{- default (printf "%s-kv" (include "pdserve.fullname" $)) .existingSecret }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.kvSecretKey" -}}
+{{- with .Values.kvTransfer.sharedSecret }}{{ if .existingSecret }}{{ .key }}{{ else }}kv-secret{{ end }}{{ end }}
+{{- end }}
+
+{{/* The KV transfer shared secret for a worker container, or nothing when it is off. */}}
+{{- define "pdserve.kvSecretEnv" -}}
+{{- with include "pdserve.kvSecret" . }}
 - name: PDSERVE_KV_SECRET
   valueFrom:
     secretKeyRef:
-      name: {{ .existingSecret }}
-      key: {{ .key }}
+      name: {{ . }}
+      key: {{ include "pdserve.kvSecretKey" $ }}
 {{- end }}
+{{- end }}
+
+{{/* The router's API key, or nothing when it is off. */}}
+{{- define "pdserve.apiKeyEnv" -}}
+{{- with include "pdserve.apiKeySecret" . }}
+- name: PDSERVE_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ include "pdserve.apiKeySecretKey" $ }}
 {{- end }}
 {{- end }}
 
@@ -146,7 +181,7 @@ group offers exactly one, so every pod runs one actor.
 {{- $owned := dict
   "prefill" (list "num_workers" "num_gpus" "resources")
   "decode" (list "num_workers" "num_gpus" "resources")
-  "router" (list "host" "grpc_port" "http_port" "tls_cert" "tls_key" "tls_client_ca")
+  "router" (list "host" "grpc_port" "http_port" "tls_cert" "tls_key" "tls_client_ca" "api_key")
   "ray" (list "address")
   "transfer" (list "shared_secret")
   "index" (list "redis_url")
