@@ -3,7 +3,9 @@ a Router whose pools never get called."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from router.config import RouterConfig
@@ -64,3 +66,36 @@ def router_without_workers(
     info = gen.ModelInfo(served_model_name="m", max_context_length=2048, block_size=16)
     limits = ModelLimits("m", 512, 2048)
     return Router(cfg, limits, None, info, pool(Role.PREFILL), pool(Role.DECODE), "local")
+
+
+@contextlib.contextmanager
+def servers_without_workers(cfg: RouterConfig) -> Iterator[tuple[int, int]]:
+    """The router's gRPC server and HTTP app over `router_without_workers(cfg)`, on an event
+    loop thread of their own; yields (gRPC port, HTTP port)."""
+    import asyncio
+    import threading
+
+    from router.http import start_http_server
+    from router.service import start_server
+
+    router = router_without_workers(cfg)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    async def up() -> tuple[Any, Any]:
+        grpc_server = await start_server(router, "127.0.0.1", 0)
+        await grpc_server.set_serving(True)
+        return grpc_server, await start_http_server(router, "127.0.0.1", 0)
+
+    grpc_server, http_server = call(up())
+    try:
+        yield grpc_server.port, http_server.port
+    finally:
+        call(http_server.stop(2.0))
+        call(grpc_server.server.stop(grace=0.1))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import http.client
 import socket
@@ -31,7 +30,7 @@ import grpc
 import kv_procs
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from in_process import router_without_workers
+from in_process import servers_without_workers
 
 from engine.block_manager import BlockManager
 from kv_transfer.config import TransferConfig
@@ -65,30 +64,8 @@ class Servers:
 @contextlib.contextmanager
 def serving(cfg: RouterConfig) -> Iterator[Servers]:
     """The router's gRPC server and HTTP app on a router without workers, on their own loop."""
-    from router.http import start_http_server
-    from router.service import start_server
-
-    router = router_without_workers(cfg)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    def call(coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
-
-    async def up() -> tuple[Any, Any]:
-        grpc_server = await start_server(router, "127.0.0.1", 0)
-        await grpc_server.set_serving(True)
-        return grpc_server, await start_http_server(router, "127.0.0.1", 0)
-
-    grpc_server, http_server = call(up())
-    try:
-        yield Servers(grpc_server.port, http_server.port)
-    finally:
-        call(http_server.stop(2.0))
-        call(grpc_server.server.stop(grace=0.1))
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+    with servers_without_workers(cfg) as (grpc_port, http_port):
+        yield Servers(grpc_port, http_port)
 
 
 def router_cfg(**kw: Any) -> RouterConfig:

@@ -17,7 +17,6 @@ an intruder's client certificate. Then:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime
 import http.client
@@ -27,7 +26,6 @@ import json
 import ssl
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -42,7 +40,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from in_process import router_without_workers
+from in_process import servers_without_workers
 from serve_proc import ROOT, ServeProcess
 
 from pdserve.cli import build_parser, main, serve_config
@@ -292,9 +290,6 @@ class MtlsServers:
 
 @pytest.fixture(scope="module")
 def mtls(pki: Pki) -> Iterator[MtlsServers]:
-    from router.http import start_http_server
-    from router.service import start_server
-
     cfg = RouterConfig(
         grpc_port=0,
         http_port=0,
@@ -305,27 +300,8 @@ def mtls(pki: Pki) -> Iterator[MtlsServers]:
     tls = ServerTLS.of(cfg)
     assert tls is not None and tls.mutual
     tls.check()
-    router = router_without_workers(cfg)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    def call(coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
-
-    async def up() -> tuple[Any, Any]:
-        grpc_server = await start_server(router, "127.0.0.1", 0)
-        await grpc_server.set_serving(True)
-        return grpc_server, await start_http_server(router, "127.0.0.1", 0)
-
-    grpc_server, http_server = call(up())
-    try:
-        yield MtlsServers(f"127.0.0.1:{grpc_server.port}", http_server.port)
-    finally:
-        call(http_server.stop())
-        call(grpc_server.server.stop(grace=0.1))
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+    with servers_without_workers(cfg) as (grpc_port, http_port):
+        yield MtlsServers(f"127.0.0.1:{grpc_port}", http_port)
 
 
 def model_info(target: str, tls: ClientTLS) -> gen.ModelInfo:
