@@ -58,5 +58,13 @@ RUN pip install "ray[default]==${RAY_VERSION}" "/src[models]" \
 
 USER 1000
 WORKDIR /home/ray
+# gRPC and HTTP (OpenAI API, /health, /metrics) of `pdserve serve`.
 EXPOSE 50051 8000
-CMD ["pdserve", "--help"]
+# `docker run IMAGE [serve flags]` serves, like vLLM's image: on every interface of the
+# container (a published port needs that), with a local Ray inside it (give it --shm-size),
+# the baked default model unless --model says otherwise. Listening on 0.0.0.0, set an API key:
+# -e PDSERVE_API_KEY or --api-key-file (README.md, "Running the container"). Other commands:
+# --entrypoint pdserve (e.g. `client`) or --entrypoint ray. The Helm chart and KubeRay set
+# each container's command, so this does not apply there.
+ENTRYPOINT ["pdserve", "serve", "--host", "0.0.0.0"]
+CMD []

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -252,6 +253,11 @@ class CacheConfig:
     # Cap on the decode workspace, the contiguous copy of the running requests' K/V that
     # spares decode a per-step gather of every page (engine.decode_workspace); 0 disables it.
     decode_workspace_mib: int = 1024
+    # Size the cache from memory instead (`num_blocks` is then what the worker computes,
+    # engine.engine.size_kv_cache): bytes of K/V per worker (an int, or "4GiB"/"512MiB" in
+    # YAML), or on CUDA the fraction of device memory to fill after the weights. At most one.
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -260,6 +266,84 @@ class CacheConfig:
             raise ConfigError(f"num_kv_blocks={self.num_blocks} must be positive")
         if self.decode_workspace_mib < 0:
             raise ConfigError(f"decode_workspace_mib={self.decode_workspace_mib} must be >= 0")
+        memory: object = self.kv_cache_memory
+        if isinstance(memory, str):  # YAML may spell it "4GiB"
+            object.__setattr__(self, "kv_cache_memory", parse_bytes(memory))
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError(f"kv_cache_memory={self.kv_cache_memory} must be positive")
+        util = self.gpu_memory_utilization
+        if util is not None and not 0 < util <= 1:
+            raise ConfigError(f"gpu_memory_utilization={util} must be in (0, 1]")
+        if self.kv_cache_memory is not None and util is not None:
+            raise ConfigError("kv_cache_memory and gpu_memory_utilization: set one, not both")
+
+    @property
+    def sized_from_memory(self) -> bool:
+        return self.kv_cache_memory is not None or self.gpu_memory_utilization is not None
+
+    def with_memory(self, budget_bytes: int, bytes_per_block: int) -> CacheConfig:
+        """This config with `num_blocks` = what `budget_bytes` holds (whole blocks)."""
+        num_blocks = kv_blocks_for(budget_bytes, bytes_per_block)
+        if num_blocks < 1:
+            raise ConfigError(
+                f"KV cache memory {format_bytes(budget_bytes)} holds no block of "
+                f"{format_bytes(bytes_per_block)} (block_size={self.block_size}): give more "
+                "memory (--kv-cache-memory, --gpu-memory-utilization) or --num-kv-blocks"
+            )
+        return replace(self, num_blocks=num_blocks)
+
+
+def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype_bytes: int) -> int:
+    """K and V of `block_size` tokens over all layers:
+    block_size x 2 x num_layers x num_kv_heads x head_dim x dtype bytes."""
+    return block_size * model.kv_bytes_per_token(dtype_bytes)
+
+
+def kv_blocks_for(budget_bytes: int, bytes_per_block: int) -> int:
+    """Whole blocks that fit in `budget_bytes` (0 when none does)."""
+    return max(0, int(budget_bytes)) // bytes_per_block
+
+
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "ki": 2**10,
+    "kib": 2**10,
+    "mi": 2**20,
+    "mib": 2**20,
+    "gi": 2**30,
+    "gib": 2**30,
+    "ti": 2**40,
+    "tib": 2**40,
+}
+_BYTES_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: plain bytes, or a number with a unit, binary (KiB, MiB, GiB, TiB; Ki..)
+    or decimal (KB, MB, GB, TB; K..), case-insensitive: "4GiB", "512MiB", "1.5G"."""
+    m = _BYTES_RE.fullmatch(text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _BYTE_UNITS:
+        raise ConfigError(f"{text!r} is not a byte count (BYTES, NMiB, NGiB, NGB ...)")
+    return int(float(m.group(1)) * _BYTE_UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
 
 
 @dataclass(frozen=True)

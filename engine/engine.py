@@ -19,7 +19,14 @@ import torch
 
 from engine import cpu
 from engine.block_manager import BlockManager
-from engine.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    ConfigError,
+    ModelConfig,
+    SchedulerConfig,
+    format_bytes,
+    kv_bytes_per_block,
+)
 from engine.kv_cache import DTYPES, PagedKVCache
 from engine.model import LayerHook, LlamaModel
 from engine.prefix_hash import namespace_seed
@@ -70,6 +77,40 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: str) -> torch.dtype:
     if chosen == "float16" and on_cpu:
         chosen = "float32"
     return DTYPES[chosen]
+
+
+def size_kv_cache(
+    cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, device: str
+) -> CacheConfig:
+    """`cache` with `num_blocks` chosen from memory when a memory setting is given (else as
+    is): `kv_cache_memory` bytes, or on CUDA what `gpu_memory_utilization` leaves of device
+    memory once the weights are loaded (call it after loading them)."""
+    if not cache.sized_from_memory:
+        return cache
+    per_block = kv_bytes_per_block(model, cache.block_size, dtype.itemsize)
+    if cache.kv_cache_memory is not None:
+        return cache.with_memory(cache.kv_cache_memory, per_block)
+    assert cache.gpu_memory_utilization is not None
+    budget = device_kv_budget(device, cache.gpu_memory_utilization, cache.decode_workspace_mib)
+    return cache.with_memory(budget, per_block)
+
+
+def device_kv_budget(device: str, utilization: float, workspace_mib: int) -> int:
+    """Bytes for K/V on a CUDA device: free memory now, minus the (1 - utilization) share of
+    the device kept free, minus the decode workspace's cap (allocated later)."""
+    if not device.startswith("cuda"):
+        raise ConfigError(
+            f"gpu_memory_utilization needs a CUDA device (model.device={device!r}); "
+            "on a CPU size the KV cache with kv_cache_memory (--kv-cache-memory)"
+        )
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    budget = int(free - (1.0 - utilization) * total) - (workspace_mib << 20)
+    if budget <= 0:
+        raise ConfigError(
+            f"gpu_memory_utilization={utilization}: {format_bytes(free)} of "
+            f"{format_bytes(total)} free after the weights leaves no room for the KV cache"
+        )
+    return budget
 
 
 @dataclass(frozen=True)
@@ -129,6 +170,7 @@ class LLMEngine:
         mcfg = ModelConfig.from_hf(cfg.model)
         dtype = resolve_dtype(cfg.dtype, mcfg.dtype, cfg.device)
         weights = load_weights(cfg.model, mcfg, dtype, cfg.device)
+        cache = size_kv_cache(cfg.cache, mcfg, dtype, cfg.device)  # after the weights
         max_len = cfg.scheduler.context_len(mcfg)
         sched = SchedulerConfig(
             cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, max_len
@@ -138,7 +180,7 @@ class LLMEngine:
             if (Path(cfg.model) / "tokenizer.json").exists()
             else None
         )
-        return cls(mcfg, LlamaModel(mcfg, weights, max_len), tokenizer, cfg.cache, sched)
+        return cls(mcfg, LlamaModel(mcfg, weights, max_len), tokenizer, cache, sched)
 
     # ---- requests ------------------------------------------------------------------------
     def validate(

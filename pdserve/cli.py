@@ -8,7 +8,8 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kv_transfer.registry import SERVE_TRANSPORT_NAMES
@@ -60,61 +61,103 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("pdserve")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default after its help, unless the help says it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default:" in text or "default %(default)s" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    shown = _DefaultsShown
 
-    model = sub.add_parser("model", help="checkpoint tools").add_subparsers(
+    model = sub.add_parser("model", help="checkpoint tools", formatter_class=shown).add_subparsers(
         dest="model_command", required=True
     )
-    init = model.add_parser("init", help="write a random-weight HF-format Llama checkpoint")
-    init.add_argument("--preset", required=True, choices=["tiny", "small"])
-    init.add_argument("--out", required=True)
-    init.add_argument("--seed", type=int, default=0)
-    init.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    init = model.add_parser(
+        "init", help="write a random-weight HF-format Llama checkpoint", formatter_class=shown
+    )
+    init.add_argument("--preset", required=True, choices=["tiny", "small"], help="model size")
+    init.add_argument("--out", required=True, help="checkpoint directory to write")
+    init.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    init.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="weights' dtype"
+    )
     fetch = model.add_parser(
-        "fetch", help="download and convert a named model; prints its directory last"
+        "fetch",
+        help="download and convert a named model; prints its directory last",
+        formatter_class=shown,
     )
     fetch.add_argument("name", help="smollm2-135m-instruct")
     fetch.add_argument("--out", default=None, help="default $PDSERVE_HOME/models/NAME-DTYPE")
-    fetch.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    fetch.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="weights' dtype"
+    )
 
-    gen = sub.add_parser("generate", help="run the engine in process (colocated)")
+    gen = sub.add_parser(
+        "generate", help="run the engine in process (colocated)", formatter_class=shown
+    )
     _add_model_flags(gen)
-    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--max-tokens", type=int, default=32, help="output tokens per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence")
     gen.add_argument(
         "--chat",
         action="store_true",
         help="each PROMPT is one user message, rendered with the model's chat template",
     )
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt (JSONL)")
-    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text")
 
-    trace = sub.add_parser("trace", help="anatomy of prefill and decode against the roofline")
+    trace = sub.add_parser(
+        "trace", help="anatomy of prefill and decode against the roofline", formatter_class=shown
+    )
     _add_model_flags(trace)
-    trace.add_argument("--json", action="store_true")
-    trace.add_argument("prompt", metavar="PROMPT")
+    trace.add_argument("--json", action="store_true", help="print the trace as JSON")
+    trace.add_argument("prompt", metavar="PROMPT", help="prompt text")
 
-    serve = sub.add_parser("serve", help="run the disaggregated service (gRPC)")
+    serve = sub.add_parser(
+        "serve", help="run the disaggregated service (gRPC and the OpenAI HTTP API)"
+    )
     _add_serve_flags(serve)
 
     from pdserve.client import add_tls_args
 
-    client = sub.add_parser("client", help="stream one request from a running server")
+    client = sub.add_parser(
+        "client", help="stream one request from a running server", formatter_class=shown
+    )
     client.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT")
-    client.add_argument("--max-tokens", type=int, default=None)
-    client.add_argument("--temperature", type=float, default=None)
+    client.add_argument(
+        "--max-tokens", type=int, default=None, help="output tokens (default: the server's)"
+    )
+    client.add_argument(
+        "--temperature", type=float, default=None, help="0 means greedy (default: the server's)"
+    )
     client.add_argument("--json", action="store_true", help="print the final message as JSON")
     client.add_argument(
         "--api-key", default=None, help="sent as `authorization: Bearer KEY` (env PDSERVE_API_KEY)"
     )
     add_tls_args(client)
-    client.add_argument("prompt", metavar="PROMPT")
+    client.add_argument("prompt", metavar="PROMPT", help="prompt text")
 
     from pdserve.tools.bench import add_cli_args as add_bench_args
 
@@ -126,68 +169,168 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@dataclass(frozen=True)
+class ServeFlag:
+    """One `pdserve serve` flag that sets one key of the config tree. `default` is the
+    tree's own default, shown in --help (tests/test_cli_ops.py pins it to ServeConfig());
+    the flag's argparse default is None, so that an unset flag leaves the YAML file's value."""
+
+    dest: str
+    section: str
+    key: str
+    help: str
+    default: Any = None
+    type: Callable[[str], Any] = str
+    aliases: tuple[str, ...] = ()  # more option strings, listed first (vLLM's spelling)
+    choices: Sequence[str] | None = None
+    metavar: str | None = None
+    default_text: str | None = None  # shown instead of `default`
+    switch: bool = False  # store_true
+
+    @property
+    def option(self) -> str:
+        return "--" + self.dest.replace("_", "-")
+
+    def add_to(self, p: argparse.ArgumentParser) -> None:
+        shown = self.default_text if self.default_text is not None else self.default
+        help_text = f"{self.help} (default: {shown})".replace("%", "%%")
+        names = (*self.aliases, self.option)
+        if self.switch:
+            p.add_argument(
+                *names, dest=self.dest, action="store_true", default=None, help=help_text
+            )
+            return
+        p.add_argument(
+            *names,
+            dest=self.dest,
+            type=self.type,
+            default=None,
+            choices=self.choices,
+            metavar=self.metavar,
+            help=help_text,
+        )
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (0-65535; 0 picks a free one)")
+    return port
+
+
+def _bytes(text: str) -> int:
+    from engine.config import ConfigError, parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]")
+    return value
+
+
+def _serve_table() -> tuple[ServeFlag, ...]:
+    from pdserve.models import DEFAULT_MODEL
+
+    F = ServeFlag
+    return (
+        F("model", "model", "model", MODEL_HELP, DEFAULT_MODEL),
+        F("served_model_name", "model", "served_model_name", "the model name the API serves",
+          None, default_text="the --model as given"),
+        F("dtype", "model", "dtype", DTYPE_HELP, "auto", choices=DTYPE_CHOICES),
+        F("chat_template", "model", "chat_template", "Jinja file overriding the model's chat "
+          "template", None, metavar="PATH", default_text="the checkpoint's"),
+        F("max_model_len", "scheduler", "max_model_len", "prompt + output tokens per request; "
+          "capped to the checkpoint's max_position_embeddings", None, int,
+          default_text="the checkpoint's max_position_embeddings"),
+        F("max_num_seqs", "scheduler", "max_num_seqs", "running requests decoded together",
+          64, int),
+        F("max_num_batched_tokens", "scheduler", "max_num_batched_tokens",
+          "prompt tokens in one prefill step (the chunk budget)", 2048, int),
+        F("block_size", "cache", "block_size", "tokens per KV block (a power of two)", 16, int),
+        F("num_kv_blocks", "cache", "num_blocks", "KV blocks per worker; overrides "
+          "--kv-cache-memory and --gpu-memory-utilization", 1024, int,
+          default_text="1024 unless a memory flag sizes the cache"),
+        F("kv_cache_memory", "cache", "kv_cache_memory", "size each worker's KV cache to this "
+          "much memory: BYTES, NMiB, NGiB (binary) or NMB, NGB (decimal); vLLM's "
+          "VLLM_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes", None, _bytes, metavar="SIZE",
+          default_text="off: --num-kv-blocks"),
+        F("gpu_memory_utilization", "cache", "gpu_memory_utilization", "CUDA: size each "
+          "worker's KV cache to fill this fraction of the device's memory, counting what is in "
+          "use after the weights (vLLM's default is 0.9; workers sharing a device: prefer "
+          "--kv-cache-memory)", None, _fraction, metavar="FRACTION",
+          default_text="off: --num-kv-blocks"),
+        F("prefill_workers", "prefill", "num_workers", "prefill workers (Ray actors)", 1, int),
+        F("decode_workers", "decode", "num_workers", "decode workers (Ray actors)", 1, int),
+        F("transport", "transfer", "transport", "KV transport between the pools", "torch_dist",
+          choices=SERVE_TRANSPORT_NAMES),
+        F("host", "router", "host", "bind address of both ports", "127.0.0.1"),
+        F("http_port", "router", "http_port", "OpenAI-compatible HTTP API port; 0 picks one",
+          8000, _port, aliases=("--port",), metavar="PORT"),
+        F("grpc_port", "router", "grpc_port", "gRPC API port; 0 picks one", 50051, _port,
+          metavar="PORT"),
+        F("tls_cert", "router", "tls_cert", "PEM certificate chain: serve gRPC and HTTP over "
+          "TLS", None, metavar="PATH", default_text="no TLS"),
+        F("tls_key", "router", "tls_key", "PEM private key of --tls-cert (unencrypted)", None,
+          metavar="PATH", default_text="none"),
+        F("tls_client_ca", "router", "tls_client_ca", "PEM CA bundle: require client "
+          "certificates it signed on both ports (mTLS)", None, metavar="PATH",
+          default_text="no client certificates"),
+        F("local_prefill_threshold", "router", "local_prefill_threshold", "prompts with at "
+          "most N uncached tokens prefill on the decode worker (0: always disaggregate)", 0,
+          int, metavar="N"),
+        F("stats_interval_s", "router", "stats_log_interval_s", "log one line of throughput "
+          "and load every this many seconds; 0 turns it off", 10.0, float, metavar="SECONDS",
+          default_text="10"),
+        F("enable_log_requests", "router", "log_requests", "log one line per request (id, "
+          "prompt and output tokens, finish reason, latency; never its text)", False,
+          switch=True),
+        F("ray_address", "ray", "address", "auto or HOST:PORT of a cluster started with `ray "
+          "start --head`", None, default_text="start a local Ray"),
+        F("redis_url", "index", "redis_url", "prefix index on Redis (redis://, rediss://, "
+          f"user@ ACL); env {REDIS_URL_ENV} when unset. Its password: env "
+          f"{REDIS_PASSWORD_ENV} or --redis-password-file (one in this URL is visible to `ps` "
+          "and Ray's job table)", None, metavar="URL", default_text="in the router's memory"),
+    )  # fmt: skip
+
+
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_LEVEL_ENV = "PDSERVE_LOG_LEVEL"
+SERVE_TABLE = _serve_table()
 # flag -> (config section, key); the only place flags meet the config tree
 SERVE_FLAGS: dict[str, tuple[str, str]] = {
-    "model": ("model", "model"),
-    "served_model_name": ("model", "served_model_name"),
-    "dtype": ("model", "dtype"),
-    "chat_template": ("model", "chat_template"),
-    "max_model_len": ("scheduler", "max_model_len"),
-    "max_num_seqs": ("scheduler", "max_num_seqs"),
-    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
-    "block_size": ("cache", "block_size"),
-    "num_kv_blocks": ("cache", "num_blocks"),
-    "prefill_workers": ("prefill", "num_workers"),
-    "decode_workers": ("decode", "num_workers"),
-    "transport": ("transfer", "transport"),
-    "host": ("router", "host"),
-    "grpc_port": ("router", "grpc_port"),
-    "http_port": ("router", "http_port"),
-    "api_key": ("router", "api_key"),
-    "tls_cert": ("router", "tls_cert"),
-    "tls_key": ("router", "tls_key"),
-    "tls_client_ca": ("router", "tls_client_ca"),
-    "local_prefill_threshold": ("router", "local_prefill_threshold"),
-    "ray_address": ("ray", "address"),
-    "redis_url": ("index", "redis_url"),
+    **{f.dest: (f.section, f.key) for f in SERVE_TABLE},
+    "api_key": ("router", "api_key"),  # its own flag group: --api-key or --api-key-file
 }
 
 
 def _add_serve_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="YAML file mapping onto the config tree")
+    p.add_argument(
+        "--config", default=None, metavar="PATH", help="YAML file mapping onto the config tree "
+        "(docs/config.md); flags override it (default: none)",
+    )  # fmt: skip
     p.add_argument(
         "model_positional", nargs="?", default=None, metavar="MODEL", help="same as --model"
     )
-    p.add_argument("--model", default=None, help=f"{MODEL_HELP}; default smollm2-135m-instruct")
-    p.add_argument("--served-model-name", default=None)
+    for flag in SERVE_TABLE:
+        flag.add_to(p)
     p.add_argument(
-        "--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"], help=DTYPE_HELP
-    )
-    p.add_argument(
-        "--chat-template", default=None, help="Jinja file overriding the model's chat template"
-    )
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--prefill-workers", type=int, default=None)
-    p.add_argument("--decode-workers", type=int, default=None)
-    p.add_argument("--transport", default=None, choices=SERVE_TRANSPORT_NAMES)
-    p.add_argument("--host", default=None, help="router bind address (default 127.0.0.1)")
-    p.add_argument("--grpc-port", type=int, default=None, help="default 50051; 0 picks one")
-    p.add_argument(
-        "--http-port", type=int, default=None, help="OpenAI HTTP API; default 8000; 0 picks one"
-    )
-    p.add_argument(
-        "--no-http", action="store_true", default=None, help="serve gRPC only (no HTTP server)"
-    )
+        "--no-http", action="store_true", default=None,
+        help="serve gRPC only, no HTTP server (default: HTTP on)",
+    )  # fmt: skip
     key = p.add_mutually_exclusive_group()
     key.add_argument(
         "--api-key",
         default=None,
         help="require `Authorization: Bearer KEY` on HTTP /v1/* and gRPC; on the command line "
-        "`ps` and Ray's job table show it: prefer --api-key-file or env PDSERVE_API_KEY",
+        "`ps` and Ray's job table show it: prefer --api-key-file or env PDSERVE_API_KEY "
+        "(default: no key)",
     )
     key.add_argument(
         "--api-key-file",
@@ -196,49 +339,58 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="read the API key from a file (one line); env PDSERVE_API_KEY holds it otherwise",
     )
     p.add_argument(
-        "--tls-cert", default=None, help="PEM certificate chain: serve gRPC and HTTP over TLS"
-    )
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert (unencrypted)")
-    p.add_argument(
-        "--tls-client-ca",
-        default=None,
-        help="PEM CA bundle: require client certificates it signed on both ports (mTLS)",
-    )
-    p.add_argument(
-        "--local-prefill-threshold",
-        type=int,
-        default=None,
-        help="prompts with at most N uncached tokens prefill on the decode worker",
-    )
-    p.add_argument(
-        "--ray-address",
-        default=None,
-        help="auto or HOST:PORT of a cluster started with `ray start --head`",
-    )
-    p.add_argument(
-        "--redis-url",
-        default=None,
-        help="prefix index on Redis (redis://, rediss://, user@ ACL); default in-process. "
-        "Env PDSERVE_REDIS_URL when unset. Its password: env PDSERVE_REDIS_PASSWORD or "
-        "--redis-password-file (one in this URL is visible to `ps` and Ray's job table)",
-    )
-    p.add_argument(
         "--redis-password-file",
         default=None,
         metavar="PATH",
         help="read the Redis password from a file (one line) into the Redis URL",
     )
     p.add_argument(
-        "--colocated",
-        action="store_true",
-        default=None,
-        help="each decode worker runs both phases (the baseline)",
+        "--colocated", action="store_true", default=None,
+        help="each decode worker runs both phases, the baseline (default: disaggregated)",
+    )  # fmt: skip
+    p.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+        help="GPUs per worker; only 1: tensor parallelism is not supported yet (default: 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--log-level", default=None, choices=LOG_LEVELS, type=str.lower,
+        help=f"Python logging level of this process (default: env {LOG_LEVEL_ENV}, else info)",
+    )  # fmt: skip
+
+
+def configure_logging(level: str | None, default: str = "info") -> None:
+    """Python logging for this process, once: `level`, else env PDSERVE_LOG_LEVEL, else
+    `default`; one line a record on stderr."""
+    name = (level or os.environ.get(LOG_LEVEL_ENV) or default).lower()
+    if name not in LOG_LEVELS:
+        raise ValueError(f"{LOG_LEVEL_ENV}={name!r}: choose from {', '.join(LOG_LEVELS)}")
+    logging.basicConfig(
+        level=name.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
     )
+    logging.getLogger().setLevel(name.upper())  # also where a handler was installed before
 
 
-def serve_config(args: argparse.Namespace) -> ServeConfig:
-    from pdserve.config import ServeConfig
+def check_unsupported(args: argparse.Namespace) -> None:
+    if args.tensor_parallel_size != 1:
+        raise ValueError(
+            f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
+            "supported yet (each worker holds the whole model on one device); scale out with "
+            "--prefill-workers and --decode-workers"
+        )
 
+
+def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags and secrets from files and env as {section: {key: value}} overrides."""
+    overrides = flag_overrides(args)
+    _secret_overrides(args, overrides)
+    return overrides
+
+
+def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags alone (no file or env read) as {section: {key: value}} overrides."""
     overrides: dict[str, Any] = {}
     if args.model_positional is not None:
         if args.model is not None and args.model != args.model_positional:
@@ -252,7 +404,14 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         overrides["colocated"] = True
     if args.no_http:
         overrides.setdefault("router", {})["http_enabled"] = False
-    _secret_overrides(args, overrides)
+    return overrides
+
+
+def serve_config(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> ServeConfig:
+    from pdserve.config import ServeConfig
+
+    if overrides is None:
+        overrides = serve_overrides(args)
     cfg = ServeConfig.load(args.config, overrides)
     password = _redis_password(args)
     if password is None:
@@ -273,8 +432,6 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 def _secret_overrides(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
     """The API key and the Redis URL from files and env, where no flag set them (flag >
     file > env > YAML); a warning for each secret that came on the command line."""
-    from pool_api.config import url_password
-
     if args.api_key is not None:
         log.warning(
             _ON_ARGV.format(
@@ -287,6 +444,8 @@ def _secret_overrides(args: argparse.Namespace, overrides: dict[str, Any]) -> No
     elif os.environ.get(API_KEY_ENV):
         overrides.setdefault("router", {})["api_key"] = os.environ[API_KEY_ENV]
     if args.redis_url is not None:
+        from pool_api.config import url_password  # imports torch: after the port check
+
         if url_password(args.redis_url):
             instead = (
                 f"give the URL without it and the password in env {REDIS_PASSWORD_ENV} or "
@@ -315,9 +474,47 @@ def _read_secret(path: str, flag: str) -> str:
     return secret
 
 
+def probe_ports(config_path: str | None, overrides: dict[str, Any]) -> None:
+    """Fail in one line, within a second, when a port is taken: before torch is imported
+    (ServeConfig's tree imports it) and long before any worker starts. Only the router
+    section is read here; `pdserve.serve.run` checks again and keeps the HTTP socket."""
+    import yaml
+
+    from router.config import RouterConfig
+    from router.ports import check_ports
+
+    data: dict[str, Any] = {}
+    if config_path is not None:
+        try:
+            with open(config_path) as f:
+                loaded = yaml.safe_load(f) or {}
+            data = dict(loaded.get("router") or {}) if isinstance(loaded, dict) else {}
+        except (OSError, yaml.YAMLError, AttributeError, TypeError, ValueError):
+            return  # ServeConfig.load reports it
+    data.update(overrides.get("router", {}))
+    try:
+        cfg = RouterConfig(**data)
+    except (TypeError, ValueError):
+        return  # ServeConfig.load names the bad key
+    check_ports(cfg, keep_http=False)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    check_unsupported(args)
+    overrides = flag_overrides(args)
+    probe_ports(args.config, overrides)
+    _secret_overrides(args, overrides)
+    cfg = serve_config(args, overrides)
+    from pdserve.serve import run
+
+    return run(cfg)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        # serve logs at info by default (as vLLM does); the other commands print their output
+        configure_logging(getattr(args, "log_level", None), default=_default_level(args))
         if args.command == "model":
             return _model_fetch(args) if args.model_command == "fetch" else _model_init(args)
         if args.command == "generate":
@@ -327,9 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_trace(args)
         if args.command == "serve":
-            from pdserve.serve import run
-
-            return run(serve_config(args))
+            return _serve(args)
         if args.command == "client":
             from pdserve.client import run_client
 
@@ -346,6 +541,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
     return 1
+
+
+def _default_level(args: argparse.Namespace) -> str:
+    return "info" if args.command == "serve" else "warning"
 
 
 def _model_init(args: argparse.Namespace) -> int:

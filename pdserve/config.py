@@ -87,11 +87,13 @@ class ServeConfig:
             if not isinstance(loaded, dict):
                 raise ValueError(f"{path}: top level must be a mapping")
             data = loaded
-        for key, value in (overrides or {}).items():
+        overrides = overrides or {}
+        for key, value in overrides.items():
             if isinstance(value, dict):
                 data.setdefault(key, {}).update(value)
             else:
                 data[key] = value
+        _one_kv_sizing(data, overrides)
         return from_dict(cls, data, "")
 
     def to_dict(self, *, reveal_secrets: bool = False) -> dict[str, Any]:
@@ -100,6 +102,28 @@ class ServeConfig:
         down to its password (`redis://user:***@host`). `reveal_secrets` keeps them."""
         data = dataclasses.asdict(self)
         return data if reveal_secrets else _redacted(self, data)
+
+
+KV_MEMORY_KEYS = ("kv_cache_memory", "gpu_memory_utilization")
+
+
+def _one_kv_sizing(data: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """One way to size the KV cache wins: `cache.num_blocks` given explicitly overrides the
+    memory settings (`--num-kv-blocks` stays an override), unless a memory flag overrides a
+    `num_blocks` from the YAML file; and a memory flag replaces the file's other one."""
+    cache = data.get("cache")
+    if not isinstance(cache, dict):
+        return
+    flags = overrides.get("cache") if isinstance(overrides.get("cache"), dict) else {}
+    assert isinstance(flags, dict)
+    memory_flags = [k for k in KV_MEMORY_KEYS if k in flags]
+    if "num_blocks" in flags or ("num_blocks" in cache and not memory_flags):
+        for key in KV_MEMORY_KEYS:
+            cache.pop(key, None)
+    elif memory_flags:
+        cache.pop("num_blocks", None)
+        if len(memory_flags) == 1:
+            cache.pop(next(k for k in KV_MEMORY_KEYS if k not in memory_flags), None)
 
 
 def _redacted(obj: Any, data: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import logging
 import secrets
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import GenerationDefaults, ModelConfig
 from engine.engine import EngineConfig, resolve_dtype
@@ -31,6 +31,9 @@ from router.clients import DecodeClient, PrefillClient
 from router.core import Router
 from router.pools import Pool
 from router.validation import EdgeLimits, ModelLimits
+
+if TYPE_CHECKING:
+    from pool_api.worker_common import StartupSummary
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +124,15 @@ def build_router(
     )
 
 
+def router_view(cfg: ServeConfig, summaries: list[StartupSummary]) -> ServeConfig:
+    """`cfg` with the KV pool the router checks requests against: the smallest worker's,
+    where workers sized their caches from memory (`--kv-cache-memory`)."""
+    if not summaries:
+        return cfg
+    num_blocks = min(s.num_blocks for s in summaries)
+    return replace(cfg, cache=replace(cfg.cache, num_blocks=num_blocks))
+
+
 @dataclass
 class Deployment:
     """Ray plus both pools. `start` blocks until every worker answered `ready`."""
@@ -130,6 +142,8 @@ class Deployment:
     prefill_actors: list[Any] = field(default_factory=list)
     decode_actors: list[Any] = field(default_factory=list)
     started_ray: bool = False
+    # what each worker loaded and its KV cache, from `ready` (pdserve.serve prints them)
+    summaries: list[StartupSummary] = field(default_factory=list)
 
     def start(self) -> Router:
         import ray
@@ -185,10 +199,11 @@ class Deployment:
             )
             for i in range(cfg.decode.num_workers)
         ]
-        names = ray.get([a.ready.remote() for a in self.prefill_actors + self.decode_actors])
-        log.info("workers ready: %s", names)
+        self.summaries = ray.get(
+            [a.ready.remote() for a in self.prefill_actors + self.decode_actors]
+        )
         return build_router(
-            cfg,
+            router_view(cfg, self.summaries),
             self.model_path,
             [
                 PrefillClient.of_actor(f"pdserve-prefill-{i}", a)

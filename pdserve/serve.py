@@ -15,8 +15,9 @@ from pdserve.launch import Deployment
 from pool_api.config import redact_url
 from router.config import RouterConfig
 from router.core import Router
-from router.http import HTTPServer, bind_socket, start_http_server
+from router.http import HTTPServer, start_http_server
 from router.metrics import RouterMetrics
+from router.ports import check_ports
 from router.service import start_server
 from router.tls import ServerTLS
 
@@ -70,31 +71,9 @@ async def serve(
 
 
 def reserve_ports(cfg: RouterConfig) -> socket.socket | None:
-    """Fail in one line, before any worker starts, when a port is taken.
-
-    The HTTP port is bound here and its socket kept for the server (nothing can take it
-    meanwhile); the gRPC port is probed (grpc binds its own socket) and bound for real once
-    the workers are up. Port 0 picks a free port later and needs no check.
-    """
-    if cfg.grpc_port:
-        try:
-            bind_socket(cfg.host, cfg.grpc_port).close()
-        except OSError as e:
-            raise ValueError(_port_taken("grpc_port", cfg.host, cfg.grpc_port, e)) from e
-    if not (cfg.http_enabled and cfg.http_port):
-        return None
-    try:
-        return bind_socket(cfg.host, cfg.http_port)
-    except OSError as e:
-        raise ValueError(_port_taken("http_port", cfg.host, cfg.http_port, e)) from e
-
-
-def _port_taken(key: str, host: str, port: int, e: OSError) -> str:
-    flag = "--" + key.replace("_", "-")
-    return (
-        f"router.{key}: cannot listen on {host}:{port} ({e.strerror or e}); another server "
-        f"holds it? Choose another port with {flag} (0 picks a free one)"
-    )
+    """Fail in one line, before any worker starts, when a port is taken; the bound HTTP
+    socket is kept for the server (`router.ports.check_ports`)."""
+    return check_ports(cfg, keep_http=True)
 
 
 def secret_lines(cfg: ServeConfig) -> list[str]:
@@ -153,4 +132,6 @@ def run(cfg: ServeConfig) -> int:
         if http_sock is not None:
             http_sock.close()
         raise
+    for summary in deployment.summaries:
+        print(f"pdserve: {summary.line()}", file=sys.stderr, flush=True)
     return asyncio.run(serve(cfg, deployment, router, http_sock))

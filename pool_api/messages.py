@@ -75,6 +75,8 @@ class PrefillResult:
     prefill_ms: float  # the prompt pass (all chunks)
     transfer_ms: float  # end of the prompt pass until the decode side acknowledged
     error: str = ""  # set when the transfer failed; the request cannot continue
+    transfer_bytes: int = 0  # KV payload bytes pushed for this request
+    transfer_total_ms: float = 0.0  # first KV push until acknowledged (overlaps the pass)
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,14 @@ from __future__ import annotations
 import abc
 import os
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
 
 import torch
 
+from engine.config import ceil_div, format_bytes
 from engine.engine import LLMEngine
 from engine.loop import EngineLoop
 from engine.request import RequestOutput
@@ -41,6 +44,65 @@ def make_transport(cfg: WorkerConfig) -> Transport:
     return transport
 
 
+@dataclass(frozen=True)
+class StartupSummary:
+    """What a worker loaded and how big its KV cache came out; `ready` returns it so the
+    driver prints it (Ray does not forward actors' logs: `log_to_driver=False`)."""
+
+    name: str
+    role: str
+    model: str
+    device: str
+    dtype: str
+    num_params: int
+    load_s: float
+    block_size: int
+    num_blocks: int
+    kv_bytes: int
+    max_model_len: int
+    sized_by: str  # num_kv_blocks | kv_cache_memory | gpu_memory_utilization
+
+    @classmethod
+    def of(
+        cls, name: str, role: str, model: str, engine: LLMEngine, load_s: float
+    ) -> StartupSummary:
+        cache, spec = engine.cache_config, engine.cache.spec
+        sized_by = "num_kv_blocks"
+        if cache.kv_cache_memory is not None:
+            sized_by = "kv_cache_memory"
+        elif cache.gpu_memory_utilization is not None:
+            sized_by = f"gpu_memory_utilization={cache.gpu_memory_utilization}"
+        return cls(
+            name=name,
+            role=role,
+            model=model,
+            device=str(engine.cache.data.device),
+            dtype=spec.dtype,
+            num_params=engine.model_config.num_params(),
+            load_s=load_s,
+            block_size=cache.block_size,
+            num_blocks=engine.blocks.num_blocks,
+            kv_bytes=spec.page_bytes * spec.num_layers * engine.blocks.num_blocks,
+            max_model_len=engine.max_model_len,
+            sized_by=sized_by,
+        )
+
+    @property
+    def max_concurrency(self) -> float:
+        """Requests of `max_model_len` tokens the cache holds at once (vLLM's figure)."""
+        return self.num_blocks / ceil_div(self.max_model_len, self.block_size)
+
+    def line(self) -> str:
+        tokens = self.num_blocks * self.block_size
+        return (
+            f"{self.name} ({self.role}): {self.model}, {self.dtype} on {self.device}, "
+            f"{self.num_params / 1e6:.1f}M parameters, loaded in {self.load_s:.2f} s; "
+            f"KV cache {self.num_blocks} blocks x {self.block_size} = {tokens} tokens, "
+            f"{format_bytes(self.kv_bytes)} (by {self.sized_by}); Maximum concurrency for "
+            f"{self.max_model_len} tokens per request: {self.max_concurrency:.2f}x"
+        )
+
+
 class WorkerBase(abc.ABC):
     """The engine loop and the calls every worker answers the same way.
 
@@ -54,7 +116,11 @@ class WorkerBase(abc.ABC):
         self.cfg = cfg
         self.name = cfg.name
         self.role = cfg.role or self.default_role
+        t0 = time.perf_counter()
         self.engine = engine or LLMEngine.from_config(cfg.engine)
+        self.summary = StartupSummary.of(
+            self.name, self.role.value, cfg.model_name, self.engine, time.perf_counter() - t0
+        )
         self.transport = make_transport(cfg)
         self.num_requests_total = 0
         self.fatal_hook: Callable[[BaseException], None] | None = None  # the actor exits
@@ -134,9 +200,9 @@ class ActorBase(Generic[W]):
         self.worker = make_worker(cfg)
         self.worker.fatal_hook = exit_soon
 
-    async def ready(self) -> str:
+    async def ready(self) -> StartupSummary:
         await self.worker.start_feed()
-        return self.worker.name
+        return self.worker.summary
 
     async def take_index_update(self, with_held: bool = False) -> IndexUpdate:
         return await self.worker.take_index_update(with_held)

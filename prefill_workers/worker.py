@@ -190,7 +190,10 @@ class PrefillWorker(WorkerBase):
             self.leases.release(req.request_id)
             if job.outbound is not None:
                 self.num_transfer_bytes += job.outbound.bytes_sent
-        transfer_ms = (time.perf_counter() - done_s) * 1e3
+        end_s = time.perf_counter()
+        transfer_ms = (end_s - done_s) * 1e3
+        sent = job.outbound.bytes_sent if job.outbound is not None else 0
+        total_ms = (end_s - job.outbound.started_s) * 1e3 if job.outbound is not None else 0.0
         queue_s = (req.first_token_s or done_s) - job.arrival_s - req.prefill_s
         result = PrefillResult(
             request_id=req.request_id,
@@ -204,6 +207,8 @@ class PrefillWorker(WorkerBase):
             prefill_ms=req.prefill_s * 1e3,
             transfer_ms=transfer_ms,
             error=error,
+            transfer_bytes=sent,
+            transfer_total_ms=total_ms,
         )
         if not job.future.done():
             job.future.set_result(result)

@@ -1,14 +1,15 @@
 """A request while the router drives it, and the hooks that observe it.
 
 `ActiveRequest` is the router's only per-request state: which workers hold it, what was sent,
-and when. `RequestObserver` is the hook set (`router.metrics.RouterMetrics` implements it);
-it lives here, not beside the metrics, so the router core needs nothing from `router.metrics`.
+and when. `RequestObserver` is the hook set (`router.metrics.RouterMetrics` and
+`router.stats_log.RequestLog` implement it; `Observers` fans the hooks out to several); it
+lives here, not beside the metrics, so the router core needs nothing from `router.metrics`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
@@ -37,6 +38,8 @@ class Timings:
     queue_ms: float | None = None  # arrival until a worker took it
     prefill_ms: float | None = None  # the prompt pass on a prefill worker (all chunks)
     transfer_ms: float | None = None  # end of that pass until the decode side acknowledged
+    # the whole KV transfer, first push until acknowledged (overlaps the prompt pass)
+    transfer_total_ms: float | None = None
 
 
 @dataclass
@@ -50,10 +53,15 @@ class ActiveRequest:
     done: bool = False
     num_sent: int = 0
     cached_tokens: int = 0  # prompt tokens the prefill side did not compute
+    kv_transfer_bytes: int = 0  # KV payload its prefill worker pushed (disaggregated)
     timings: Timings = field(default_factory=Timings)
     first_sent_s: float | None = None
     last_sent_s: float | None = None
     queued: bool = True  # counted in Router.num_queued: admitted, no token sent yet
+    # How it ended, for the books (each request is counted once): the reason its completion
+    # carried (ABORT too when the client left without one), or the status it failed with.
+    finish_reason: FinishReason | None = None
+    failure: grpc.StatusCode | None = None
 
     @property
     def request_id(self) -> str:
@@ -81,4 +89,45 @@ class RequestObserver:
         pass
 
     def on_complete(self, act: ActiveRequest, reason: FinishReason, now: float) -> None:
-        pass
+        """The request ended with `reason`: its completion went out, or (ABORT) its client
+        left first (disconnect, deadline, cancel). Called once per request."""
+
+    def on_fail(self, act: ActiveRequest, code: grpc.StatusCode, now: float) -> None:
+        """The request failed after admission with `code` (no completion went out)."""
+
+
+_O = TypeVar("_O", bound=RequestObserver)
+
+
+class Observers(RequestObserver):
+    """Several observers, each seeing every hook, in order (`Router.metrics`)."""
+
+    def __init__(self, *observers: RequestObserver) -> None:
+        self.observers = list(observers)
+
+    def add(self, observer: RequestObserver, first: bool = False) -> None:
+        self.observers.insert(0 if first else len(self.observers), observer)
+
+    def find(self, kind: type[_O]) -> _O | None:
+        """The first observer of type `kind`, if any."""
+        return next((o for o in self.observers if isinstance(o, kind)), None)
+
+    def on_admit(self, act: ActiveRequest) -> None:
+        for o in self.observers:
+            o.on_admit(act)
+
+    def on_reject(self, code: grpc.StatusCode) -> None:
+        for o in self.observers:
+            o.on_reject(code)
+
+    def on_tokens(self, act: ActiveRequest, num_tokens: int, now: float) -> None:
+        for o in self.observers:
+            o.on_tokens(act, num_tokens, now)
+
+    def on_complete(self, act: ActiveRequest, reason: FinishReason, now: float) -> None:
+        for o in self.observers:
+            o.on_complete(act, reason, now)
+
+    def on_fail(self, act: ActiveRequest, code: grpc.StatusCode, now: float) -> None:
+        for o in self.observers:
+            o.on_fail(act, code, now)

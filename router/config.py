@@ -79,6 +79,10 @@ class RouterConfig:
     # as they take, so a long Generate stream is never cut; new calls use a new connection).
     grpc_max_connection_age_s: float = 0.0
     grpc_max_connection_age_grace_s: float = 0.0
+    # Operator logging (`pdserve serve --stats-interval-s`, `--enable-log-requests`): how often
+    # the router logs one line of throughput and load (0: never), and one line per request.
+    stats_log_interval_s: float = 10.0
+    log_requests: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.grpc_port < 65536:
@@ -91,6 +95,8 @@ class RouterConfig:
             raise ValueError("prefill_failure_policy must be 'recompute' or 'fail'")
         if self.prefill_tokens_per_s <= 0 or self.transfer_gbps <= 0:
             raise ValueError("prefill_tokens_per_s and transfer_gbps must be positive")
+        if self.stats_log_interval_s < 0:
+            raise ValueError("router.stats_log_interval_s must be >= 0 (0: off)")
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0")
         if (self.tls_cert is None) != (self.tls_key is None):

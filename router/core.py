@@ -24,13 +24,14 @@ from pool_api.messages import WorkerRequest
 from pool_api.prefix_index import MemoryPrefixIndex, PrefixIndex
 from protos.pdserve.v1 import generation_pb2 as gen
 from router import responses
-from router.active import ActiveRequest, RequestFailed, RequestObserver
+from router.active import ActiveRequest, Observers, RequestFailed
 from router.clients import DecodeClient, PrefillClient, quietly
 from router.config import RouterConfig
 from router.flow import RequestFlow
 from router.index_sync import IndexSync
 from router.pools import Pool
 from router.reservation import Reserver
+from router.stats_log import RequestLog, StatsLog
 from router.validation import ModelLimits, prepare
 
 log = logging.getLogger(__name__)
@@ -61,13 +62,16 @@ class Router:
         self.active: dict[str, ActiveRequest] = {}
         self.num_queued = 0  # admitted, no token sent yet (bounded by max_queue_len)
         self.draining = False
-        self.metrics = RequestObserver()  # per-request hooks; RouterMetrics.install sets one
+        # Per-request hooks: RouterMetrics.install adds the metrics, log_requests the log.
+        self.metrics = Observers(*([RequestLog()] if cfg.log_requests else []))
+        self.stats_log: StatsLog | None = None  # RouterMetrics.install sets it; start runs it
         # Health follows `serviceable()`: the gRPC server sets this (pdserve/serve.py).
         self.on_serving_change: Callable[[bool], Awaitable[None]] | None = None
         self._serving = False
         self._last_refresh_s = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
         self._refresher: asyncio.Task[None] | None = None
+        self._stats_logger: asyncio.Task[None] | None = None
         self._index_sync = IndexSync(self.index)
         self.reserver = Reserver(cfg, prefill, decode, model_info.block_size, self._spawn)
         self.flow = RequestFlow(
@@ -78,6 +82,8 @@ class Router:
     async def start(self) -> None:
         await self.refresh()
         self._refresher = asyncio.create_task(self._refresh_loop())
+        if self.stats_log is not None:
+            self._stats_logger = asyncio.create_task(self.stats_log.run())
 
     async def refresh(self) -> None:
         """Worker stats (load, health), serving state, and the in-memory index."""
@@ -112,8 +118,9 @@ class Router:
         deadline = time.monotonic() + grace_s
         while self.active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self._refresher:
-            self._refresher.cancel()
+        for task in (self._refresher, self._stats_logger):
+            if task is not None:
+                task.cancel()
         await self.index.close()
 
     # ---- one request ---------------------------------------------------------------------
@@ -186,7 +193,9 @@ class Router:
         return responses.chunk(act.request_id, ids, text, logprobs)
 
     def complete(self, act: ActiveRequest, reason: FinishReason) -> gen.GenerateResponse:
-        self.metrics.on_complete(act, reason, time.perf_counter())
+        if act.finish_reason is None:
+            act.finish_reason = reason
+            self.metrics.on_complete(act, reason, time.perf_counter())
         return responses.complete(act, reason)
 
     # ---- abort and cleanup ---------------------------------------------------------------
@@ -206,8 +215,20 @@ class Router:
         for w in (act.prefill, act.decode):  # whatever path it ended on, no load is left
             if w is not None:
                 w.untrack(act.request_id)
+        if act.finish_reason is None:
+            self._count_unfinished(act)
         if not completed:
             self._spawn(self._release(act, forget=True))
+
+    def _count_unfinished(self, act: ActiveRequest) -> None:
+        """No completion went out. Unless it failed, its client left (disconnect, deadline,
+        cancel): counted once as an ABORT completion, as vLLM counts an aborted request."""
+        now = time.perf_counter()
+        if act.failure is not None:
+            self.metrics.on_fail(act, act.failure, now)
+            return
+        act.finish_reason = FinishReason.ABORT
+        self.metrics.on_complete(act, FinishReason.ABORT, now)
 
     async def _release(self, act: ActiveRequest, forget: bool = False) -> None:
         """Abort the request on both pools. `forget`: nobody relays it any more (client

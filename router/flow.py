@@ -100,17 +100,22 @@ class RequestFlow:
             )
             async for resp in stream:
                 yield resp
-        except (RequestFailed, asyncio.CancelledError, GeneratorExit):
+        except RequestFailed as e:
+            act.failure = e.code  # for the books: Router.finish counts it as failed
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
             raise
         except InvalidParameterError as e:  # a worker refused it (e.g. its id still runs there)
-            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"{e.field}: {e.message}") from e
+            act.failure = grpc.StatusCode.INVALID_ARGUMENT
+            raise RequestFailed(act.failure, f"{e.field}: {e.message}") from e
         except Exception as e:
             if act.aborted:
                 yield self.out.complete(act, FinishReason.ABORT)
                 return
+            act.failure = grpc.StatusCode.UNAVAILABLE
             what = "KV transfer failed" if isinstance(e, TransferError) else "worker failure"
             detail = str(e) if isinstance(e, TransferError) else f"{type(e).__name__}: {e}"
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"{what}: {detail}") from e
+            raise RequestFailed(act.failure, f"{what}: {detail}") from e
         finally:
             act.done = True
 
@@ -191,6 +196,8 @@ class RequestFlow:
         t = act.timings
         t.queue_ms = (t.queue_ms or 0.0) + res.queue_ms
         t.prefill_ms, t.transfer_ms = res.prefill_ms, res.transfer_ms
+        t.transfer_total_ms = res.transfer_total_ms or None
+        act.kv_transfer_bytes = res.transfer_bytes
         return rsv.decode, res
 
     @staticmethod

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import importlib.metadata
+import logging
 import socket
 import time
 import uuid
@@ -31,7 +32,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from engine.sampling import InvalidParameterError
@@ -42,6 +42,7 @@ from router.auth import bearer_ok
 from router.core import Router
 from router.http_guard import uvicorn_options as connection_limits
 from router.metrics import RouterMetrics
+from router.openai.body import BodyLimits, read_json
 from router.openai.format import Formatter, finish_reason, sse
 from router.openai.protocol import (
     HTTPError,
@@ -50,6 +51,8 @@ from router.openai.protocol import (
     chat_request,
     completion_request,
 )
+from router.openai.tokenize import detokenize, tokenize
+from router.ports import bind_socket
 from router.tls import ServerTLS
 
 __all__ = [
@@ -64,6 +67,16 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+_VERSION = _version()
 
 # gRPC status -> (HTTP status, OpenAI error type)
 _STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -99,83 +112,6 @@ def from_failed(e: RequestFailed) -> HTTPError:
         code = "rate_limit_exceeded"
     headers = {"Retry-After": RETRY_AFTER_S} if status in (429, 503) else {}
     return HTTPError(status, message, type_, param, code, headers)
-
-
-# ---- the body -----------------------------------------------------------------------------
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-@dataclass(frozen=True)
-class BodyLimits:
-    """What an HTTP body may be before it is parsed (`router.config`): bytes and nesting."""
-
-    max_bytes: int
-    max_depth: int
-
-    @classmethod
-    def of(cls, router: Router) -> BodyLimits:
-        cfg = router.cfg
-        # JSON escapes make a character at most 6 bytes (\uXXXX); leave room for the rest.
-        derived = 6 * router.limits.edge_limits().max_prompt_chars + (1 << 20)
-        return cls(cfg.max_body_bytes or derived, cfg.max_json_depth)
-
-
-async def _read_body(request: Request, max_bytes: int) -> bytes:
-    """The body, or a 400 once it is over `max_bytes`."""
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size <= max_bytes:
-                chunks.append(chunk)
-            elif size > 8 * max_bytes:
-                break  # past this the client is not waiting for an answer: stop reading
-    except ClientDisconnect as e:  # gone, or cut off by the body timeout: not a server error
-        raise bad_request(None, "the client stopped sending the request body") from e
-    if size > max_bytes:
-        # Read to the end (not kept) so a client still sending can read the answer.
-        raise bad_request(None, f"request body is over {max_bytes} bytes")
-    return b"".join(chunks)
-
-
-async def read_json(request: Request, limits: BodyLimits) -> dict[str, Any]:
-    """The body as a JSON object. Too large, not UTF-8, malformed, nested too deeply, not an
-    object, or holding a string that is not Unicode text (a lone surrogate): a 400."""
-    raw = await _read_body(request, limits.max_bytes)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise bad_request(None, f"request body is not valid UTF-8: {e}") from e
-    try:
-        data = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError as e:
-        raise bad_request(None, "request body is nested too deeply") from e
-    except ValueError as e:
-        raise bad_request(None, f"request body is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise bad_request(None, "request body must be a JSON object")
-    for key, value in data.items():
-        _check_tree(value, str(key), str(key), 1, limits.max_depth)
-    return data
-
-
-def _check_tree(value: Any, param: str, path: str, depth: int, max_depth: int) -> None:
-    """Depth and text of one top-level field's value; a 400 names the field and the path."""
-    if depth > max_depth:
-        raise bad_request(param, f"{path}: nested deeper than {max_depth} levels")
-    if isinstance(value, str):
-        if not value.isascii():
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise bad_request(param, f"{path}: not valid Unicode text ({e.reason})") from e
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_tree(v, param, f"{path}.{k}", depth + 1, max_depth)
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _check_tree(v, param, f"{path}[{i}]", depth + 1, max_depth)
 
 
 # ---- disconnects --------------------------------------------------------------------------
@@ -273,29 +209,39 @@ class OpenAIApp:
         return self.router.serviceable()
 
     # ---- endpoints
+    def _formatter(self, chat: bool, response_id: str, opts: StreamOptions) -> Formatter:
+        return Formatter(
+            chat,
+            response_id,
+            self.model,
+            self.router.tokenizer,
+            opts.include_usage,
+            token_ids_as_tokens=opts.return_tokens_as_token_ids,
+        )
+
     async def completions(self, request: Request) -> Response:
         self.authorize(request)
         body = await read_json(request, self.body_limits)
-        request_id, response_id = _ids(request, chat=False)
+        request_id, response_id = _ids(request, body, chat=False)
         opts = StreamOptions.of(body)
-        greq = completion_request(body, request_id)
-        fmt = Formatter(False, response_id, self.model, self.router.tokenizer, opts.include_usage)
-        return await self.generate(request, greq, fmt, opts)
+        if body.get("add_special_tokens") is False:  # tokenized here: off the event loop
+            greq = await asyncio.to_thread(completion_request, body, request_id, self.router)
+        else:
+            greq = completion_request(body, request_id)
+        return await self.generate(request, greq, self._formatter(False, response_id, opts), opts)
 
     async def chat_completions(self, request: Request) -> Response:
         self.authorize(request)
         body = await read_json(request, self.body_limits)
-        request_id, response_id = _ids(request, chat=True)
+        request_id, response_id = _ids(request, body, chat=True)
         opts = StreamOptions.of(body)
         # The template render and tokenization run off the event loop (the tokenizer lets go
         # of the GIL), so a huge chat does not stall every other request and /health.
         greq = await asyncio.to_thread(chat_request, self.router, body, request_id)
-        fmt = Formatter(True, response_id, self.model, self.router.tokenizer, opts.include_usage)
-        return await self.generate(request, greq, fmt, opts)
+        return await self.generate(request, greq, self._formatter(True, response_id, opts), opts)
 
-    async def models(self, request: Request) -> Response:
-        self.authorize(request)
-        card = {
+    def _card(self) -> dict[str, Any]:
+        return {
             "id": self.model,
             "object": "model",
             "created": self.created,
@@ -303,14 +249,44 @@ class OpenAIApp:
             "root": self.model,
             "parent": None,
             "max_model_len": self.router.model_info.max_context_length,
+            "vocab_size": self.router.limits.vocab_size,  # pdserve's: bench's random ids
+            "permission": [],
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    async def models(self, request: Request) -> Response:
+        self.authorize(request)
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: Request, model_id: str) -> Response:
+        self.authorize(request)
+        if model_id != self.model:
+            raise HTTPError(
+                404,
+                f"The model `{model_id[:64]}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        return JSONResponse(self._card())
+
+    async def tokenize(self, request: Request) -> Response:
+        self.authorize(request)
+        body = await read_json(request, self.body_limits)
+        return JSONResponse(await asyncio.to_thread(tokenize, self.router, body))
+
+    async def detokenize(self, request: Request) -> Response:
+        self.authorize(request)
+        body = await read_json(request, self.body_limits)
+        return JSONResponse(await asyncio.to_thread(detokenize, self.router, body))
 
     async def health(self) -> Response:
+        """GET /health, and GET or POST /ping (vLLM's SageMaker-style probe): the same."""
         if self.ready():
             return JSONResponse({"status": "ok"})
         status = "draining" if self.router.draining else "not ready"
         return JSONResponse({"status": status}, status_code=503)
+
+    async def version(self) -> Response:
+        return JSONResponse({"version": _VERSION})
 
     async def metrics_text(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -384,10 +360,14 @@ class OpenAIApp:
             await run.release()
 
 
-def _ids(request: Request, chat: bool) -> tuple[str, str]:
-    """(request id, response id): the client's `X-Request-Id`, else the response's id."""
+def _ids(request: Request, body: dict[str, Any], chat: bool) -> tuple[str, str]:
+    """(request id, response id): the client's `X-Request-Id`, else the body's `request_id`
+    (vLLM's), else the response's id."""
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    return request.headers.get("x-request-id") or response_id, response_id
+    in_body = body.get("request_id")
+    if in_body is not None and not isinstance(in_body, str):
+        raise bad_request("request_id", "request_id must be a string")
+    return request.headers.get("x-request-id") or in_body or response_id, response_id
 
 
 async def _first(stream: AsyncIterator[gen.GenerateResponse]) -> gen.GenerateResponse | None:
@@ -426,14 +406,24 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(router: Router) -> FastAPI:
+    """The routes (docs/http.md#endpoints). The API key guards /v1/*, /tokenize and
+    /detokenize; probes, metrics, the version and the API's own docs (/docs, /redoc,
+    /openapi.json) stay open, as vLLM leaves everything outside /v1."""
     oa = OpenAIApp(router)
-    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pdserve", version=_VERSION)  # serves /docs, /redoc, /openapi.json
     app.state.openai = oa
     _install_error_handlers(app)
-    app.add_api_route("/v1/completions", oa.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", oa.chat_completions, methods=["POST"])
+    post = ["POST"]
+    app.add_api_route("/v1/completions", oa.completions, methods=post)
+    app.add_api_route("/v1/chat/completions", oa.chat_completions, methods=post)
     app.add_api_route("/v1/models", oa.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", oa.model_card, methods=["GET"])
+    app.add_api_route("/tokenize", oa.tokenize, methods=post)
+    app.add_api_route("/detokenize", oa.detokenize, methods=post)
     app.add_api_route("/health", oa.health, methods=["GET"])
+    app.add_api_route("/ping", oa.health, methods=["GET"], name="ping")
+    app.add_api_route("/ping", oa.health, methods=["POST"], name="ping")
+    app.add_api_route("/version", oa.version, methods=["GET"])
     app.add_api_route("/metrics", oa.metrics_text, methods=["GET"])
     return app
 
@@ -449,22 +439,6 @@ class _EmbeddedServer(uvicorn.Server):
 
     def install_signal_handlers(self) -> None:  # uvicorn < 0.29
         pass
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready socket bound to host:port (0 picks a free port)."""
-    family, type_, proto, _, addr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, type_, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
 
 
 @dataclass
@@ -503,12 +477,15 @@ async def start_http_server(
         create_app(router),
         log_config=None,  # leave the process's logging alone
         log_level="warning",
-        access_log=False,
+        # the access log (one line a request, at INFO) comes with the request log opt-in
+        access_log=router.cfg.log_requests,
         lifespan="off",
         timeout_graceful_shutdown=graceful_s,
         **connection_limits(router.cfg),  # head/body timeouts, keep-alive, cap
         **(tls.uvicorn_options() if tls else {}),
     )
+    if router.cfg.log_requests:  # uvicorn set its loggers to `log_level` above
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:

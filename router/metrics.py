@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 
 from engine.request import FinishReason
 from router.active import ActiveRequest, RequestObserver
+from router.stats_log import StatsLog
 
 if TYPE_CHECKING:
     from router.core import Router
@@ -48,8 +49,33 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
+TOKEN_BUCKETS_MAX = 1 << 20  # cap on the 1-2-5 token-count buckets (max_context_length)
+# 1 kB .. 50 GB: one request's KV (a small model's short prompt .. a long context's).
+BYTES_BUCKETS = tuple(float(m * 10**e) for e in range(3, 11) for m in (1, 2, 5))
+
 _ROUTER_LABELS = ("model_name", "role")
 _WORKER_LABELS = ("model_name", "role", "worker")
+# vLLM's cache_config_info label names where they apply (plus who the row is).
+_CACHE_INFO_LABELS = (
+    *_WORKER_LABELS,
+    "block_size",
+    "num_gpu_blocks",
+    "cache_dtype",
+    "enable_prefix_caching",
+)
+
+
+def one_two_five(limit: int) -> tuple[float, ...]:
+    """vLLM's `build_1_2_5_buckets`: 1, 2, 5, 10, 20, 50, ... up to `limit`."""
+    out: list[float] = []
+    exponent = 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10**exponent
+            if v > limit:
+                return tuple(out)
+            out.append(float(v))
+        exponent += 1
 
 
 class RouterMetrics(RequestObserver):
@@ -61,22 +87,34 @@ class RouterMetrics(RequestObserver):
     """
 
     ttft: Histogram
+    ttst: Histogram
     itl: Histogram
+    tpot: Histogram
     e2e: Histogram
     queue: Histogram
     prefill: Histogram
     transfer: Histogram
+    req_transfer_s: Histogram
+    req_transfer_bytes: Histogram
+    req_prompt: Histogram
+    req_generation: Histogram
     success: Counter
     rejected: Counter
     prefix_queries: Counter
     prefix_hits: Counter
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    computed_tokens: Counter
+    cached_tokens: Counter
 
     def __init__(self, router: Router) -> None:
         self.router = router
         self.model_name = router.model_info.served_model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        self._add_histograms()
+        self._add_latency_histograms()
+        self._add_request_histograms()
         self._add_counters()
+        self._add_token_counters()
         self.registry.register(WorkerCollector(router, self.model_name))
         self._lv = (self.model_name, ROUTER_ROLE)
 
@@ -89,62 +127,118 @@ class RouterMetrics(RequestObserver):
         labels = [*_ROUTER_LABELS, *extra_labels]
         return Counter(PREFIX + name, doc, labels, registry=self.registry)
 
-    def _add_histograms(self) -> None:
+    def _add_latency_histograms(self) -> None:
         """The per-request latencies, in seconds."""
-        self.ttft = self._histogram(
+        h = self._histogram
+        self.ttft = h(
             "time_to_first_token_seconds",
             "Arrival at the router until the first token was sent.",
             TTFT_BUCKETS,
         )
-        self.itl = self._histogram(
+        self.ttst = h(
+            "time_to_second_token_seconds",
+            "First token sent until the second was (the prefill-to-decode handover).",
+            TTFT_BUCKETS,
+        )
+        self.itl = h(
             "inter_token_latency_seconds",
             "Time between successive tokens sent (a batch of n tokens counts n gaps of 1/n).",
             ITL_BUCKETS,
         )
-        self.e2e = self._histogram(
+        self.tpot = h(
+            "request_time_per_output_token_seconds",
+            "Per request: (e2e - TTFT) / (output tokens - 1); requests of 2+ tokens.",
+            ITL_BUCKETS,
+        )
+        self.e2e = h(
             "e2e_request_latency_seconds",
             "Arrival at the router until the request completed.",
             LATENCY_BUCKETS,
         )
-        self.queue = self._histogram(
+        self.queue = h(
             "request_queue_time_seconds",
             "Waiting for KV room on a decode worker plus waiting on the prefill worker.",
             LATENCY_BUCKETS,
         )
-        self.prefill = self._histogram(
+        self.prefill = h(
             "request_prefill_time_seconds",
             "The prompt pass on a prefill worker (disaggregated requests).",
             LATENCY_BUCKETS,
         )
-        self.transfer = self._histogram(
+        self.transfer = h(
             "kv_transfer_seconds",
             "KV transfer time not hidden behind the prompt pass (disaggregated requests).",
             LATENCY_BUCKETS,
         )
 
+    def _add_request_histograms(self) -> None:
+        """Per-request sizes, and the whole KV transfer of a disaggregated request."""
+        tokens = one_two_five(
+            min(max(self.router.model_info.max_context_length, 1), TOKEN_BUCKETS_MAX)
+        )
+        self.req_prompt = self._histogram(
+            "request_prompt_tokens", "Prompt tokens of a finished request.", tokens
+        )
+        self.req_generation = self._histogram(
+            "request_generation_tokens", "Tokens sent for a finished request.", tokens
+        )
+        self.req_transfer_bytes = self._histogram(
+            "request_kv_transfer_bytes",
+            "KV payload bytes a prefill worker pushed for one request (disaggregated).",
+            BYTES_BUCKETS,
+        )
+        self.req_transfer_s = self._histogram(
+            "request_kv_transfer_seconds",
+            "One request's whole KV transfer, first push until acknowledged (overlaps the "
+            "prompt pass; disaggregated requests).",
+            TTFT_BUCKETS,
+        )
+
     def _add_counters(self) -> None:
         """Completions, rejections and prefix-cache tokens."""
         self.success = self._counter(
-            "request_success", "Requests that completed, by finish reason.", "finished_reason"
+            "request_success",
+            "Requests finished, by finish reason (abort: aborted, or its client left).",
+            "finished_reason",
         )
         self.rejected = self._counter(
             "request_rejected", "Requests refused at admission, by gRPC status code name.", "code"
         )
         self.prefix_queries = self._counter(
             "prefix_cache_queries",
-            "Prompt tokens looked up in a prefix cache (completed requests).",
+            "Prompt tokens looked up in a prefix cache (finished requests).",
         )
         self.prefix_hits = self._counter(
-            "prefix_cache_hits", "Prompt tokens served from a prefix cache (completed requests)."
+            "prefix_cache_hits", "Prompt tokens served from a prefix cache (finished requests)."
+        )
+
+    def _add_token_counters(self) -> None:
+        """Token throughput: prompts at their first token, output tokens as they are sent."""
+        self.prompt_tokens = self._counter(
+            "prompt_tokens", "Prompt tokens prefilled (counted at a request's first token)."
+        )
+        self.generation_tokens = self._counter(
+            "generation_tokens", "Output tokens sent to clients."
+        )
+        self.computed_tokens = self._counter(
+            "prefill_tokens_computed",
+            "Prompt tokens the prompt pass computed (prompt_tokens less the cached ones).",
+        )
+        self.cached_tokens = self._counter(
+            "prefill_tokens_cached", "Prompt tokens the prompt pass reused from a prefix cache."
         )
 
     @classmethod
     def install(cls, router: Router) -> RouterMetrics:
-        """Attach metrics to `router` (idempotent) and return them."""
-        if isinstance(router.metrics, RouterMetrics):
-            return router.metrics
+        """Attach metrics to `router` (idempotent) and return them; with
+        `router.stats_log_interval_s`, also the stats line `Router.start` runs."""
+        found = router.metrics.find(cls)
+        if found is not None:
+            return found
         m = cls(router)
-        router.metrics = m
+        router.metrics.add(m, first=True)
+        if router.cfg.stats_log_interval_s > 0 and router.stats_log is None:
+            router.stats_log = StatsLog(m.registry, router.cfg.stats_log_interval_s)
         return m
 
     def render(self) -> bytes:
@@ -157,17 +251,32 @@ class RouterMetrics(RequestObserver):
     def on_tokens(self, act: ActiveRequest, num_tokens: int, now: float) -> None:
         if num_tokens <= 0:
             return
+        self.generation_tokens.labels(*self._lv).inc(num_tokens)
         if act.first_sent_s is None:
-            self.ttft.labels(*self._lv).observe(max(now - act.arrival_s, 0.0))
+            self._first_token(act, now)
             num_tokens -= 1
             prev = now
+            if num_tokens > 0:  # the second token came in the same batch
+                self.ttst.labels(*self._lv).observe(0.0)
         else:
             prev = act.last_sent_s if act.last_sent_s is not None else now
+            if act.num_sent == 1:
+                self.ttst.labels(*self._lv).observe(max(now - act.first_sent_s, 0.0))
         if num_tokens > 0:
             gap = max(now - prev, 0.0) / num_tokens
             itl = self.itl.labels(*self._lv)
             for _ in range(num_tokens):
                 itl.observe(gap)
+
+    def _first_token(self, act: ActiveRequest, now: float) -> None:
+        """TTFT, and the prompt's tokens: the prompt pass is done."""
+        lv = self._lv
+        self.ttft.labels(*lv).observe(max(now - act.arrival_s, 0.0))
+        n = act.num_prompt_tokens
+        cached = min(act.cached_tokens, n)
+        self.prompt_tokens.labels(*lv).inc(n)
+        self.cached_tokens.labels(*lv).inc(cached)
+        self.computed_tokens.labels(*lv).inc(n - cached)
 
     def on_complete(self, act: ActiveRequest, reason: FinishReason, now: float) -> None:
         lv = self._lv
@@ -178,12 +287,20 @@ class RouterMetrics(RequestObserver):
             (self.queue, t.queue_ms),
             (self.prefill, t.prefill_ms),
             (self.transfer, t.transfer_ms),
+            (self.req_transfer_s, t.transfer_total_ms),
         )
         for hist, ms in stages:
             if ms is not None:
                 hist.labels(*lv).observe(ms / 1e3)
-        self.prefix_queries.labels(*lv).inc(len(act.request.prompt_token_ids))
+        if t.transfer_ms is not None:  # it was disaggregated
+            self.req_transfer_bytes.labels(*lv).observe(act.kv_transfer_bytes)
+        self.prefix_queries.labels(*lv).inc(act.num_prompt_tokens)
         self.prefix_hits.labels(*lv).inc(act.cached_tokens)
+        self.req_prompt.labels(*lv).observe(act.num_prompt_tokens)
+        self.req_generation.labels(*lv).observe(act.num_sent)
+        if act.first_sent_s is not None and act.num_sent > 1:
+            decode_s = max(now - act.first_sent_s, 0.0)
+            self.tpot.labels(*lv).observe(decode_s / (act.num_sent - 1))
 
 
 class _WorkerFamilies:
@@ -218,6 +335,11 @@ class _WorkerFamilies:
             "decode_workspace_fallbacks",
             "Decode steps whose batch did not fit cache.decode_workspace_mib (pages gathered).",
         )
+        self.cache_info = GaugeMetricFamily(
+            PREFIX + "cache_config_info",
+            "A worker's KV cache configuration, in its labels (value 1), as vLLM's.",
+            labels=list(_CACHE_INFO_LABELS),
+        )
 
     def all(self) -> tuple[Metric, ...]:
         """Every family, in the order a scrape lists them."""
@@ -230,6 +352,7 @@ class _WorkerFamilies:
             self.xfail,
             self.ws_bytes,
             self.ws_fallbacks,
+            self.cache_info,
         )
 
 
@@ -248,6 +371,11 @@ class WorkerCollector(Collector):
         self.router = router
         self.model_name = model_name
 
+    def _cache_labels(self, num_blocks: int) -> tuple[str, ...]:
+        """block_size, num_gpu_blocks, cache_dtype, enable_prefix_caching (always on)."""
+        info = self.router.model_info
+        return (str(info.block_size), str(num_blocks), info.dtype or "auto", "True")
+
     def describe(self) -> list[Metric]:
         return []  # unchecked: names are produced by collect() only
 
@@ -265,12 +393,13 @@ class WorkerCollector(Collector):
             s = w.stats
             if s is None:
                 continue
-            lv = [self.model_name, s.role, s.name]
+            lv = [self.model_name, s.role.value, s.name]
             f.running.add_metric(lv, s.num_running)
             f.waiting.add_metric(lv, s.num_waiting)
             used = s.num_total_blocks - s.num_free_blocks
             f.usage.add_metric(lv, used / s.num_total_blocks if s.num_total_blocks else 0.0)
             f.preempt.add_metric(lv, s.num_preemptions_total)
+            f.cache_info.add_metric([*lv, *self._cache_labels(s.num_total_blocks)], 1.0)
             if s.role == "prefill" or "transfer_bytes_total" in s.extra:
                 f.xbytes.add_metric(lv, s.extra.get("transfer_bytes_total", 0.0))
             if s.role == "prefill" or "transfer_failures_total" in s.extra:

@@ -1,11 +1,14 @@
 """The Helm chart (k8s/helm/pdserve), rendered offline with the Helm SDK (helm-python-sdk).
 
-Five profiles: the defaults (CPU, bundled Redis), a GPU profile (2 prefill x 1 GPU, 4 decode
+Profiles: the defaults (CPU, bundled Redis), a GPU profile (2 prefill x 1 GPU, 4 decode
 x 1 GPU, GPU node pools), an external Redis (redis.url + redis.existingSecret, with every
-other secret from an existing Secret too, the KV transfer shared secret among them), and TLS
-on the router's ports without and with client certificates (tls, mtls). Helm lint
+other secret from an existing Secret too, the KV transfer shared secret among them), TLS
+on the router's ports without and with client certificates (tls, mtls), a Hub model with a
+token, a chat template and extra flags (hf), a model on a PVC (pvc), and an Ingress, an
+HTTPRoute and a KEDA ScaledObject (exposed). Helm lint
 finds no error, the values schema refuses bad values, every core Kubernetes object passes
-kubernetes-validate (the CRDs, RayCluster and ServiceMonitor, are checked structurally here),
+kubernetes-validate (the CRDs, RayCluster, ServiceMonitor, HTTPRoute and ScaledObject, are
+checked structurally here),
 the ConfigMap's config loads with `ServeConfig.load`, and the two shell scripts the chart
 runs (the router's start script, the bundled Redis's start command) are run here too.
 Secrets: every one comes from a Secret by env (`secretKeyRef`), none is on a command line,
@@ -22,6 +25,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -44,8 +48,12 @@ FULLNAME = "pd-pdserve"
 RAY_PORTS = {6379, 8265, 10001}  # GCS, dashboard, Ray client
 ROUTER_PORTS = {50051, 8000}
 KUBE_VERSIONS = ("1.27", kubernetes_validate.utils.latest_version())  # kubeVersion >= 1.27
-CRD_GROUPS = ("ray.io/", "monitoring.coreos.com/", "keda.sh/")
+CRD_GROUPS = ("ray.io/", "monitoring.coreos.com/", "keda.sh/", "gateway.networking.k8s.io/")
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 PROFILES: dict[str, dict[str, Any]] = {
     "default": {},
@@ -104,8 +112,40 @@ PROFILES: dict[str, dict[str, Any]] = {
         },
     },
     "mtls": {"tls": {"enabled": True, "secretName": "pd-tls", "clientCA": "pd-client-ca"}},
+    # A Hub model with a token, a chat template and extra flags.
+    "hf": {
+        "model": {
+            "uri": "hf://Qwen/Qwen2.5-0.5B-Instruct",
+            "hfTokenSecret": {"name": "hf-token", "key": "token"},
+            "chatTemplate": CHAT_TEMPLATE,
+        },
+        "router": {"extraArgs": ["--max-model-len", "4096", "--max-num-seqs=32"]},
+    },
+    "pvc": {"model": {"uri": "pvc://llama-weights/Llama-3.1-8B-Instruct"}},
+    # Everything that exposes or scales: Ingress, HTTPRoute, KEDA (with its Prometheus).
+    "exposed": {
+        "ingress": {
+            "enabled": True,
+            "className": "nginx",
+            "host": "llm.example.com",
+            "tls": [{"hosts": ["llm.example.com"], "secretName": "llm-tls"}],
+        },
+        "httpRoute": {
+            "enabled": True,
+            "parentRefs": [{"name": "public", "namespace": "gateways"}],
+            "hostnames": ["llm.example.com"],
+        },
+        "autoscaling": {
+            "enabled": True,
+            "scaleTargetRef": {"name": "batch-client"},
+            "prometheus": {"serverAddress": "http://prometheus-operated.monitoring.svc:9090"},
+        },
+        "serviceMonitor": {"enabled": True},
+    },
 }
 TLS_DIR, CLIENT_CA_DIR = "/etc/pdserve-tls", "/etc/pdserve-client-ca"
+HF_HOME, PVC_DIR = "/var/cache/huggingface", "/mnt/pdserve-model"
+CHAT_TEMPLATE_PATH = "/etc/pdserve/chat-template.jinja"
 
 
 # ---- rendering ------------------------------------------------------------------------------
@@ -193,6 +233,21 @@ def test_lint_reports_no_errors(profile: str) -> None:
         {"router": {"apiKey": {"enabled": "yes"}}},
         {"kvTransfer": {"sharedSecret": {"enabled": 1}}},
         {"networkPolicy": {"routerFrom": ["10.0.0.0/8"]}},  # peers are objects
+        {"model": {"uri": "s3://bucket/llama"}},  # not a form the chart can mount or fetch
+        {"model": {"uri": "hf://no-org"}},
+        {"model": {"uri": "pvc://Bad_Claim/x"}},  # not a PVC name
+        {"model": {"uri": "small"}},  # a preset that is not baked into the image
+        {"model": {"hfTokenSecret": {"value": "hf_inline"}}},  # no inline token
+        {"model": {"hfTokenSecret": {"name": "hf", "key": ""}}},
+        {"router": {"extraArgs": "--max-model-len 4096"}},  # a list of words
+        {"router": {"extraArgs": [4096]}},
+        {"ingress": {"pathType": "Regex"}},
+        {"ingress": {"path": "v1"}},
+        {"httpRoute": {"parentRefs": [{"namespace": "gateways"}]}},  # a parentRef needs a name
+        {"autoscaling": {"prometheus": {"threshold": "many"}}},
+        {"autoscaling": {"prometheus": {"serverAddress": "prometheus:9090"}}},
+        {"autoscaling": {"maxReplicaCount": 0}},
+        {"autoscaling": {"scaleTargetRef": {"group": "ray.io"}}},
     ],
 )
 def test_schema_rejects_bad_values(chart: Any, bad: dict[str, Any]) -> None:
@@ -234,6 +289,49 @@ def test_schema_config_sections_are_the_serve_config_tree(chart: Any) -> None:
         ({"config": {"router": {"tls_cert": "/c.pem"}}}, "config.router.tls_cert"),
         ({"tls": {"enabled": True}}, "tls.enabled needs tls.secretName"),
         ({"tls": {"clientCA": "ca"}}, "tls.clientCA .mTLS. needs tls.enabled"),
+        (
+            {"model": {"uri": "tiny"}, "config": {"model": {"model": "/models/x"}}},
+            "config.model.model and model.uri are both set",
+        ),
+        (
+            {"model": {"chatTemplate": "{{ x }}"}, "config": {"model": {"chat_template": "/t"}}},
+            "config.model.chat_template and model.chatTemplate are both set",
+        ),
+        ({"model": {"uri": "pvc://weights/../etc"}}, "must not contain . or .. segments"),
+        ({"router": {"extraArgs": ["--api-key=hunter2"]}}, "--api-key is set by the chart"),
+        ({"router": {"extraArgs": ["--api-key-file", "/k"]}}, "--api-key-file is set by"),
+        (
+            {"router": {"extraArgs": ["--model", "/m"]}},
+            "--model is set by the chart: use model.uri",
+        ),
+        ({"router": {"extraArgs": ["--host=127.0.0.1"]}}, "--host is set by the chart"),
+        ({"router": {"extraArgs": ["--redis-url", "redis://h"]}}, "--redis-url is set by"),
+        ({"router": {"extraArgs": ["--no-http"]}}, "--no-http is set by the chart"),
+        ({"router": {"extraArgs": ["--port", "80"]}}, "--port is set by the chart"),
+        # argparse takes unambiguous prefixes: so does the check
+        ({"router": {"extraArgs": ["--ho", "::"]}}, "--ho .--host. is set by the chart"),
+        ({"router": {"extraArgs": ["--api-key-f=/k"]}}, "--api-key-f .--api-key-file. is set"),
+        ({"httpRoute": {"enabled": True}}, "httpRoute.enabled needs httpRoute.parentRefs"),
+        (
+            {"autoscaling": {"enabled": True}},
+            "autoscaling.enabled needs autoscaling.scaleTargetRef.name: KEDA cannot scale",
+        ),
+        (
+            {"autoscaling": {"enabled": True, "scaleTargetRef": {"name": "d"}}},
+            "autoscaling.enabled needs autoscaling.prometheus.serverAddress",
+        ),
+        (
+            {
+                "autoscaling": {
+                    "enabled": True,
+                    "scaleTargetRef": {"name": "d"},
+                    "prometheus": {"serverAddress": "http://p:9090"},
+                    "minReplicaCount": 5,
+                    "maxReplicaCount": 2,
+                }
+            },
+            "minReplicaCount is above",
+        ),
     ],
 )
 def test_chart_refuses_values_it_cannot_honour(
@@ -353,8 +451,15 @@ def test_configmap_config_loads_as_serve_config(
     assert cfg.transfer.host == "auto"  # each decode worker advertises its own pod IP
     assert cfg.index.redis_url is None  # the URL (and its password) comes at start, via env
     assert cfg.prefill.max_restarts == cfg.decode.max_restarts == -1
+    model = {
+        "gpu": "/models/llama-8b",
+        "hf": "Qwen/Qwen2.5-0.5B-Instruct",
+        "pvc": f"{PVC_DIR}/Llama-3.1-8B-Instruct",
+    }
+    assert cfg.model.model == model.get(profile, "smollm2-135m-instruct")
+    assert cfg.model.chat_template == (CHAT_TEMPLATE_PATH if profile == "hf" else None)
     if profile == "gpu":
-        assert (cfg.model.model, cfg.model.dtype) == ("/models/llama-8b", "bfloat16")
+        assert cfg.model.dtype == "bfloat16"
     tls = (cfg.router.tls_cert, cfg.router.tls_key, cfg.router.tls_client_ca)
     if profile == "tls":
         assert tls == (f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", None)
@@ -864,3 +969,318 @@ def test_bundled_redis_starts_with_the_password_from_env(
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+# ---- the model, the chat template, extra flags ----------------------------------------------
+def ray_pods(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The RayCluster's pod specs by role: head, prefill, decode."""
+    rc = one(docs, "RayCluster")
+    pods = {"head": rc["spec"]["headGroupSpec"]["template"]["spec"]}
+    return pods | {g["groupName"]: g["template"]["spec"] for g in rc["spec"]["workerGroupSpecs"]}
+
+
+def serving_container(role: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The container that reads the checkpoint: the router in the head pod, else the worker."""
+    return containers({"spec": spec})["router" if role == "head" else "ray-worker"]
+
+
+@pytest.mark.parametrize(
+    "uri, model",
+    [
+        ("", "smollm2-135m-instruct"),
+        ("smollm2-135m-instruct", "smollm2-135m-instruct"),
+        ("tiny", "tiny"),
+        ("hf://Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+        ("pvc://llama-weights", PVC_DIR),
+        ("pvc://llama-weights/", PVC_DIR),
+        ("pvc://llama-weights/meta/Llama-3.1-8B-Instruct", f"{PVC_DIR}/meta/Llama-3.1-8B-Instruct"),
+        ("pvc://gguf.store/SmolLM2-360M.Q8_0.gguf", f"{PVC_DIR}/SmolLM2-360M.Q8_0.gguf"),
+    ],
+)
+def test_model_uri(chart: Any, uri: str, model: str, tmp_path: Path) -> None:
+    """Every form reaches the config as what `pdserve serve --model` takes, and is at the same
+    path in the router and in every worker: baked into the image (a named model), the same
+    PVC mounted read-only at one path (pvc://), or the snapshot each pod's init container
+    downloaded into its own cache, read offline afterwards (hf://)."""
+    docs = render(chart, {"model": {"uri": uri}})
+    assert serve_config(docs, tmp_path).model.model == model
+    kind = uri.split("://")[0] if "://" in uri else "named"
+    for role, spec in ray_pods(docs).items():
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        serving = serving_container(role, spec)
+        mounts = {m["name"]: m for m in serving["volumeMounts"]}
+        env = env_of(serving)
+        inits = spec.get("initContainers", [])
+        assert {"model-pvc", "hf-cache"} & set(volumes) == {
+            "pvc": {"model-pvc"},
+            "hf": {"hf-cache"},
+            "named": set(),
+        }[kind], role
+        if kind == "pvc":
+            assert volumes["model-pvc"]["persistentVolumeClaim"] == {
+                "claimName": uri[len("pvc://") :].split("/")[0],
+                "readOnly": True,
+            }
+            assert mounts["model-pvc"] == {
+                "name": "model-pvc",
+                "mountPath": PVC_DIR,
+                "readOnly": True,
+            }
+        if kind == "hf":
+            assert volumes["hf-cache"] == {"name": "hf-cache", "emptyDir": {}}
+            assert mounts["hf-cache"] == {
+                "name": "hf-cache",
+                "mountPath": HF_HOME,
+                "readOnly": True,
+            }
+            assert env["HF_HOME"]["value"] == HF_HOME and env["HF_HUB_OFFLINE"]["value"] == "1"
+            (init,) = inits
+            assert init["name"] == "fetch-model" and init["image"] == serving["image"]
+            assert init["command"][:2] == ["python3", "-c"]
+            assert init["command"][-1] == model
+            assert init["volumeMounts"] == [{"name": "hf-cache", "mountPath": HF_HOME}]
+            assert env_of(init)["HF_HOME"] == {"name": "HF_HOME", "value": HF_HOME}
+            assert "HF_TOKEN" not in env_of(init)  # no hfTokenSecret: no token
+            assert init["securityContext"] == serving["securityContext"]
+            assert "nvidia.com/gpu" not in init["resources"].get("limits", {})
+        else:
+            assert not inits and "HF_HOME" not in env, role
+    for doc in docs:
+        if not doc["apiVersion"].startswith(CRD_GROUPS):
+            kubernetes_validate.validate(doc, KUBE_VERSIONS[-1], strict=True)
+
+
+def test_hf_model_token_reaches_the_init_containers_only(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["hf"]
+    ref = {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+    for role, spec in ray_pods(docs).items():
+        (init,) = spec["initContainers"]
+        assert env_of(init)["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": ref}, role
+        for c in spec["containers"]:
+            assert "HF_TOKEN" not in env_of(c), (role, c["name"])
+        assert "HF_TOKEN" not in " ".join(command_lines(init))
+
+
+def test_hf_init_container_resolves_with_pdserve(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The init container's script, run here against a stub `pdserve.models`: it hands the
+    repository to pdserve's own resolver and refuses a snapshot that needed a converted
+    tokenizer outside the shared cache (the other pods would not see it)."""
+    (init,) = ray_pods(rendered["hf"])["decode"]["initContainers"]
+    script, repo = init["command"][2], init["command"][3]
+    stub = tmp_path / "stub" / "pdserve"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("")
+    (stub / "models.py").write_text(
+        "import os\n"
+        "def resolve_model(spec):\n"
+        "    return os.path.join(os.environ['RESOLVED_UNDER'], spec)\n"
+        "def require_tokenizer(path, spec):\n"
+        "    pass\n"
+    )
+    for under, ok in [(HF_HOME + "/hub", True), ("/opt/pdserve/views", False)]:
+        out = subprocess.run(
+            [sys.executable, "-c", script, repo],
+            env={"PYTHONPATH": str(stub.parent), "HF_HOME": HF_HOME, "RESOLVED_UNDER": under},
+            cwd=tmp_path,  # not the repository: the stub is the `pdserve` imported
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert (out.returncode == 0) is ok, out.stderr
+        if ok:
+            assert out.stdout.strip() == f"{HF_HOME}/hub/{repo}"
+        else:
+            assert "has no tokenizer.json" in out.stderr
+
+
+def test_chat_template_is_in_every_pod(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """model.chatTemplate: a ConfigMap key that the config points to, at the same path in the
+    router and in every worker (the workers' engines read it too)."""
+    docs = rendered["hf"]
+    cm = one(docs, "ConfigMap", f"{FULLNAME}-config")
+    assert cm["data"]["chat-template.jinja"] == CHAT_TEMPLATE + "\n"
+    assert serve_config(docs, tmp_path).model.chat_template == CHAT_TEMPLATE_PATH
+    for role, spec in ray_pods(docs).items():
+        mount = {m["name"]: m for m in serving_container(role, spec)["volumeMounts"]}["config"]
+        assert CHAT_TEMPLATE_PATH.startswith(mount["mountPath"] + "/") and mount["readOnly"]
+        volume = {v["name"]: v for v in spec["volumes"]}["config"]["configMap"]
+        assert volume["name"] == f"{FULLNAME}-config"
+        if role != "head":  # the workers see the template and nothing else of the ConfigMap
+            assert volume["items"] == [
+                {"key": "chat-template.jinja", "path": "chat-template.jinja"}
+            ]
+    # No template: no key, no config entry, no ConfigMap in the workers.
+    docs = rendered["default"]
+    assert "chat-template.jinja" not in one(docs, "ConfigMap", f"{FULLNAME}-config")["data"]
+    for role in ("prefill", "decode"):
+        assert "config" not in {v["name"] for v in ray_pods(docs)[role]["volumes"]}
+
+
+def run_start_script(script: str, tmp_path: Path) -> list[str]:
+    """start-router.sh with stub `ray` (the head is up) and `pdserve` (prints its argv)."""
+    (tmp_path / "start-router.sh").write_text(script)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "ray").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "pdserve").write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    out = subprocess.run(
+        ["/bin/sh", str(tmp_path / "start-router.sh")],
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": "/nonexistent"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return out.stdout.splitlines()
+
+
+def test_extra_args_reach_pdserve_serve_verbatim(
+    chart: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """router.extraArgs follow the chart's flags word for word, whatever the shell would have
+    made of them, and override the ConfigMap's config as flags do."""
+    extra = [
+        "--max-model-len",
+        "4096",
+        "--max-num-seqs=32",
+        "--served-model-name",
+        'it\'s $HOME `id` "q" * ;',
+    ]
+    docs = render(chart, {"router": {"extraArgs": extra}})
+    cm = one(docs, "ConfigMap", f"{FULLNAME}-config")
+    argv = run_start_script(cm["data"]["start-router.sh"], tmp_path)
+    base = ["serve", "--config", "/etc/pdserve/config.yaml", "--ray-address", "auto"]
+    assert argv == base + extra
+    config = tmp_path / "config.yaml"
+    config.write_text(cm["data"]["config.yaml"])
+    argv[argv.index("/etc/pdserve/config.yaml")] = str(config)
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    cfg = cli_serve_config(build_parser().parse_args(argv))
+    assert cfg.scheduler.max_model_len == 4096 and cfg.scheduler.max_num_seqs == 32
+    assert cfg.model.served_model_name == extra[-1]
+    assert cfg.model.model == "smollm2-135m-instruct"  # from the ConfigMap
+    # The router container itself runs the script and nothing else.
+    head = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]
+    assert command_lines(containers(head)["router"]) == ["/bin/sh", "/etc/pdserve/start-router.sh"]
+
+
+# ---- Ingress, HTTPRoute, KEDA ---------------------------------------------------------------
+def test_default_render_exposes_and_scales_nothing_more(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    docs = rendered["default"]
+    assert not [d for d in docs if d["kind"] in {"Ingress", "HTTPRoute", "ScaledObject"}]
+    for role, spec in ray_pods(docs).items():
+        assert "initContainers" not in spec, role
+        assert not {"model-pvc", "hf-cache"} & {v["name"] for v in spec["volumes"]}
+    assert serve_config(docs, tmp_path).model.model == "smollm2-135m-instruct"
+    script = one(docs, "ConfigMap", f"{FULLNAME}-config")["data"]["start-router.sh"]
+    assert script.rstrip().endswith(
+        "exec pdserve serve --config /etc/pdserve/config.yaml --ray-address auto"
+    )
+
+
+def test_ingress_routes_the_http_port(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered["exposed"]
+    ingress = one(docs, "Ingress", FULLNAME)
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(ingress, version, strict=True)
+    spec = ingress["spec"]
+    assert spec["ingressClassName"] == "nginx"
+    assert spec["tls"] == [{"hosts": ["llm.example.com"], "secretName": "llm-tls"}]
+    (rule,) = spec["rules"]
+    assert rule["host"] == "llm.example.com"
+    (path,) = rule["http"]["paths"]
+    assert (path["path"], path["pathType"]) == ("/", "Prefix")
+    service = one(docs, "Service", FULLNAME)
+    assert path["backend"]["service"] == {"name": FULLNAME, "port": {"name": "http"}}
+    assert "http" in {p["name"] for p in service["spec"]["ports"]}
+
+
+def test_ingress_without_host_matches_every_host(chart: Any) -> None:
+    ingress = one(render(chart, {"ingress": {"enabled": True}}), "Ingress")
+    kubernetes_validate.validate(ingress, KUBE_VERSIONS[-1], strict=True)
+    (rule,) = ingress["spec"]["rules"]
+    assert "host" not in rule and "ingressClassName" not in ingress["spec"]
+
+
+def test_http_route_attaches_the_http_port(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """A Gateway API CRD (kubernetes-validate has no schema for it): checked by hand against
+    the fields gateway.networking.k8s.io/v1 requires."""
+    docs = rendered["exposed"]
+    route = one(docs, "HTTPRoute", FULLNAME)
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert route["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+    spec = route["spec"]
+    assert spec["parentRefs"] == [{"name": "public", "namespace": "gateways"}]
+    assert all(ref["name"] for ref in spec["parentRefs"])
+    assert spec["hostnames"] == ["llm.example.com"]
+    (rule,) = spec["rules"]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/"}}]
+    (backend,) = rule["backendRefs"]
+    service = one(docs, "Service", FULLNAME)
+    http_port = {p["name"]: p["port"] for p in service["spec"]["ports"]}["http"]
+    assert backend == {"name": FULLNAME, "port": http_port}
+    assert isinstance(backend["port"], int)
+
+
+def test_keda_scaled_object(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """A KEDA CRD, checked by hand: it scales the named target (a RayCluster worker group has
+    no /scale subresource), on the router's waiting requests as Prometheus scrapes them."""
+    docs = rendered["exposed"]
+    so = one(docs, "ScaledObject", FULLNAME)
+    assert so["apiVersion"] == "keda.sh/v1alpha1"
+    spec = so["spec"]
+    assert spec["scaleTargetRef"] == {"name": "batch-client"}  # KEDA's default: apps/v1 Deployment
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, 4)
+    assert (spec["pollingInterval"], spec["cooldownPeriod"]) == (30, 300)
+    (trigger,) = spec["triggers"]
+    assert trigger["type"] == "prometheus"
+    meta = trigger["metadata"]
+    assert all(isinstance(v, str) for v in meta.values())  # KEDA's trigger metadata is strings
+    assert meta["serverAddress"] == "http://prometheus-operated.monitoring.svc:9090"
+    assert meta["query"] == (
+        f'sum(pdserve:num_requests_waiting{{role="router",namespace="{NAMESPACE}",'
+        f'service="{FULLNAME}"}})'
+    )
+    assert float(meta["threshold"]) == 5
+    # The query's `service` label is the router Service's name, as the ServiceMonitor scrapes it.
+    sm = one(docs, "ServiceMonitor")
+    assert matches(
+        sm["spec"]["selector"]["matchLabels"], one(docs, "Service", FULLNAME)["metadata"]["labels"]
+    )
+    assert spec["scaleTargetRef"].get("kind") != "RayCluster"
+
+
+def test_keda_scaled_object_takes_a_target_and_a_query(chart: Any) -> None:
+    values = {
+        "autoscaling": {
+            "enabled": True,
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "consumers"},
+            "minReplicaCount": 0,
+            "maxReplicaCount": 10,
+            "prometheus": {
+                "serverAddress": "https://thanos.example:9090",
+                "query": "max(pdserve:num_requests_waiting)",
+                "threshold": "2.5",
+            },
+        }
+    }
+    spec = one(render(chart, values), "ScaledObject")["spec"]
+    assert spec["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "name": "consumers",
+    }
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (0, 10)
+    (trigger,) = spec["triggers"]
+    assert trigger["metadata"]["query"] == "max(pdserve:num_requests_waiting)"
+    assert trigger["metadata"]["threshold"] == "2.5"

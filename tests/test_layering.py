@@ -146,3 +146,25 @@ def test_the_cycle_check_catches_a_cycle() -> None:
     g = graph()
     g["router.pools"] = g["router.pools"] | {"router.core"}  # core imports pools already
     assert any({"router.core", "router.pools"} <= set(c) for c in cycles(g))
+
+
+SIZED = ("engine", "kv_transfer", "pool_api", "prefill_workers", "decode_workers", "router")
+MAX_FUNCTION_LINES, MAX_FILE_LINES = 60, 600
+
+
+def test_functions_and_files_stay_small() -> None:
+    """No function over 60 lines (def line to last line) and no file over 600 lines in the
+    product packages: a long one is where a new small manager belongs."""
+    long_functions, long_files = [], []
+    for mod, path in source_modules().items():
+        if mod.split(".")[0] not in SIZED:
+            continue
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_FILE_LINES:
+            long_files.append(mod)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{mod}.{node.name}: {n} lines")
+    assert long_functions == [] and long_files == [], (long_functions, long_files)

@@ -3,7 +3,10 @@ PDSERVE_API_KEY in its environment (tiny preset, temporary PDSERVE_HOME).
 
 - The exposition parses with prometheus_client's parser; after N requests (HTTP and gRPC
   alike: both go through the router's one request path) the TTFT histogram count and the
-  success counter equal N; worker metrics carry role=prefill|decode and worker=<name>.
+  success counter equal N, and `pdserve:generation_tokens_total` is the sum of the
+  completion_tokens the clients saw; worker metrics carry role=prefill|decode and
+  worker=<name>; a client that disconnects mid-stream adds exactly one
+  `request_success_total{finished_reason="abort"}`.
 - Missing or wrong key: 401 over HTTP (OpenAI's error shape), UNAUTHENTICATED over gRPC;
   the right key works on both; /health, /metrics and gRPC health stay open.
 
@@ -12,8 +15,10 @@ The tests run in file order: the counting test comes first, on a fresh server.
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -75,20 +80,21 @@ def value(fams: dict[str, Any], sample: str, **labels: str) -> float:
 
 def test_counts_after_n_requests(server: ServeProcess, stub: gen_grpc.GenerationStub) -> None:
     oa = client(server, API_KEY)
-    prompt_tokens = 0
+    prompt_tokens = completion_tokens = 0
     for i in range(N_HTTP):
+        stream = i == 0
         r = oa.completions.create(
             model="tiny",
             prompt=f"{PROMPT} {i}",
             max_tokens=6,
             temperature=0.0,
-            stream=i == 0,
+            stream=stream,
+            stream_options={"include_usage": True} if stream else None,
             extra_body={"ignore_eos": True},
         )
-        if i > 0:
-            prompt_tokens += r.usage.prompt_tokens
-        else:
-            list(r)
+        usage = [c.usage for c in r if c.usage][-1] if stream else r.usage
+        prompt_tokens += usage.prompt_tokens
+        completion_tokens += usage.completion_tokens
     for _ in range(N_GRPC):
         responses = list(
             stub.Generate(
@@ -98,6 +104,7 @@ def test_counts_after_n_requests(server: ServeProcess, stub: gen_grpc.Generation
             )
         )
         prompt_tokens += responses[-1].complete.usage.prompt_tokens
+        completion_tokens += responses[-1].complete.usage.completion_tokens
     # one rejected at admission (n=2), one refused for its key: neither is a request served
     auth = {"Authorization": f"Bearer {API_KEY}"}
     assert server.request("POST", "/v1/completions", {"prompt": "x", "n": 2}, auth)[0] == 400
@@ -123,6 +130,68 @@ def test_counts_after_n_requests(server: ServeProcess, stub: gen_grpc.Generation
     assert value(fams, "pdserve:prefix_cache_hits_total") <= queries
     buckets = [s for s in ttft.samples if s.name.endswith("_bucket")]
     assert max(s.value for s in buckets) == n  # the +Inf bucket
+    check_token_metrics(fams, n, prompt_tokens, completion_tokens)
+
+
+def check_token_metrics(fams: dict[str, Any], n: int, prompt: int, completion: int) -> None:
+    """The vLLM-named token metrics and the per-phase ones, after n disaggregated requests
+    of 2+ tokens whose usage summed to `prompt` and `completion` tokens."""
+    assert completion == N_HTTP * 6 + N_GRPC * 5
+    assert value(fams, "pdserve:generation_tokens_total", role="router") == completion
+    assert value(fams, "pdserve:prompt_tokens_total", model_name="tiny") == prompt
+    computed = value(fams, "pdserve:prefill_tokens_computed_total")
+    assert computed + value(fams, "pdserve:prefill_tokens_cached_total") == prompt
+    assert computed > 0
+    assert value(fams, "pdserve:request_prompt_tokens_sum") == prompt
+    assert value(fams, "pdserve:request_generation_tokens_sum") == completion
+    assert fams["pdserve:request_generation_tokens"].type == "histogram"
+    for name in (
+        "request_prompt_tokens",
+        "request_generation_tokens",
+        "request_time_per_output_token_seconds",
+        "time_to_second_token_seconds",
+        "request_kv_transfer_bytes",
+        "request_kv_transfer_seconds",
+    ):
+        assert value(fams, f"pdserve:{name}_count") == n, name
+    assert value(fams, "pdserve:request_kv_transfer_bytes_sum") > 0
+    assert value(fams, "pdserve:request_success_total", finished_reason="abort") == 0
+    info = fams["pdserve:cache_config_info"].samples
+    assert {s.labels["role"] for s in info} == {"prefill", "decode"}
+    for s in info:
+        assert s.value == 1 and int(s.labels["num_gpu_blocks"]) > 0
+        assert s.labels["block_size"] and s.labels["cache_dtype"]
+
+
+def test_disconnect_is_one_abort(server: ServeProcess) -> None:
+    """A client that leaves mid-stream is counted once, as finished_reason="abort"."""
+
+    def aborts() -> float:
+        return value(
+            families(server.metrics_text()),
+            "pdserve:request_success_total",
+            finished_reason="abort",
+        )
+
+    before = aborts()
+    total_before = value(families(server.metrics_text()), "pdserve:request_success_total")
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 1500, "stream": True, "ignore_eos": True})
+    host, port = server.base_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    conn.request("POST", "/v1/completions", body, headers)
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events = 0
+    while events < 3:  # a few tokens in: it is decoding
+        events += resp.readline().startswith(b"data: {")
+    conn.close()  # the client is gone
+    assert server.wait_for(lambda: aborts() == before + 1, 20), server.metrics_text()
+    time.sleep(1.0)  # and it stays one
+    assert aborts() == before + 1
+    assert value(families(server.metrics_text()), "pdserve:request_success_total") == (
+        total_before + 1
+    )
 
 
 def test_worker_metrics_have_roles(server: ServeProcess) -> None:

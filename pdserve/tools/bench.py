@@ -96,7 +96,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         "--tokenizer",
         default=None,
         help="checkpoint directory or preset for counting ShareGPT tokens "
-        "(default: the served model name when it is a preset)",
+        "(default: with --base-url the server's own, through POST /tokenize; over gRPC "
+        "the served model name when it is a preset)",
     )
     p.add_argument(
         "--api-key",
@@ -319,7 +320,7 @@ def _first_exchange(entry: Any) -> tuple[str, str] | None:
 
 def sample_sharegpt(
     path: str,
-    tokenizer: Tokenizer,
+    tokenizer: TextTokenizer,
     num_requests: int,
     seed: int,
     output_len: int | None = None,
@@ -360,6 +361,37 @@ def sample_sharegpt(
         pick = rng.choice(out)
         out.append(SampleRequest(pick.prompt, pick.prompt_len, pick.expected_output_len))
     return out
+
+
+class TextTokenizer(Protocol):
+    """What sampling needs of a tokenizer: a local one, or the server's (`RemoteTokenizer`)."""
+
+    @property
+    def vocab_size(self) -> int | None: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
+class RemoteTokenizer:
+    """The served model's tokenizer through the server's POST /tokenize: `encode` is called
+    from a worker thread (sampling runs in `asyncio.to_thread`) and runs on `loop`."""
+
+    def __init__(
+        self, backend: OpenAIBackend, loop: asyncio.AbstractEventLoop, vocab: int | None
+    ) -> None:
+        self.backend = backend
+        self.loop = loop
+        self._vocab = vocab
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self._vocab
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        future = asyncio.run_coroutine_threadsafe(
+            self.backend.tokenize(text, add_special_tokens), self.loop
+        )
+        return future.result()
 
 
 def load_tokenizer(name_or_dir: str) -> Tokenizer:
@@ -570,12 +602,30 @@ class OpenAIBackend:
                 await asyncio.sleep(0.5)
         models = body.get("data") or [{}]
         first = next((m for m in models if m.get("id") == self.model), models[0])
-        max_len = first.get("max_model_len")
+        max_len, vocab = first.get("max_model_len"), first.get("vocab_size")  # vocab: pdserve's
         return ServedModel(
             self.model or str(first.get("id", "")),
-            None,
+            int(vocab) if isinstance(vocab, int) and not isinstance(vocab, bool) else None,
             int(max_len) if isinstance(max_len, int) else None,
         )
+
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The server's token ids for `text` (vLLM's POST /tokenize)."""
+        body = {"prompt": text, "add_special_tokens": add_special_tokens}
+        if self.model:
+            body["model"] = self.model
+        async with self.session.post(
+            self.base_url + "/tokenize", json=body, server_hostname=self.server_name
+        ) as resp:
+            if resp.status != 200:
+                raise ValueError(
+                    f"POST {self.base_url}/tokenize: {resp.status} {(await resp.text())[:300]}"
+                )
+            data = await resp.json()
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        if not isinstance(tokens, list):
+            raise ValueError(f"POST {self.base_url}/tokenize: no token list in the answer")
+        return [int(t) for t in tokens]
 
     async def generate(self, req: SampleRequest, sampling: dict[str, Any]) -> RequestOutput:
         out = RequestOutput(prompt_len=req.prompt_len)
@@ -847,7 +897,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _samples(
-    args: argparse.Namespace, served: ServedModel, tokenizer: Tokenizer | None
+    args: argparse.Namespace, served: ServedModel, tokenizer: TextTokenizer | None
 ) -> list[SampleRequest]:
     rng = np.random.default_rng(args.seed)
     vocab = served.vocab_size or (tokenizer.vocab_size if tokenizer else None)
@@ -882,6 +932,26 @@ def _samples(
     )
 
 
+async def _tokenizer(
+    args: argparse.Namespace, backend: Backend, served: ServedModel
+) -> TextTokenizer | None:
+    """Over HTTP without `--tokenizer`, the server's own (POST /tokenize, called only when
+    ShareGPT counts tokens). Else `--tokenizer`, or the served model's when it names a
+    preset, loaded only when the run needs one (ShareGPT, or no vocabulary from the server)."""
+    if isinstance(backend, OpenAIBackend) and not args.tokenizer:
+        if backend.model is None:
+            backend.model = served.name
+        return RemoteTokenizer(backend, asyncio.get_running_loop(), served.vocab_size)
+    needs_tokenizer = args.dataset_name == "sharegpt" or served.vocab_size is None
+    if not needs_tokenizer:
+        return None
+    if args.tokenizer:
+        return await asyncio.to_thread(load_tokenizer, args.tokenizer)
+    if served.name:
+        return await asyncio.to_thread(load_tokenizer, served.name)
+    raise ValueError("this run needs a tokenizer: pass --tokenizer")
+
+
 async def bench_async(args: argparse.Namespace) -> int:
     _validate(args)
     goodput = parse_goodput(args.goodput)
@@ -905,12 +975,7 @@ async def bench_async(args: argparse.Namespace) -> int:
             print(f"pdserve bench: server not ready: {e}", file=sys.stderr)
             return 1
         tokenizer_id = args.tokenizer or served.name
-        tokenizer = None
-        needs_tokenizer = args.dataset_name == "sharegpt" or served.vocab_size is None
-        if needs_tokenizer and tokenizer_id:
-            tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_id)
-        elif needs_tokenizer:
-            raise ValueError("this run needs a tokenizer: pass --tokenizer")
+        tokenizer = await _tokenizer(args, backend, served)
         requests = await asyncio.to_thread(_samples, args, served, tokenizer)
         prefix = args.request_id_prefix
         if prefix is None:

@@ -58,10 +58,12 @@ class Formatter:
     tokenizer: Tokenizer | None
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    # vLLM's return_tokens_as_token_ids: logprobs name each token `token_id:<id>`
+    token_ids_as_tokens: bool = False
     _offset: int = 0  # completions logprobs: text offset of the next token
 
     def _token(self, token_id: int) -> str:
-        if self.tokenizer is None:
+        if self.tokenizer is None or self.token_ids_as_tokens:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 

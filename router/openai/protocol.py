@@ -6,8 +6,10 @@ A body is validated in parts, each a model over the same JSON object: how it str
 (`CompletionSampling`, `ChatSampling`). Chat renders its prompt between the last two, since an
 unset `max_tokens` is the rest of the context; and the parts, like the fields within each,
 come in the order the checks have always run, because only the first mistake is answered: a
-400 naming its field (`param`) in OpenAI's error body. Unknown fields are ignored (as OpenAI
-does) and a top-level null is the same as an absent field.
+400 naming its field (`param`) in OpenAI's error body. Before them, every field pdserve does
+not honour is refused (`refuse_unsupported`, the list in router/openai/fields.py); unknown
+fields are ignored (as OpenAI and vLLM do) and a top-level null is the same as an absent
+field.
 
 Shapes and types are checked here, and the chat content's length, which must be bounded
 before the template runs. Other values (sampling ranges, prompt lengths, the served model name)
@@ -21,7 +23,6 @@ from typing import Annotated, Any, Literal, Protocol, TypeVar, get_args
 
 from fastapi.responses import JSONResponse
 from pydantic import (
-    AfterValidator,
     AliasChoices,
     AliasPath,
     BaseModel,
@@ -42,8 +43,10 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails, PydanticCustomError
 
+from engine.sampling import InvalidParameterError
 from engine.tokenizer import Tokenizer
 from protos.pdserve.v1 import generation_pb2 as gen
+from router.openai.fields import Endpoint, unsupported
 from router.validation import ModelLimits
 
 INT32 = (-(2**31), 2**31 - 1)
@@ -169,17 +172,6 @@ def _reworded(what: str) -> WrapValidator:
     return WrapValidator(wrap)
 
 
-def _unsupported(allowed: object, why: str) -> AfterValidator:
-    """A field pdserve does not implement: only unset, empty or `allowed` passes."""
-
-    def check(v: object) -> object:
-        if v is not None and v != allowed and v not in ({}, []):
-            raise invalid(f"is not supported ({why})")
-        return v
-
-    return AfterValidator(check)
-
-
 _StrictInt32 = Annotated[StrictInt, Field(ge=INT32[0], le=INT32[1])]  # 2.0 is refused
 Int32 = Annotated[_StrictInt32, BeforeValidator(_integral)]
 Int64 = Annotated[StrictInt, Field(ge=INT64[0], le=INT64[1]), BeforeValidator(_integral)]
@@ -215,7 +207,8 @@ class RequestPart(BaseModel):
 
 # ---- streaming ----------------------------------------------------------------------------
 class StreamOptions(RequestPart):
-    """`stream`, and `stream_options`, which only a streaming request may send."""
+    """`stream`, and `stream_options`, which only a streaming request may send; and how
+    the output names tokens."""
 
     # a bad include_usage is named by its own name, not its path, as it always was
     model_config = ConfigDict(extra="ignore", frozen=True, loc_by_alias=False)
@@ -234,6 +227,9 @@ class StreamOptions(RequestPart):
         if v is not None and not info.data.get("stream"):
             raise invalid("is only allowed when stream is true")
         return v
+
+    # vLLM's: logprobs name tokens `token_id:<id>` (not part of streaming, but of the output)
+    return_tokens_as_token_ids: StrictBool = False
 
     @field_validator("include_usage", mode="before")
     @classmethod
@@ -269,12 +265,9 @@ def _request(model: str | None, cache_salt: str | None, request_id: str) -> gen.
 class CompletionPrompt(RequestPart):
     """POST /v1/completions: the prompt and what names it."""
 
-    echo: Annotated[Any, _unsupported(False, "echo must be false")] = None
-    best_of: Annotated[Any, _unsupported(1, "best_of must be 1")] = None
-    suffix: Annotated[Any, _unsupported("", "no suffix")] = None
-    logit_bias: Annotated[Any, _unsupported(None, "no logit_bias")] = None
     model: StrictStr | None = None
     cache_salt: StrictStr | None = None
+    add_special_tokens: StrictBool = True  # vLLM's: False tokenizes the text without BOS
     # validated when absent too: the validator says it is required
     prompt: Annotated[StrictStr | list[StrictInt], BeforeValidator(_one_prompt)] = Field(
         None, validate_default=True
@@ -332,25 +325,19 @@ def _non_empty_list(v: object) -> object:
     return v
 
 
-def _text_format(v: object) -> object:
-    if v is not None and v != {"type": "text"}:
-        raise refused("only response_format {'type': 'text'} is supported")
-    return v
-
-
 class ChatPrompt(RequestPart):
     """POST /v1/chat/completions: the messages and what names the request. Validated with
     context `max_content_chars`: the content is bounded before the template runs."""
 
-    logit_bias: Annotated[Any, _unsupported(None, "no logit_bias")] = None
-    tools: Annotated[Any, _unsupported(None, "no tool calling")] = None
-    functions: Annotated[Any, _unsupported(None, "no function calling")] = None
-    response_format: Annotated[Any, AfterValidator(_text_format)] = None
     messages: Annotated[list[ChatMessage], BeforeValidator(_non_empty_list)] = Field(
         None, validate_default=True
     )
     model: StrictStr | None = None
     cache_salt: StrictStr | None = None
+    # vLLM's: how the template renders and the result is tokenized (unset: the defaults)
+    add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
 
     @field_validator("messages")
     @classmethod
@@ -358,6 +345,15 @@ class ChatPrompt(RequestPart):
         limit = int((info.context or {})["max_content_chars"])
         if sum(len(m.content) for m in v) > limit:
             raise invalid(f"hold over {limit} characters of content")
+        return v
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_ending(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("add_generation_prompt"):
+            raise refused(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+            )
         return v
 
     def template_messages(self) -> list[dict[str, str]]:
@@ -447,34 +443,84 @@ class ChatRouter(Protocol):
     def limits(self) -> ModelLimits: ...
 
 
-def completion_request(d: dict[str, Any], request_id: str) -> gen.GenerateRequest:
-    """POST /v1/completions body -> GenerateRequest (one prompt)."""
+def refuse_unsupported(d: dict[str, Any], endpoint: Endpoint) -> None:
+    """A 400 naming the first field pdserve does not honour (router/openai/fields.py)."""
+    if (hit := unsupported(d, endpoint)) is not None:
+        raise bad_request(*hit)
+
+
+def edge_checked(limits: ModelLimits, r: gen.GenerateRequest) -> gen.GenerateRequest:
+    """`r` within the edge limits (router/validation.py), else the 400 naming the field."""
+    try:
+        limits.edge_limits().check(r)
+    except InvalidParameterError as e:
+        raise bad_request(e.field, str(e)) from e
+    return r
+
+
+def completion_request(
+    d: dict[str, Any], request_id: str, router: ChatRouter | None = None
+) -> gen.GenerateRequest:
+    """POST /v1/completions body -> GenerateRequest (one prompt). A text prompt with
+    `add_special_tokens: false` is tokenized here (on the caller's thread: give it a
+    `router`); otherwise the router tokenizes it."""
+    refuse_unsupported(d, "completions")
     prompt = CompletionPrompt.of(d)
     sampling = CompletionSampling.of(d)
     r = prompt.request(request_id)
+    if not prompt.add_special_tokens and isinstance(prompt.prompt, str):
+        if router is None or router.tokenizer is None:
+            raise bad_request("prompt", "this model has no tokenizer; send token ids")
+        edge_checked(router.limits, r)  # bounded before it is tokenized
+        r.token_ids.ids.extend(router.tokenizer.encode(prompt.prompt, False))
     r.sampling.CopyFrom(sampling.proto(sampling.max_tokens))
     if sampling.logprobs is not None:
         r.sampling.logprobs = sampling.logprobs
     return r
 
 
-def _render(router: ChatRouter, prompt: ChatPrompt) -> list[int]:
-    """The template-rendered prompt's ids, tokenized without special tokens again: the
-    template placed BOS (if any), as HF's apply_chat_template(tokenize=True) and vLLM do."""
+def _continued(text: str, final: str) -> str:
+    """The rendered chat cut after the final message's content, which the model then
+    continues (transformers' `continue_final_message`, which vLLM uses)."""
+    stripped = final.strip()
+    at = text.rfind(stripped) if stripped else -1
+    if at < 0:
+        raise bad_request(
+            "continue_final_message",
+            "the final message does not appear in the chat after applying the chat template",
+        )
+    if text[at : at + len(final.lstrip())] == final:  # the template kept its spacing
+        return text[: at + len(final.lstrip())]
+    return text[: at + len(stripped)]
+
+
+def render_chat(router: ChatRouter, prompt: ChatPrompt) -> list[int]:
+    """The template-rendered prompt's ids. By default the rendered text is tokenized without
+    special tokens again: the template placed BOS (if any), as HF's
+    apply_chat_template(tokenize=True) and vLLM do; `add_special_tokens` adds them."""
     tokenizer = router.tokenizer
     if tokenizer is None:
         raise bad_request("messages", "this model has no tokenizer; use /v1/completions")
+    continued = prompt.continue_final_message
+    add_generation_prompt = prompt.add_generation_prompt
+    if add_generation_prompt is None:
+        add_generation_prompt = not continued
+    messages = prompt.template_messages()
     try:
-        return tokenizer.encode_chat(prompt.template_messages())
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt)
     except ValueError as e:  # ChatTemplateError: the template's own message
         raise bad_request("messages", str(e).removeprefix("messages: ")) from e
+    if continued:
+        text = _continued(text, messages[-1]["content"])
+    return tokenizer.encode(text, prompt.add_special_tokens)
 
 
 def chat_request(router: ChatRouter, d: dict[str, Any], request_id: str) -> gen.GenerateRequest:
     """POST /v1/chat/completions body -> GenerateRequest (the template-rendered prompt)."""
+    refuse_unsupported(d, "chat")
     limits = router.limits
     prompt = ChatPrompt.of(d, max_content_chars=limits.edge_limits().max_prompt_chars)
-    ids = _render(router, prompt)
+    ids = render_chat(router, prompt)
     sampling = ChatSampling.of(d)
     r = prompt.request(request_id)
     r.token_ids.ids.extend(ids)

@@ -203,6 +203,13 @@ group offers exactly one, so every pod runs one actor.
 {{- $_ := set $cfg $role $section }}
 {{- end }}
 {{- $model := index $cfg "model" | default dict }}
+{{- $_ := set $model "model" (include "pdserve.modelSpec" .) }}
+{{- if .Values.model.chatTemplate }}
+{{- if hasKey $model "chat_template" }}
+{{- fail "config.model.chat_template and model.chatTemplate are both set: give the template in model.chatTemplate only" }}
+{{- end }}
+{{- $_ := set $model "chat_template" (include "pdserve.chatTemplatePath" .) }}
+{{- end }}
 {{- $_ := set $model "device" (ternary "cuda" "cpu" (eq (include "pdserve.onGpu" .) "1")) }}
 {{- $_ := set $cfg "model" $model }}
 {{- $router := index $cfg "router" | default dict }}
@@ -221,4 +228,167 @@ group offers exactly one, so every pod runs one actor.
 {{- $_ := set $ray "address" "auto" }}
 {{- $_ := set $cfg "ray" $ray }}
 {{- toYaml $cfg }}
+{{- end }}
+
+{{/*
+The model (model.uri): "" keeps config.model.model (default smollm2-135m-instruct, baked into
+the image); a named model baked into the image; hf://org/name, fetched from the Hub into each
+pod's cache by an init container; pvc://claim/path, a PVC mounted read-only at the same path
+in every pod. pdserve.modelKind is one of "", named, hf, pvc.
+*/}}
+{{- define "pdserve.modelKind" -}}
+{{- $uri := .Values.model.uri }}
+{{- if not $uri }}
+{{- else if hasPrefix "hf://" $uri }}hf
+{{- else if hasPrefix "pvc://" $uri }}pvc
+{{- else }}named
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.pvcMountPath" -}}/mnt/pdserve-model{{- end }}
+{{- define "pdserve.hfHome" -}}/var/cache/huggingface{{- end }}
+{{- define "pdserve.chatTemplatePath" -}}/etc/pdserve/chat-template.jinja{{- end }}
+
+{{/* The PVC of a pvc:// model.uri. */}}
+{{- define "pdserve.pvcClaim" -}}
+{{- regexFind "^[^/]+" (trimPrefix "pvc://" .Values.model.uri) }}
+{{- end }}
+
+{{/* What config.model.model becomes: the path, name or Hub id that `pdserve serve` resolves. */}}
+{{- define "pdserve.modelSpec" -}}
+{{- $kind := include "pdserve.modelKind" . }}
+{{- $given := dig "model" "model" "" .Values.config }}
+{{- if and $kind $given }}
+{{- fail "config.model.model and model.uri are both set: give the model in model.uri only" }}
+{{- end }}
+{{- if eq $kind "hf" }}
+{{- trimPrefix "hf://" .Values.model.uri }}
+{{- else if eq $kind "pvc" }}
+{{- $rest := trimPrefix (include "pdserve.pvcClaim" .) (trimPrefix "pvc://" .Values.model.uri) | trimSuffix "/" }}
+{{- if regexMatch "(^|/)\\.\\.?(/|$)" $rest }}
+{{- fail "model.uri: a pvc:// path must not contain . or .. segments" }}
+{{- end }}
+{{- printf "%s%s" (include "pdserve.pvcMountPath" .) $rest }}
+{{- else if eq $kind "named" }}
+{{- .Values.model.uri }}
+{{- else }}
+{{- $given | default "smollm2-135m-instruct" }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes every Ray pod needs for the model and the chat template (head and workers). */}}
+{{- define "pdserve.modelVolumes" -}}
+{{- $kind := include "pdserve.modelKind" . }}
+{{- if eq $kind "pvc" }}
+- name: model-pvc
+  persistentVolumeClaim:
+    claimName: {{ include "pdserve.pvcClaim" . }}
+    readOnly: true
+{{- else if eq $kind "hf" }}
+- name: hf-cache
+  {{- if .Values.model.hfCacheVolume }}
+  {{- toYaml .Values.model.hfCacheVolume | nindent 2 }}
+  {{- else }}
+  emptyDir: {}
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Their mounts, in the router and in every Ray worker container (read-only). */}}
+{{- define "pdserve.modelMounts" -}}
+{{- $kind := include "pdserve.modelKind" . }}
+{{- if eq $kind "pvc" }}
+- {name: model-pvc, mountPath: {{ include "pdserve.pvcMountPath" . }}, readOnly: true}
+{{- else if eq $kind "hf" }}
+- {name: hf-cache, mountPath: {{ include "pdserve.hfHome" . }}, readOnly: true}
+{{- end }}
+{{- end }}
+
+{{/* Env of the router and worker containers for an hf:// model: the cache the init
+container filled, and no network (every pod uses the snapshot it fetched itself). */}}
+{{- define "pdserve.modelEnv" -}}
+{{- if eq (include "pdserve.modelKind" .) "hf" }}
+- name: HF_HOME
+  value: {{ include "pdserve.hfHome" . }}
+- name: HF_HUB_OFFLINE
+  value: "1"
+{{- end }}
+{{- end }}
+
+{{/*
+An hf:// model: an init container per Ray pod (head and workers) downloads the snapshot into
+the pod's hf-cache volume with pdserve's own resolver, so the router and every worker find it
+at the same path. HF_TOKEN (model.hfTokenSecret) reaches this container only. Needs dict
+root, resources.
+*/}}
+{{- define "pdserve.modelInitContainers" -}}
+{{- $root := .root }}
+{{- if eq (include "pdserve.modelKind" $root) "hf" }}
+- name: fetch-model
+  image: {{ include "pdserve.image" $root }}
+  imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+  command:
+    - python3
+    - -c
+    - |
+      import os, sys
+      from pdserve.models import require_tokenizer, resolve_model
+      path = resolve_model(sys.argv[1])
+      require_tokenizer(path, sys.argv[1])
+      if not str(path).startswith(os.environ["HF_HOME"]):
+          sys.exit(f"pdserve: {sys.argv[1]} has no tokenizer.json (converted into {path}, "
+                   "which the other pods do not see): use a repository with tokenizer.json, "
+                   "or a pvc:// copy of the checkpoint with one")
+      print(path)
+    - {{ trimPrefix "hf://" $root.Values.model.uri | quote }}
+  env:
+    - name: HF_HOME
+      value: {{ include "pdserve.hfHome" $root }}
+    {{- with $root.Values.model.hfTokenSecret }}
+    {{- if .name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ .name }}
+          key: {{ .key }}
+    {{- end }}
+    {{- end }}
+  resources:
+    {{- toYaml .resources | nindent 4 }}
+  securityContext:
+    {{- toYaml $root.Values.securityContext | nindent 4 }}
+  volumeMounts:
+    - {name: hf-cache, mountPath: {{ include "pdserve.hfHome" $root }}}
+{{- end }}
+{{- end }}
+
+{{/* Flags of `pdserve serve` the chart sets itself: refused in router.extraArgs, and so are
+their abbreviations (argparse takes any unambiguous prefix). */}}
+{{- define "pdserve.checkExtraArgs" -}}
+{{- $owned := dict
+  "config" "the chart's ConfigMap" "ray-address" "the chart (auto)"
+  "host" "the chart (0.0.0.0)" "grpc-port" "router.grpcPort" "http-port" "router.httpPort"
+  "port" "router.httpPort"
+  "no-http" "the readiness probe (HTTP /health)" "model" "model.uri"
+  "chat-template" "model.chatTemplate" "prefill-workers" "prefill.replicas"
+  "decode-workers" "decode.replicas" "tls-cert" "tls.*" "tls-key" "tls.*"
+  "tls-client-ca" "tls.clientCA" "api-key" "router.apiKey (a Secret, by env)"
+  "api-key-file" "router.apiKey (a Secret, by env)" "redis-url" "redis.*"
+  "redis-password-file" "redis.existingSecret" }}
+{{- range .Values.router.extraArgs }}
+{{- $flag := regexReplaceAll "=.*$" (toString .) "" | trimPrefix "--" }}
+{{- if and (hasPrefix "--" (toString .)) $flag }}
+{{- range $name := keys $owned | sortAlpha }}
+{{- if hasPrefix $flag $name }}
+{{- $as := ternary "" (printf " (--%s)" $name) (eq $flag $name) }}
+{{- fail (printf "router.extraArgs: --%s%s is set by the chart: use %s" $flag $as (index $owned $name)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A word for /bin/sh, single-quoted. */}}
+{{- define "pdserve.shellQuote" -}}
+'{{ replace "'" "'\\''" (toString .) }}'
 {{- end }}
