@@ -13,7 +13,15 @@ and one deployment runs on it (tiny preset, 2 prefill + 2 decode workers with
 - kill -9 of a decode worker's process under concurrent requests: each completes or ends
   UNAVAILABLE within 10 s, the survivors hold no block afterwards, and the pool serves again
   (a request served by the restarted worker);
-- a transfer stalled past its lease ends with a status and leaves nothing behind.
+- a transfer stalled past its lease ends with a status and leaves nothing behind;
+- kill -9 of a second router (`pdserve serve` in a child process, on the same pools) mid-load:
+  its streams end UNAVAILABLE, the workers free all it held within the lease plus the
+  idle-stream bound, and the rig's router serves on;
+- one abusive client (10 MB prompts, stop floods, a slowloris, idle KV connections) while a
+  normal load runs: the load's median latency stays within 2x of its value alone.
+
+Every scenario also checks that its fault hit what it names, so that a row fails when its
+fault did not run (shown with the stall turned off).
 
 Below them, the regression tests for what `pdserve chaos` found, each at the smallest scale
 that shows it.
@@ -51,14 +59,17 @@ from pdserve.client import make_request
 from pdserve.config import ServeConfig
 from pdserve.launch import build_router, engine_config
 from pdserve.tools.chaos import (
+    FAULT_HIT,
     OK,
     Chaos,
     ChaosConfig,
     Driver,
     ScenarioResult,
     Shot,
+    scenario_abusive_client,
     scenario_cancel,
     scenario_kill,
+    scenario_kill_router,
     scenario_stall,
 )
 from pdserve.tools.faults import Rig
@@ -85,6 +96,11 @@ SIZES = ChaosConfig(
     stall_workers=("pdserve-prefill-0", "pdserve-prefill-1"),
     stall_past_lease_s=10.0,
     lease_s=LEASE_S,
+    stream_idle_s=2.0,
+    num_abuse=16,
+    abuse_concurrency=3,
+    num_slowloris=64,
+    kv_pokes=4,
     hang_bound_s=60.0,
     progress=False,
 )
@@ -168,12 +184,45 @@ def test_stalled_transfer_ends_at_its_lease(chaos: Chaos) -> None:
     assert_passed(res)
 
 
+def test_a_row_fails_when_its_fault_did_not_run(chaos: Chaos) -> None:
+    """The stall scenario with nothing to hold back: every request completes and nothing is
+    left, and the row fails all the same, on its one check that the fault hit."""
+    off = Chaos(replace(SIZES, num_stalled=0), chaos.rig, None, chaos.rng, _n=chaos._n)
+    res = scenario_stall(off)
+    chaos._n = off._n
+    failed = [k for k, ok in res.checks.items() if not ok]
+    assert not res.passed
+    assert failed == [f"{FAULT_HIT}: 0 transfers held back by the stall"], res.checks
+    assert res.succeeded == res.sent
+
+
 def test_kill_9_of_a_decode_worker(chaos: Chaos) -> None:
-    """kill -9 of decode-0's process under concurrent requests: each completes or ends
+    """kill -9 of a decode worker's process (the one with the most requests on it) under
+    concurrent requests, at least one of them on it: each completes or ends
     UNAVAILABLE within 10 s of the kill, no block is held anywhere afterwards, and a request
     is served by the restarted worker within 30 s."""
     res = scenario_kill(chaos, "decode")
     assert res.figures["in_flight_at_kill"] >= 1, res.figures
+    assert_passed(res)
+
+
+def test_kill_9_of_the_router(chaos: Chaos) -> None:
+    """kill -9 of a second router, a `pdserve serve` child on the rig's pools, mid-load: the
+    requests in flight end UNAVAILABLE at once, no worker restarts, what it held on the
+    workers (reservations, streams nobody polls) is freed within the lease (3 s) plus the
+    idle-stream bound (2 s here) plus 5 s, and the rig's own router serves afterwards."""
+    res = scenario_kill_router(chaos)
+    assert res.figures["held_after_kill"] >= 1, res.figures
+    assert_passed(res)
+
+
+def test_an_abusive_client(chaos: Chaos) -> None:
+    """While 16 requests run 3 at a time, one client sends 10 MB prompts over HTTP and gRPC,
+    stop-string floods at and over the limits, holds 64 half-sent HTTP heads and idle or
+    junk connections on the KV endpoints: the abuse is refused at the edge (or served, at
+    the limits), the load's p50 latency stays within 2x of its value alone (measured before
+    and after), and nothing is left."""
+    res = scenario_abusive_client(chaos)
     assert_passed(res)
 
 

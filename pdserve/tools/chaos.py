@@ -3,17 +3,22 @@ of every request.
 
 It stands up a deployment in this process (`pdserve.tools.faults.Rig`: 2 prefill + 2 decode
 workers as Ray actors with `max_restarts`, a redis-server child holding the prefix index, the
-router's gRPC server) and runs the scenarios in sequence, each a load plus one fault:
+router's gRPC and HTTP servers) and runs the scenarios in sequence, each a load plus one fault:
 
 - cancel: 200 streams, each cut short (client cancel or `Abort`) at a point planned in one
   of four stages (before prefill, prefill, transfer, decode) from a calibration run's timings;
-- kill-prefill / kill-decode: 100 requests; kill -9 of prefill-0's / decode-0's process once
-  25 of them ended;
+- kill-prefill / kill-decode: 100 requests; kill -9 of the process of the prefill / decode
+  worker the router has the most requests on, once 25 of them ended;
 - redis: 100 requests sharing prefixes; kill -9 of redis-server once 15 ended, a fresh one
   after the load;
 - stall: 24 requests; 4 transfers of prefill-0 held back past the KV lease;
 - overload: capacity from a closed loop, then Poisson arrivals at 0.8x (the baseline TTFT)
-  and 2x capacity for 30 s, the router's admission bound sized from the 0.8x TTFT.
+  and 2x capacity for 30 s, the router's admission bound sized from the 0.8x TTFT;
+- kill-router: a second router (`pdserve serve` in a child process, on the same pools) under
+  41 requests; kill -9 of its process once 25 ended: the workers must free all it held
+  (leases, the idle-stream bound) and the rig's own router serve on;
+- abusive-client: a normal load alone, then again while one client sends 10 MB prompts,
+  stop-string floods, a slowloris and idle KV connections: its median latency within 2x.
 
 Per scenario, one row: requests sent; succeeded; ended with a status (by code: a gRPC code
 name, or ABORTED for a stream that completed with finish reason abort); hung (no end within
@@ -21,7 +26,10 @@ name, or ABORTED for a stream that completed with finish reason abort); hung (no
 used on each worker once the load is over and the lease has passed (stranded); time to
 recover (after a kill: until a probe is served by the restarted worker; redis: until every
 worker re-registered in the fresh Redis; otherwise until a probe is served again). Each
-scenario also checks the acceptance figures of docs/reliability.md and says which failed.
+scenario also checks the acceptance figures of docs/reliability.md and says which failed,
+among them that its fault hit what it names ("the fault hit: ..."): a row whose fault missed
+(a kill with nothing on the worker, a stall that held no transfer) fails instead of passing
+on a load that never met the fault.
 
 Results: `chaos.json` (every request's outcome) and `chaos.png` (a timeline per scenario)
 under `--out`. Request timings are client-side (perf_counter), in seconds since the
@@ -38,6 +46,7 @@ import math
 import multiprocessing
 import os
 import random
+import signal
 import sys
 import time
 from collections import Counter
@@ -46,6 +55,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
+from queue import Empty
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -63,6 +73,14 @@ if TYPE_CHECKING:  # torch, Ray and the router load only when a run starts
 
 FIRST_TOKEN_ID = 4  # ids below are special tokens in pdserve's checkpoints
 STAGES = ("before prefill", "prefill", "transfer", "decode")
+# Where the router has a request in each stage (prefill and transfer are one call there).
+ROUTER_STAGE = {
+    "before prefill": "before prefill",
+    "prefill": "prefill or transfer",
+    "transfer": "prefill or transfer",
+    "decode": "decode",
+}
+FAULT_HIT = "the fault hit"  # the prefix of each scenario's check that its fault ran
 OK, ABORTED, HUNG, LOST = "OK", "ABORTED", "HUNG", "LOST"
 
 
@@ -79,6 +97,8 @@ class ChaosConfig:
         "redis",
         "stall",
         "overload",
+        "kill-router",
+        "abusive-client",
     )
     seed: int = 0
     transport: str = "torch_dist"
@@ -89,6 +109,7 @@ class ChaosConfig:
     num_kill: int = 100  # requests per kill scenario and the redis scenario
     kill_concurrency: int = 16
     kill_after: int = 25  # the fault comes once this many requests ended
+    aim_timeout_s: float = 5.0  # after that, a kill waits this long for a request on its worker
     num_stall: int = 24
     num_stalled: int = 4  # transfers held back on each worker of `stall_workers`
     stall_workers: tuple[str, ...] = ("pdserve-prefill-0",)
@@ -97,6 +118,14 @@ class ChaosConfig:
     capacity_concurrency: int = 48  # closed loop that measures capacity
     baseline_s: float = 20.0  # the 0.8x phase
     lease_s: float = 5.0  # transfer.lease_s (30 s in service): short, so quiescence is quick
+    # kill-router: decode workers drop streams nobody polled this long (pdserve.launch sets
+    # max(30 s, 10 x router.poll_timeout_s); the rig lowers it for the scenario)
+    stream_idle_s: float = 3.0
+    num_abuse: int = 48  # abusive-client: the normal load, alone and under abuse
+    abuse_concurrency: int = 4
+    abuse_ratio_bound: float = 2.0  # its p50 latency under abuse / alone
+    num_slowloris: int = 256  # half-sent HTTP request heads held open
+    kv_pokes: int = 8  # idle (or junk) connections held on each decode worker's KV endpoint
     hang_bound_s: float = 60.0  # a request with no end by then is hung
     cut_bound_s: float = 2.0  # a cancelled or aborted stream must end within this
     fault_bound_s: float = 10.0  # requests in flight at a kill must end within this
@@ -115,7 +144,7 @@ class ChaosConfig:
             None,
             {
                 "model": {"model": self.preset},
-                "router": {"grpc_port": 0, "http_enabled": False},
+                "router": {"grpc_port": 0, "http_port": 0},
                 "prefill": {"num_workers": 2, "max_restarts": 5},
                 "decode": {"num_workers": 2, "max_restarts": 5},
                 "transfer": {"transport": self.transport, "lease_s": self.lease_s},
@@ -360,6 +389,10 @@ class ScenarioResult:
     def passed(self) -> bool:
         return all(self.checks.values())
 
+    def fault_hit(self, what: str, hit: bool) -> None:
+        """The check that the fault hit what the scenario names (`what`, with its count)."""
+        self.checks[f"{FAULT_HIT}: {what}"] = hit
+
     def base_checks(self) -> None:
         """What every scenario must show: no hang, no loss, nothing left behind."""
         self.checks["0 hung"] = self.hung == 0
@@ -439,9 +472,15 @@ class Chaos:
         """After the load: wait out the lease (and a reaper period) for anything held."""
         return self.rig.quiesce(timeout_s=self.cfg.lease_s + 5.0)
 
-    async def probe(self, n: int = 1, timeout_s: float = 10.0) -> list[Outcome]:
+    async def probe(
+        self, n: int = 1, timeout_s: float = 10.0, stagger_s: float = 0.05
+    ) -> list[Outcome]:
+        """`n` short requests, sent `stagger_s` apart so that they overlap but each is
+        routed after the one before has reserved: requests that arrive at the same instant
+        are all routed on the same view of the pool and go to the same decode worker (the
+        first in order, on a tie), which would hide a restarted worker from the probes."""
         d = Driver(self.rig.target, timeout_s)
-        shots = [Shot(self.request("probe", max_tokens=4)) for _ in range(n)]
+        shots = [Shot(self.request("probe", max_tokens=4), at_s=i * stagger_s) for i in range(n)]
         return await d.run(shots)
 
     async def recover(
@@ -514,6 +553,9 @@ def scenario_cancel(ch: Chaos) -> ScenarioResult:
     cut = [o for o in outs if o.cut_s is not None]
     end_after = [(o.ended_s or math.inf) - (o.cut_s or 0.0) for o in cut]
     release_after = [(o.released_s or math.inf) - (o.cut_s or 0.0) for o in cut]
+    in_stage = Counter(
+        o.seen_stage for o in cut if o.seen_stage == ROUTER_STAGE.get(o.planned_stage)
+    )
     res.figures = {
         "stage_windows_ms": {
             k: [round(a * 1e3, 1), round(b * 1e3, 1)] for k, (a, b) in windows.items()
@@ -523,12 +565,18 @@ def scenario_cancel(ch: Chaos) -> ScenarioResult:
         "cut_by_kind": dict(Counter(o.cut for o in cut)),
         "cut_by_planned_stage": dict(Counter(o.planned_stage for o in cut)),
         "cut_by_router_stage": dict(Counter(o.seen_stage for o in cut)),
+        "cut_in_planned_stage": dict(in_stage),
         "max_end_after_cut_ms": _ms(max(end_after, default=0.0)),
         "p99_end_after_cut_ms": _ms(percentile(end_after, 99)),
         "max_release_after_cut_ms": _ms(max(release_after, default=0.0)),
         "p99_release_after_cut_ms": _ms(percentile(release_after, 99)),
     }
     res.base_checks()
+    stages = dict.fromkeys(ROUTER_STAGE.values())
+    res.fault_hit(
+        "cuts in their planned stage: " + ", ".join(f"{k} {in_stage[k]}" for k in stages),
+        all(in_stage[k] >= 1 for k in stages),
+    )
     res.checks[f"every cut stream ended within {cfg.cut_bound_s:g} s"] = all(
         t <= cfg.cut_bound_s for t in end_after
     )
@@ -538,18 +586,41 @@ def scenario_cancel(ch: Chaos) -> ScenarioResult:
     return res
 
 
+async def aim(rig: Rig, names: Sequence[str], timeout_s: float) -> tuple[str, list[str]]:
+    """Wait (up to `timeout_s`) until the router has a request on one of the workers `names`;
+    the one with the most, and the requests on it then (none: the time ran out). The caller
+    strikes right after, with no await in between, so this is what the fault hits."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        on = {name: rig.requests_on(name) for name in names}
+        name = max(names, key=lambda n: len(on[n]))
+        if on[name] or time.monotonic() > deadline:
+            return name, on[name]
+        await asyncio.sleep(0.002)
+
+
 def scenario_kill(ch: Chaos, role: str) -> ScenarioResult:
+    """kill -9 of a `role` worker's process once `kill_after` requests ended: of the one
+    the router has the most requests on (waiting for one to have any; the requests on it
+    right before the kill are the fault's proof). Both pools' workers share the load, but
+    routing by free KV blocks may leave one of them without a request for a while."""
     cfg = ch.cfg
-    name = f"pdserve-{role}-0"
+    names = [n for n in ch.rig.actors() if f"-{role}-" in n]
+    pids = {n: ch.rig.pid(n) for n in names}
     d = ch.driver()
     shots = ch.shots(f"kill-{role}", cfg.num_kill)
     fault: dict[str, float] = {}
+    hit: list[str] = []
+    victim: list[str] = []
 
     async def body() -> list[Outcome]:
         async def inject() -> None:
             await d.wait_ended(cfg.kill_after)
-            fault["pid"] = await asyncio.to_thread(ch.rig.kill9, name)
-            fault["at"] = d.now()
+            name, on = await aim(ch.rig, names, cfg.aim_timeout_s)
+            os.kill(pids[name], signal.SIGKILL)
+            fault["pid"], fault["at"] = pids[name], d.now()
+            victim.append(name)
+            hit.extend(on)
             rec = await ch.recover(d.t0 + fault["at"], served_by=name)
             fault["recover"] = math.nan if rec is None else rec
 
@@ -557,7 +628,7 @@ def scenario_kill(ch: Chaos, role: str) -> ScenarioResult:
         return outs
 
     outs = asyncio.run(body())
-    t_kill = fault["at"]
+    t_kill, name = fault["at"], victim[0]
     res = ScenarioResult(
         f"kill-{role}", f"kill -9 {name} (pid {int(fault['pid'])})", outs, fault_s=[t_kill]
     )
@@ -565,14 +636,19 @@ def scenario_kill(ch: Chaos, role: str) -> ScenarioResult:
     res.quiescence = ch.quiesce()
     in_flight = [o for o in outs if o.sent_s <= t_kill and (o.ended_s or math.inf) > t_kill]
     after = [(o.ended_s or math.inf) - t_kill for o in in_flight]
+    by_id = {o.request_id: o for o in outs}
     res.figures = {
         "in_flight_at_kill": len(in_flight),
         "in_flight_outcomes": dict(Counter(o.status for o in in_flight)),
+        "on_worker_at_kill": len(hit),
+        "on_worker_outcomes": dict(Counter(by_id[r].status for r in hit if r in by_id)),
         "max_end_after_kill_s": round(max(after, default=0.0), 3),
+        "killed": name,
         "new_pid": ch.rig.pid(name),
         "probes": ch.probe_log,
     }
     res.base_checks()
+    res.fault_hit(f"{len(hit)} requests on {name} at the kill", len(hit) >= 1)
     res.checks["each completes or ends UNAVAILABLE"] = set(o.status for o in outs) <= {
         OK,
         grpc.StatusCode.UNAVAILABLE.name,
@@ -625,12 +701,17 @@ def scenario_redis(ch: Chaos) -> ScenarioResult:
         res.recover_s = time.perf_counter() - t_restart
     res.quiescence = ch.quiesce()
     during = [o for o in outs if (o.ended_s or 0.0) > fault["at"]]
+    index_errors = ch.rig.router.index.errors - errors_before
     res.figures = {
         "requests_ended_while_down": len(during),
-        "index_errors_at_router": ch.rig.router.index.errors - errors_before,
+        "index_errors_at_router": index_errors,
         "recover_is": "all workers registered in the fresh Redis, seconds after its start",
     }
     res.base_checks()
+    res.fault_hit(
+        f"{len(during)} requests ended while redis was down, {index_errors} index errors",
+        len(during) >= 1 or index_errors >= 1,
+    )
     res.checks["100% succeed"] = res.succeeded == res.sent
     return res
 
@@ -645,12 +726,13 @@ def scenario_stall(ch: Chaos) -> ScenarioResult:
     d = ch.driver()
     try:
         outs = asyncio.run(d.run(ch.shots("stall", cfg.num_stall), 8, "stall"))
+        held = {name: ch.rig.num_stalled(name) for name in cfg.stall_workers}
     finally:
         for name in cfg.stall_workers:
             ch.rig.stall_transfers(name, 0.0, 0)
-    held = f"{cfg.num_stalled} transfers on {', '.join(cfg.stall_workers)}"
+    planned = f"{cfg.num_stalled} transfers on {', '.join(cfg.stall_workers)}"
     res = ScenarioResult(
-        "stall", f"{held} held {stall_s:g} s (lease {cfg.lease_s:g} s)", outs, fault_s=[0.0]
+        "stall", f"{planned} held {stall_s:g} s (lease {cfg.lease_s:g} s)", outs, fault_s=[0.0]
     )
     res.quiescence = ch.quiesce()
     res.recover_s = asyncio.run(ch.recover(time.perf_counter()))
@@ -660,6 +742,7 @@ def scenario_stall(ch: Chaos) -> ScenarioResult:
         "stall_s": stall_s,
         "lease_s": cfg.lease_s,
         "stalled": len(failed),
+        "held_by_the_stall": held,
         "max_latency_failed_s": round(
             max((o.latency_s or math.inf for o in failed), default=0.0), 3
         ),
@@ -668,6 +751,8 @@ def scenario_stall(ch: Chaos) -> ScenarioResult:
         ),
     }
     res.base_checks()
+    num_held = sum(held.values())
+    res.fault_hit(f"{num_held} transfers held back by the stall", num_held >= 1)
     res.checks["each completes or ends UNAVAILABLE"] = set(o.status for o in outs) <= {
         OK,
         grpc.StatusCode.UNAVAILABLE.name,
@@ -675,6 +760,236 @@ def scenario_stall(ch: Chaos) -> ScenarioResult:
     res.checks[f"stalled ones end within lease + {bound_s - cfg.lease_s:g} s"] = all(
         (o.latency_s or math.inf) <= bound_s for o in failed
     )
+    return res
+
+
+def scenario_kill_router(ch: Chaos) -> ScenarioResult:
+    """A second router (`pdserve serve` in a child process, attached to the rig's Ray
+    cluster and pools) under `kill_after + kill_concurrency` requests, `kill_concurrency` at
+    a time; kill -9 of its process once `kill_after` ended, so that the rest are in flight.
+    Their streams must end with a status at the client, and what the dead router held on the
+    workers (reservations, KV landed for nobody, decode streams nobody polls) must be freed
+    by the workers alone within the lease plus the idle-stream bound (`stream_idle_s`, which
+    the rig sets on the decode workers for the scenario); the rig's own router serves on."""
+    from pdserve.tools.faults import RouterProcess
+
+    cfg, rig = ch.cfg, ch.rig
+    unavailable = grpc.StatusCode.UNAVAILABLE.name
+    idle_before = rig.set_stream_idle_timeout(cfg.stream_idle_s)
+    proc = RouterProcess(rig.cfg, rig.gcs_address())
+    fault: dict[str, float] = {}
+    try:
+        t_start = time.perf_counter()
+        proc.start()
+        fault["router_start_s"] = time.perf_counter() - t_start
+        rig.leftovers()  # the workers import this module's helpers now, not while aiming
+        pids = {name: rig.pid(name) for name in rig.actors()}
+        d = Driver(proc.target, cfg.hang_bound_s, progress=cfg.progress)
+        shots = ch.shots("kill-router", cfg.kill_after + cfg.kill_concurrency)
+
+        async def body() -> list[Outcome]:
+            async def inject() -> None:
+                await d.wait_ended(cfg.kill_after)
+                await _until_streaming(rig, cfg.aim_timeout_s)  # the idle bound's case too
+                fault["at"] = d.now()
+                fault["pid"] = proc.kill9() or 0
+
+            outs, _ = await asyncio.gather(
+                d.run(shots, cfg.kill_concurrency, "kill router"), inject()
+            )
+            return outs
+
+        outs = asyncio.run(body())
+        t_kill = d.t0 + fault["at"]
+        held = rig.leftovers()  # what the dead router left on the workers, right after
+        held_blocks = rig.used_blocks()
+        bound_s = cfg.lease_s + cfg.stream_idle_s + 5.0
+        quiescence = rig.quiesce(max(bound_s - (time.perf_counter() - t_kill), 1.0))
+        freed_s = time.perf_counter() - t_kill
+        restarted = [name for name, pid in pids.items() if rig.pid(name) != pid]
+    finally:
+        proc.close()
+        rig.set_stream_idle_timeout(max(idle_before.values(), default=30.0))
+    res = ScenarioResult(
+        "kill-router",
+        f"kill -9 of a second router (pid {int(fault.get('pid', 0))}) under load",
+        outs,
+        fault_s=[fault["at"]],
+    )
+    res.quiescence = quiescence
+    res.recover_s = asyncio.run(ch.recover(time.perf_counter()))
+    in_flight = [o for o in outs if o.sent_s <= fault["at"] < (o.ended_s or math.inf)]
+    after = [(o.ended_s or math.inf) - fault["at"] for o in in_flight]
+    held_for_it = _held_for(held)
+    res.figures = {
+        "router_start_s": round(fault["router_start_s"], 2),
+        "in_flight_at_kill": len(in_flight),
+        "in_flight_outcomes": dict(Counter(o.status for o in in_flight)),
+        "max_end_after_kill_s": round(max(after, default=0.0), 3),
+        "held_after_kill": len(held_for_it),
+        "held_after_kill_by_kind": dict(Counter(k.split(":", 1)[0] for k in held_for_it)),
+        "blocks_used_after_kill": held_blocks,
+        "freed_after_kill_s": round(freed_s, 2) if quiescence.clean else None,
+        "free_bound_s": bound_s,
+        "stream_idle_s": cfg.stream_idle_s,
+        "workers_restarted": restarted,
+    }
+    res.base_checks()
+    res.fault_hit(
+        f"{len(in_flight)} requests in flight at the kill, {len(held_for_it)} entries held "
+        "for them on the workers",
+        len(in_flight) >= 1 and len(held_for_it) >= 1,
+    )
+    res.checks["each completes or ends UNAVAILABLE"] = set(o.status for o in outs) <= {
+        OK,
+        unavailable,
+    }
+    res.checks[f"in flight at the kill ended UNAVAILABLE within {cfg.fault_bound_s:g} s"] = all(
+        o.status == unavailable and t <= cfg.fault_bound_s
+        for o, t in zip(in_flight, after, strict=True)
+    )
+    res.checks[f"workers freed all within lease + idle bound + 5 s ({bound_s:g} s) of the kill"] = (
+        quiescence.clean
+    )
+    res.checks["the pools stayed up (no worker restarted)"] = not restarted
+    res.checks["the rig's router serves afterwards"] = res.recover_s is not None
+    return res
+
+
+def _held_for(leftovers: dict[str, list[str]], tag: str = "-kill-router-") -> list[str]:
+    """The per-request state on the workers that belongs to requests tagged `tag`."""
+    return sorted(k for v in leftovers.values() for k in v if tag in k)
+
+
+async def _until_streaming(rig: Rig, timeout_s: float) -> None:
+    """Wait, up to `timeout_s`, until a decode worker holds a stream of the second router's."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        held = _held_for(await asyncio.to_thread(rig.leftovers))
+        if any(k.startswith("streams:") for k in held):
+            return
+        await asyncio.sleep(0.01)
+
+
+def _expect(queue: Any, child: Any, what: str, timeout_s: float) -> Any:
+    """The abusive client's next message (`what`, or its report when `what` is empty)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            got = queue.get(timeout=0.5)
+            break
+        except Empty:
+            if not child.is_alive():
+                raise RuntimeError(f"the abusive client exited ({child.exitcode})") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the abusive client did not say {what!r}") from None
+    if what and got != what:
+        raise RuntimeError(f"the abusive client said {got!r}, not {what!r}")
+    return got
+
+
+def scenario_abusive_client(ch: Chaos) -> ScenarioResult:
+    """A normal load (`num_abuse` requests, `abuse_concurrency` at a time) alone, then again
+    while one client (`pdserve.tools.abuse`, a child process) sends 10 MB prompts over HTTP
+    and gRPC, stop-string floods at and over the limits, holds `num_slowloris` half-sent
+    HTTP request heads and `kv_pokes` idle or junk connections on each KV endpoint, then
+    alone again. The normal load's median latency under abuse must stay within
+    `abuse_ratio_bound` of its median alone (the runs before and after together, so that a
+    drift in what else the machine runs does not count as the abuse's), the abuse be refused
+    at the edge (or served, at the limits), and nothing be left."""
+    from pdserve.tools.abuse import AbuseReport, AbuseSizes, AbuseTargets, run_abuser
+
+    cfg, rig = ch.cfg, ch.rig
+    router = rig.router
+    assert router is not None
+    kv = tuple(rig.kv_addresses().values()) if cfg.kv_pokes else ()
+    targets = AbuseTargets(rig.target, rig.http_port, router.model_info.served_model_name, kv)
+    sizes = AbuseSizes(
+        max_stop_strings=router.cfg.max_stop_strings,
+        max_stop_chars=router.cfg.max_stop_chars,
+        stop_max_tokens=cfg.output_len,
+        num_slowloris=cfg.num_slowloris,
+        kv_pokes=cfg.kv_pokes,
+    )
+    ctx = multiprocessing.get_context("spawn")
+    go, stop, queue = ctx.Event(), ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=run_abuser, args=(targets, sizes, go, stop, queue), daemon=True)
+    child.start()
+    d = ch.driver()
+    try:
+        _expect(queue, child, "ready", 120.0)  # imported: it costs no CPU from here until `go`
+        n, c = cfg.num_abuse, cfg.abuse_concurrency
+        alone = asyncio.run(d.run(ch.shots("alone", n), c, "alone"))
+        go.set()
+        _expect(queue, child, "abusing", 60.0)
+        t_abuse = d.now()
+        abused = asyncio.run(d.run(ch.shots("abused", n), c, "under abuse"))
+        t_stop = d.now()
+        stop.set()
+        report: AbuseReport = _expect(queue, child, "", sizes.timeout_s + 60.0)
+        child.join(30)
+        alone += asyncio.run(d.run(ch.shots("alone", n), c, "alone again"))
+    finally:
+        go.set()
+        stop.set()
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+    res = ScenarioResult(
+        "abusive-client",
+        "10 MB prompts, stop floods, slowloris, KV pokes from one client",
+        sorted(alone + abused, key=lambda o: o.sent_s),
+        fault_s=[t_abuse, t_stop],
+    )
+    res.quiescence = ch.quiesce()
+    res.recover_s = asyncio.run(ch.recover(time.perf_counter()))
+    p50_alone = percentile([o.latency_s or math.inf for o in alone], 50)
+    p50_abused = percentile([o.latency_s or math.inf for o in abused], 50)
+    ratio = p50_abused / p50_alone if p50_alone and p50_abused is not None else None
+    got = report.outcomes
+    res.figures = {
+        "p50_latency_alone_ms": _ms(p50_alone),
+        "p50_latency_before_after_ms": [
+            _ms(percentile([o.latency_s or math.inf for o in run], 50))
+            for run in (alone[:n], alone[n:])
+        ],
+        "p50_latency_abused_ms": _ms(p50_abused),
+        "p99_latency_alone_ms": _ms(percentile([o.latency_s or math.inf for o in alone], 99)),
+        "p99_latency_abused_ms": _ms(percentile([o.latency_s or math.inf for o in abused], 99)),
+        "p50_ratio": None if ratio is None else round(ratio, 3),
+        "abuse": report.to_json(),
+    }
+    res.base_checks()
+    huge = report.total("huge prompt HTTP"), report.total("huge prompt gRPC")
+    floods = report.total("stop flood HTTP") + report.total("stop flood gRPC")
+    res.fault_hit(
+        f"{huge[0]} + {huge[1]} 10 MB prompts (HTTP + gRPC), {floods} stop floods, "
+        f"{report.slowloris_held_at_go} half-sent heads held, {report.kv_opened} KV pokes",
+        min(huge) >= 1
+        and floods >= 1
+        and report.slowloris_held_at_go == cfg.num_slowloris
+        and (report.kv_opened >= 1 or not kv),
+    )
+    res.checks["the normal load completes, alone and under abuse"] = res.succeeded == res.sent
+    res.checks[f"p50 latency under abuse within {cfg.abuse_ratio_bound:g}x of alone"] = (
+        ratio is not None and ratio <= cfg.abuse_ratio_bound
+    )
+    # 400 / INVALID_ARGUMENT name the field; a gRPC message over the receive size (room for
+    # the longest valid prompt) is refused by gRPC itself before it is parsed.
+    refused = {"400", grpc.StatusCode.INVALID_ARGUMENT.name}
+    too_big = refused | {grpc.StatusCode.RESOURCE_EXHAUSTED.name}
+    expected = {
+        "huge prompt HTTP": refused,
+        "huge prompt gRPC": too_big,
+        "stops over limit HTTP": refused,
+        "stops over limit gRPC": refused,
+    }
+    res.checks["abuse refused at the edge (400, INVALID_ARGUMENT, RESOURCE_EXHAUSTED)"] = all(
+        set(got.get(kind, {})) <= codes for kind, codes in expected.items()
+    )
+    res.checks["stop floods at the limits are served"] = set(got.get("stop flood HTTP", {})) | set(
+        got.get("stop flood gRPC", {})
+    ) <= {"200", OK}
     return res
 
 
@@ -840,6 +1155,8 @@ SCENARIOS: dict[str, Callable[[Chaos], ScenarioResult]] = {
     "redis": scenario_redis,
     "stall": scenario_stall,
     "overload": scenario_overload,
+    "kill-router": scenario_kill_router,
+    "abusive-client": scenario_abusive_client,
 }
 
 
@@ -858,6 +1175,18 @@ def _key_figures(r: ScenarioResult) -> str:
         return (
             f"cut {f['cut']}; end after cut max {f['max_end_after_cut_ms']} ms; "
             f"router release max {f['max_release_after_cut_ms']} ms"
+        )
+    if r.name == "kill-router":
+        return (
+            f"{f['in_flight_at_kill']} in flight, {f['held_after_kill']} held on workers; "
+            f"all freed {f['freed_after_kill_s']} s after the kill (bound {f['free_bound_s']:g})"
+        )
+    if r.name == "abusive-client":
+        a = f["abuse"]
+        return (
+            f"p50 {f['p50_latency_alone_ms']} → {f['p50_latency_abused_ms']} ms "
+            f"(x{f['p50_ratio']}); {a['slowloris_held_at_go']} half heads, "
+            f"{sum(sum(v.values()) for v in a['outcomes'].values())} abusive requests"
         )
     if r.name.startswith("kill"):
         return (
@@ -1056,6 +1385,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overload-s", type=float, default=d.overload_s)
     p.add_argument("--baseline-s", type=float, default=d.baseline_s, help="the 0.8x phase")
     p.add_argument("--lease-s", type=float, default=d.lease_s, help="transfer.lease_s")
+    p.add_argument(
+        "--num-stalled",
+        type=int,
+        default=d.num_stalled,
+        help="transfers the stall scenario holds back (0: the fault is off, the row fails)",
+    )
+    p.add_argument("--num-abuse", type=int, default=d.num_abuse, help="abusive-client's load")
     p.add_argument("--prompt-len", type=int, default=d.prompt_len)
     p.add_argument("--output-len", type=int, default=d.output_len)
     p.add_argument("--hang-bound-s", type=float, default=d.hang_bound_s)
@@ -1077,6 +1413,8 @@ def run_chaos(args: argparse.Namespace) -> int:
         overload_s=args.overload_s,
         baseline_s=args.baseline_s,
         lease_s=args.lease_s,
+        num_stalled=args.num_stalled,
+        num_abuse=args.num_abuse,
         hang_bound_s=args.hang_bound_s,
         progress=not args.disable_tqdm,
     )

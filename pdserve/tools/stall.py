@@ -3,8 +3,9 @@ next transfers' frames are held back and leave, whole, only `stall_s` after the 
 was finished (`finish`), as over a link that stopped moving. An abort meanwhile drops them.
 
 `install(worker, stall_s, num_transfers)` swaps the wrapper into a live `PrefillWorker`'s
-sender (`Rig.stall_transfers` runs it inside the actor). The production classes know
-nothing of it.
+sender (`Rig.stall_transfers` runs it inside the actor); `num_held(worker)` says how many
+transfers it has held back since (`Rig.num_stalled`: the chaos row's proof that the fault
+ran). The production classes know nothing of it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class _Stall:
         self.held: dict[str, list[tuple[pb.KVFrameHeader, Sequence[torch.Tensor]]]] = {}
         self.aborted: dict[str, threading.Event] = {}
         self.seen: set[str] = set()
+        self.num_held = 0  # transfers whose frames were held back: the fault hit them
         self.lock = threading.Lock()
 
     def holds(self, transfer_id: str) -> bool:
@@ -38,6 +40,7 @@ class _Stall:
                 self.seen.add(transfer_id)
                 if self.remaining > 0:
                     self.remaining -= 1
+                    self.num_held += 1
                     self.held[transfer_id] = []
                     self.aborted[transfer_id] = threading.Event()
             return transfer_id in self.held
@@ -112,3 +115,10 @@ def install(worker: Any, stall_s: float, num_transfers: int) -> None:
     with sender._lock:
         for address, ch in sender._channels.items():
             sender._channels[address] = StalledChannel(_unwrap(ch), stall)
+
+
+def num_held(worker: Any) -> int:
+    """Transfers of `worker` held back by the stall installed last (0: none installed, or the
+    worker restarted since)."""
+    t = worker.sender.transport
+    return t.stall.num_held if isinstance(t, StalledTransport) else 0
