@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pool_api.messages import Role, WorkerStats
 from router.clients import DecodeClient, PrefillClient, WorkerClient
@@ -38,6 +38,7 @@ class WorkerLoad(Generic[C]):
     stats: WorkerStats | None = None
     outstanding_tokens: int = 0  # prefill: prompt tokens sent, not yet returned
     pending_blocks: int = 0  # decode: blocks reserved by the router since the last stats
+    reserving_blocks: int = 0  # decode: blocks asked for by reservations still in flight
     active: set[str] = field(default_factory=set)
     healthy: bool = True
     down_since: float | None = None  # monotonic time it was marked down; None while up
@@ -106,6 +107,17 @@ class WorkerLoad(Generic[C]):
         self.pending_blocks += num_blocks
         self.track(request_id)
 
+    def reserving(self, call: asyncio.Future[Any], num_blocks: int) -> None:
+        """A reservation of about `num_blocks` is in flight until `call` is done: count it
+        now, so requests placed meanwhile see this worker fuller, not only once it answers
+        (else a burst of requests all lands on the first of equally free workers)."""
+        self.reserving_blocks += num_blocks
+
+        def done(_: asyncio.Future[Any]) -> None:
+            self.reserving_blocks -= num_blocks
+
+        call.add_done_callback(done)
+
     @contextlib.contextmanager
     def prefilling(self, request_id: str, num_tokens: int) -> Iterator[None]:
         """The prompt pass of `num_tokens` is out on this prefill worker."""
@@ -126,7 +138,7 @@ class WorkerLoad(Generic[C]):
     @property
     def free_blocks(self) -> int:
         free = self.stats.num_free_blocks if self.stats else 0
-        return free - self.pending_blocks
+        return free - self.pending_blocks - self.reserving_blocks
 
     def prefill_work(self, matches: dict[str, int], num_tokens: int, block_size: int) -> int:
         """Prompt tokens this prefill worker would compute for a request (its cached prefix

@@ -174,6 +174,7 @@ class Reserver:
         is released once it answers, instead of waiting out the lease."""
         rid = act.request_id
         call: asyncio.Future[ReserveResult] = asyncio.ensure_future(d.client.reserve(act.request))
+        d.reserving(call, -(-act.num_prompt_tokens // self.block_size) + 1)
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:

@@ -236,3 +236,37 @@ def test_a_worker_failing_transfers_in_a_row_is_taken_out_and_probed_back() -> N
     d.next_probe_s = time.monotonic()  # the cool-down is over: the probe brings it back
     asyncio.run(pool.refresh(0.2, 1.0))
     assert d.healthy
+
+
+def test_a_burst_spreads_over_equally_free_decode_workers() -> None:
+    """Reservations still in flight count against their worker, so requests placed at the
+    same instant do not all pick the first of two equally free decode workers."""
+
+    class SlowDecode:
+        def __init__(self, name: str) -> None:
+            self.name, self.reserved = name, 0
+
+        async def reserve(self, request: WorkerRequest) -> Any:
+            from pool_api.messages import ReserveResult
+            from protos.pdserve.v1 import kv_transfer_pb2 as kvpb
+
+            self.reserved += 1
+            await asyncio.sleep(0.05)
+            ticket = kvpb.TransferTicket(transfer_id=request.request_id, dst_block_ids=[1, 2])
+            return ReserveResult(ticket.SerializeToString(), 30)
+
+    workers = [SlowDecode("d0"), SlowDecode("d1")]
+    decode = Pool(Role.DECODE, [DecodeClient(w.name, cast(Any, w)) for w in workers])
+    for w in decode.workers:
+        w.stats_arrived(stats(w.name, Role.DECODE, 40))
+    cfg = RouterConfig()
+    reserver = Reserver(cfg, prefill_pool(0), decode, BS, lambda coro: None)
+
+    async def burst() -> None:
+        acts = [active(3 * BS) for _ in range(6)]
+        for i, a in enumerate(acts):
+            a.request = WorkerRequest(f"r{i}", a.request.prompt_token_ids, a.request.params)
+        await asyncio.gather(*(reserver.reserve(a, {}) for a in acts))
+
+    asyncio.run(burst())
+    assert [w.reserved for w in workers] == [3, 3]
