@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,24 @@ def served_name(cfg: ServeConfig) -> str:
         return model
     path = Path(model)
     return path.stem if path.suffix == ".gguf" else path.name
+
+
+def wait_ready(ray: Any, refs: list[Any]) -> list[Any]:
+    """Each worker's `ready()` answer, in order; a progress bar counts the workers that have
+    loaded their model (on a terminal only)."""
+    from tqdm import tqdm
+
+    results: dict[Any, Any] = {}
+    pending = list(refs)
+    with tqdm(
+        total=len(refs), desc="loading workers", unit="worker", disable=not sys.stderr.isatty()
+    ) as bar:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                results[ref] = ray.get(ref)  # raises what a failed worker raised
+            bar.update(len(done))
+    return [results[ref] for ref in refs]
 
 
 def kv_secret_by_default(transfer: TransferConfig, own_cluster: bool) -> TransferConfig:
@@ -199,8 +218,8 @@ class Deployment:
             )
             for i in range(cfg.decode.num_workers)
         ]
-        self.summaries = ray.get(
-            [a.ready.remote() for a in self.prefill_actors + self.decode_actors]
+        self.summaries = wait_ready(
+            ray, [a.ready.remote() for a in self.prefill_actors + self.decode_actors]
         )
         return build_router(
             router_view(cfg, self.summaries),

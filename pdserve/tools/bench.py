@@ -109,13 +109,26 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
     d = p.add_argument_group("dataset")
     d.add_argument(
-        "--dataset-name", default="random", choices=["random", "prefix_repetition", "sharegpt"]
+        "--dataset-name",
+        default="random",
+        choices=["random", "prefix_repetition", "sharegpt"],
+        help="prompt source: random token ids, a shared-prefix set, or a ShareGPT file",
     )
     d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (sharegpt)")
-    d.add_argument("--num-prompts", type=int, default=1000)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--random-input-len", type=int, default=1024)
-    d.add_argument("--random-output-len", type=int, default=128)
+    d.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
+    d.add_argument("--seed", type=int, default=0, help="seed of the prompt and arrival sampling")
+    d.add_argument(
+        "--random-input-len",
+        type=int,
+        default=1024,
+        help="random dataset: prompt tokens per request",
+    )
+    d.add_argument(
+        "--random-output-len",
+        type=int,
+        default=128,
+        help="random dataset: output tokens per request",
+    )
     d.add_argument(
         "--random-range-ratio",
         type=float,
@@ -123,10 +136,30 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="lengths uniform in [len * (1 - r), len * (1 + r)], 0 <= r < 1",
     )
     d.add_argument("--random-prefix-len", type=int, default=0, help="shared prefix tokens")
-    d.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
-    d.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
-    d.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
-    d.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    d.add_argument(
+        "--prefix-repetition-prefix-len",
+        type=int,
+        default=256,
+        help="prefix_repetition: tokens of each shared prefix",
+    )
+    d.add_argument(
+        "--prefix-repetition-suffix-len",
+        type=int,
+        default=256,
+        help="prefix_repetition: unique tokens after the prefix",
+    )
+    d.add_argument(
+        "--prefix-repetition-num-prefixes",
+        type=int,
+        default=10,
+        help="prefix_repetition: distinct prefixes",
+    )
+    d.add_argument(
+        "--prefix-repetition-output-len",
+        type=int,
+        default=128,
+        help="prefix_repetition: output tokens per request",
+    )
     d.add_argument(
         "--sharegpt-output-len",
         type=int,
@@ -147,7 +180,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="gamma shape of the arrival gaps (1: Poisson; <1 burstier; >1 more uniform)",
     )
-    t.add_argument("--max-concurrency", type=int, default=None)
+    t.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="requests in flight at most (unset: no limit)",
+    )
     t.add_argument(
         "--ready-check-timeout-sec",
         type=float,
@@ -159,8 +197,18 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
     s = p.add_argument_group("sampling")
     s.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
-    s.add_argument("--top-p", type=float, default=None)
-    s.add_argument("--top-k", type=int, default=None)
+    s.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="sampling top_p sent with each request (unset: the server's)",
+    )
+    s.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="sampling top_k sent with each request (unset: the server's)",
+    )
     s.add_argument(
         "--ignore-eos",
         action="store_true",
@@ -179,7 +227,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--metric-percentiles", default="99", help='e.g. "50,90,99"')
     r.add_argument("--save-result", action="store_true", help="write the result JSON")
     r.add_argument("--save-detailed", action="store_true", help="also save generated texts")
-    r.add_argument("--result-dir", default=None)
+    r.add_argument(
+        "--result-dir", default=None, help="directory for the JSON result (with --save-result)"
+    )
     r.add_argument(
         "--result-filename",
         default=None,
@@ -194,7 +244,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="exit 1 when failed / num-prompts exceeds this (default 1.0: never)",
     )
-    r.add_argument("--disable-tqdm", action="store_true")
+    r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def parse_goodput(pairs: list[str] | None) -> dict[str, float]:

@@ -1372,17 +1372,39 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scenarios", default=",".join(d.scenarios), help=f"comma list of {','.join(SCENARIOS)}"
     )
-    p.add_argument("--preset", default=d.preset, choices=["tiny", "small"])
-    p.add_argument("--transport", default=d.transport, choices=SERVE_TRANSPORT_NAMES)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--num-cancel", type=int, default=d.num_cancel)
+    p.add_argument(
+        "--preset",
+        default=d.preset,
+        choices=["tiny", "small"],
+        help="the generated model the rig serves",
+    )
+    p.add_argument(
+        "--transport",
+        default=d.transport,
+        choices=SERVE_TRANSPORT_NAMES,
+        help="KV transport between the pools",
+    )
+    p.add_argument(
+        "--seed", type=int, default=d.seed, help="seed of prompts, cut points and arrivals"
+    )
+    p.add_argument(
+        "--num-cancel",
+        type=int,
+        default=d.num_cancel,
+        help="cancel scenario: requests cut at random points",
+    )
     p.add_argument(
         "--num-kill",
         type=int,
         default=d.num_kill,
         help="requests per kill scenario and the redis scenario",
     )
-    p.add_argument("--overload-s", type=float, default=d.overload_s)
+    p.add_argument(
+        "--overload-s",
+        type=float,
+        default=d.overload_s,
+        help="overload scenario: seconds of arrivals at 2x capacity",
+    )
     p.add_argument("--baseline-s", type=float, default=d.baseline_s, help="the 0.8x phase")
     p.add_argument("--lease-s", type=float, default=d.lease_s, help="transfer.lease_s")
     p.add_argument(
@@ -1392,10 +1414,15 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="transfers the stall scenario holds back (0: the fault is off, the row fails)",
     )
     p.add_argument("--num-abuse", type=int, default=d.num_abuse, help="abusive-client's load")
-    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
-    p.add_argument("--output-len", type=int, default=d.output_len)
-    p.add_argument("--hang-bound-s", type=float, default=d.hang_bound_s)
-    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=d.output_len, help="output tokens per request")
+    p.add_argument(
+        "--hang-bound-s",
+        type=float,
+        default=d.hang_bound_s,
+        help="a request with no end after this long counts as hung",
+    )
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def run_chaos(args: argparse.Namespace) -> int:
