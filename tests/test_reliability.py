@@ -208,8 +208,9 @@ def test_kill_9_of_a_decode_worker(chaos: Chaos) -> None:
 
 def test_kill_9_of_the_router(chaos: Chaos) -> None:
     """kill -9 of a second router, a `pdserve serve` child on the rig's pools, mid-load: the
-    requests in flight end UNAVAILABLE at once, no worker restarts, what it held on the
-    workers (reservations, streams nobody polls) is freed within the lease (3 s) plus the
+    requests in flight end at once (UNAVAILABLE, or OK if their last message had left), no
+    worker restarts, what it held on the workers (reservations, streams nobody polls) is
+    freed within the lease (3 s) plus the
     idle-stream bound (2 s here) plus 5 s, and the rig's own router serves afterwards."""
     res = scenario_kill_router(chaos)
     assert res.figures["held_after_kill"] >= 1, res.figures

@@ -844,8 +844,9 @@ def scenario_kill_router(ch: Chaos) -> ScenarioResult:
         OK,
         unavailable,
     }
-    res.checks[f"in flight at the kill ended UNAVAILABLE within {cfg.fault_bound_s:g} s"] = all(
-        o.status == unavailable and t <= cfg.fault_bound_s
+    # A request whose last message left the router just before the kill still ends OK here.
+    res.checks[f"in flight at the kill ended within {cfg.fault_bound_s:g} s"] = all(
+        o.status in (OK, unavailable) and t <= cfg.fault_bound_s
         for o, t in zip(in_flight, after, strict=True)
     )
     res.checks[f"workers freed all within lease + idle bound + 5 s ({bound_s:g} s) of the kill"] = (
