@@ -138,16 +138,20 @@ def sampling_from_proto(
     )
 
 
+def check_model(limits: ModelLimits, model: str) -> None:
+    """The served name, or none at all; else LookupError (NOT_FOUND / 404)."""
+    if model and model != limits.served_model_name:
+        raise LookupError(
+            f"model {echo(model)} is not served here (serving {limits.served_model_name!r})"
+        )
+
+
 def prepare(
     request: gen.GenerateRequest, tokenizer: Tokenizer | None, limits: ModelLimits
 ) -> WorkerRequest:
     """Validate and tokenize; raises InvalidParameterError naming the bad field."""
     limits.edge_limits().check(request)  # sizes first: nothing below runs on an oversized request
-    if request.model and request.model != limits.served_model_name:
-        raise LookupError(
-            f"model {echo(request.model)} is not served here "
-            f"(serving {limits.served_model_name!r})"
-        )
+    check_model(limits, request.model)
     params = sampling_from_proto(request.sampling, limits.sampling_defaults)
     kind = request.WhichOneof("prompt")
     if kind == "text":

@@ -99,3 +99,50 @@ def servers_without_workers(cfg: RouterConfig) -> Iterator[tuple[int, int]]:
         call(grpc_server.server.stop(grace=0.1))
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+def asgi_call(
+    app: Any,
+    method: str,
+    path: str,
+    body: dict[str, Any] | bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], bytes]:
+    """One request through the ASGI app, no server: (status, headers, body)."""
+    import asyncio
+    import json
+
+    raw = json.dumps(body).encode() if isinstance(body, dict) else (body or b"")
+    sent: list[dict[str, Any]] = []
+    done = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal done
+        if done:
+            await asyncio.sleep(3600)  # the client stays; never disconnects
+        done = True
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    hdrs = {"content-type": "application/json", **(headers or {})}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in hdrs.items()],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    asyncio.run(app(scope, receive, send))
+    start = sent[0]
+    out = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    got = {k.decode().lower(): v.decode() for k, v in start.get("headers", [])}
+    return start["status"], got, out

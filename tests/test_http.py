@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from in_process import router_without_workers
+from in_process import asgi_call, router_without_workers
 from prometheus_client.parser import text_string_to_metric_families
 from serve_proc import ServeProcess
 
@@ -333,33 +333,8 @@ def _router(**cfg: Any) -> Any:
 
 
 def _asgi(app: Any, method: str, path: str, headers: dict[str, str] | None = None) -> Any:
-    import asyncio
-
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
-    asyncio.run(app(scope, receive, send))
-    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return sent[0]["status"], body
+    status, _, body = asgi_call(app, method, path, headers=headers)
+    return status, body
 
 
 def test_health_503_when_draining_or_not_ready() -> None:

@@ -28,7 +28,7 @@ from router.openai.protocol import (
     refuse_unsupported,
     render_chat,
 )
-from router.validation import echo
+from router.validation import check_model as served_model
 
 
 def _required(v: object) -> object:
@@ -60,15 +60,11 @@ class Detokenize(RequestPart):
 
 
 def check_model(router: ChatRouter, model: str | None) -> None:
-    """The served name (or none), else OpenAI's 404."""
-    served = router.limits.served_model_name
-    if model and model != served:
-        raise HTTPError(
-            404,
-            f"model {echo(model)} is not served here (serving {served!r})",
-            param="model",
-            code="model_not_found",
-        )
+    """The served name (or none), else OpenAI's 404 with the router's message."""
+    try:
+        served_model(router.limits, model or "")
+    except LookupError as e:
+        raise HTTPError(404, str(e), param="model", code="model_not_found") from e
 
 
 def _no_token_strs(wanted: bool) -> None:
