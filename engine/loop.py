@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
+import ctypes.util
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -24,6 +27,21 @@ T = TypeVar("T")
 _Command = tuple[Callable[[], object], "concurrent.futures.Future[object]"]
 _IDLE_WAIT_S = 0.05
 _BLOCKED_WAIT_S = 0.002
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread an OS name (`top -H`, `/proc/<pid>/task/*/comm`, py-spy), so
+    an operator can tell the engine thread from Ray's and torch's; Linux only, best effort."""
+    lib = ctypes.util.find_library("c")
+    if lib is None:
+        return
+    try:
+        libc = ctypes.CDLL(lib)
+        libc.pthread_self.restype = ctypes.c_ulong  # a pointer-sized handle, not an int
+        libc.pthread_setname_np.argtypes = [ctypes.c_ulong, ctypes.c_char_p]
+        libc.pthread_setname_np(libc.pthread_self(), name.encode()[:15])
+    except (OSError, AttributeError):
+        pass
 
 
 class EngineLoop:
@@ -38,7 +56,8 @@ class EngineLoop:
         self.on_outputs = on_outputs
         self.on_fatal = on_fatal  # called on the engine thread after a fatal error
         self.fatal: BaseException | None = None
-        self.num_steps = 0
+        self.num_steps = 0  # steps that ran a forward
+        self.step_s_total = 0.0  # their wall time (schedule, forward, sampling, detokenize)
         self._cmds: queue.SimpleQueue[
             tuple[Callable[[], object], concurrent.futures.Future[object]]
         ] = queue.SimpleQueue()
@@ -74,6 +93,7 @@ class EngineLoop:
                 fut.set_exception(e)
 
     def _run(self) -> None:
+        name_os_thread("pd-engine")
         try:
             self._loop()
         except BaseException as e:  # a fatal engine error must not go silent
@@ -100,9 +120,11 @@ class EngineLoop:
                 self._wake.wait(_IDLE_WAIT_S)
                 self._wake.clear()
                 continue
+            t0 = time.perf_counter()
             outputs = self.engine.step()
             if self.engine.last_step_ran:
                 self.num_steps += 1
+                self.step_s_total += time.perf_counter() - t0
             else:  # work exists but none fits now (e.g. waiting on blocks): do not spin
                 self._wake.wait(_BLOCKED_WAIT_S)
                 self._wake.clear()

@@ -173,7 +173,11 @@ class WorkerBase(abc.ABC):
             self.engine.stats(),
             self._num_reserved(),
             self.num_requests_total,
-            self._extra_stats(),
+            {
+                "engine_steps_total": float(self.loop.num_steps),
+                "engine_step_seconds_total": self.loop.step_s_total,
+                **self._extra_stats(),
+            },
         )
 
     async def check_integrity(self) -> int:

@@ -335,6 +335,14 @@ class _WorkerFamilies:
             "decode_workspace_fallbacks",
             "Decode steps whose batch did not fit cache.decode_workspace_mib (pages gathered).",
         )
+        self.steps = _counter_family(
+            "engine_steps", "Engine steps that ran a forward pass on a worker."
+        )
+        self.step_seconds = _counter_family(
+            "engine_step_seconds",
+            "Wall time of those steps (schedule, forward, sampling, detokenize); against "
+            "the worker's token counts it is the engine's share of the serving time.",
+        )
         self.cache_info = GaugeMetricFamily(
             PREFIX + "cache_config_info",
             "A worker's KV cache configuration, in its labels (value 1), as vLLM's.",
@@ -352,6 +360,8 @@ class _WorkerFamilies:
             self.xfail,
             self.ws_bytes,
             self.ws_fallbacks,
+            self.steps,
+            self.step_seconds,
             self.cache_info,
         )
 
@@ -400,6 +410,8 @@ class WorkerCollector(Collector):
             f.usage.add_metric(lv, used / s.num_total_blocks if s.num_total_blocks else 0.0)
             f.preempt.add_metric(lv, s.num_preemptions_total)
             f.cache_info.add_metric([*lv, *self._cache_labels(s.num_total_blocks)], 1.0)
+            f.steps.add_metric(lv, s.extra.get("engine_steps_total", 0.0))
+            f.step_seconds.add_metric(lv, s.extra.get("engine_step_seconds_total", 0.0))
             if s.role == "prefill" or "transfer_bytes_total" in s.extra:
                 f.xbytes.add_metric(lv, s.extra.get("transfer_bytes_total", 0.0))
             if s.role == "prefill" or "transfer_failures_total" in s.extra:

