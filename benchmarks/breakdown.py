@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout-s", type=float, default=300.0)
     p.add_argument("--profile", action="store_true", help="a second pass under py-spy")
     p.add_argument("--label", default="")
+    p.add_argument("--token-stream", choices=["push", "poll"], default=None)
     p.add_argument("--out", type=Path, default=peers.RESULTS_DIR / "breakdown-latest.json")
     args = p.parse_args(argv)
     run_dir = peers.BUILD / "breakdown-runs" / f"{datetime.now():%Y%m%d-%H%M%S}"

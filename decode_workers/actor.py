@@ -8,7 +8,7 @@ import ray
 
 from decode_workers.worker import DecodeWorker
 from pool_api.config import WorkerConfig
-from pool_api.messages import DecodeStart, ReserveResult, TokenBatch, WorkerRequest
+from pool_api.messages import DecodeStart, ReserveResult, TokenBatch, TokenSink, WorkerRequest
 from pool_api.worker_common import ActorBase
 
 
@@ -25,8 +25,8 @@ class DecodeActor(ActorBase[DecodeWorker]):
     async def start(self, start: DecodeStart) -> None:
         await self.worker.start(start)
 
-    async def submit(self, request: WorkerRequest) -> None:
-        await self.worker.submit(request)
+    async def submit(self, request: WorkerRequest, sink: TokenSink | None = None) -> None:
+        await self.worker.submit(request, sink)
 
     async def release_reservation(self, request_id: str, transfer_id: str) -> None:
         await self.worker.release_reservation(request_id, transfer_id)

@@ -5,7 +5,9 @@ Plain class (tests build it without Ray); `decode_workers.actor` is the Ray adap
 A disaggregated request arrives twice: `reserve` (blocks first, a ticket back) and, once the
 prefill worker returned the first token, `start` (wait for the KV to land, then join the
 running batch). A colocated or short request arrives once, through `submit`, and is
-prefilled here. Tokens leave through `poll`, a long poll per request.
+prefilled here. Tokens leave pushed to the router's sink (`pool_api.token_stream`: the
+engine thread writes one frame per step and router), or, for a request placed without a
+sink, through `poll`, a long poll per request.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import NoFreeBlocksError
@@ -22,8 +26,17 @@ from engine.request import FinishReason, Request, RequestOutput
 from engine.sampling import TokenLogprob
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.wire import TransferError
+from pool_api import token_stream
 from pool_api.config import WorkerConfig
-from pool_api.messages import DecodeStart, ReserveResult, Role, TokenBatch, WorkerRequest
+from pool_api.messages import (
+    DecodeStart,
+    ReserveResult,
+    Role,
+    TokenBatch,
+    TokenSink,
+    WorkerRequest,
+)
+from pool_api.token_stream import SinkConnection
 from pool_api.worker_common import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -31,10 +44,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Stream:
-    """Tokens produced for one request and not yet polled (touched on the actor's loop)."""
+    """Tokens produced for one request. Polled: kept until `take` (touched on the actor's
+    loop). Pushed (`sink` set): each output goes straight out as a delta, from whichever
+    thread produced it, and `forget` drops the stream once the last one went."""
 
     request: Request
     loop: asyncio.AbstractEventLoop
+    sink: SinkConnection | None = None
+    forget: Callable[[], None] | None = None  # pushed: runs on the loop after the last delta
     event: asyncio.Event = field(default_factory=asyncio.Event)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -44,7 +61,30 @@ class _Stream:
     error: str = ""
     last_poll_s: float = field(default_factory=time.monotonic)  # opened, or last polled
 
+    def delta(self, out: RequestOutput, error: str = "") -> token_stream.tspb.TokenDelta:
+        """A pushed output as its wire delta; marks the stream finished with it."""
+        if out.finished and not self.finished:
+            self.finished = True
+            self.loop.call_soon_threadsafe(self.forget or (lambda: None))
+        r = self.request
+        return token_stream.delta(
+            TokenBatch(
+                request_id=r.request_id,
+                token_ids=out.new_token_ids,
+                text=out.text_delta,
+                logprobs=out.new_logprobs,
+                finished=out.finished,
+                finish_reason=out.finish_reason,
+                num_cached_tokens=r.num_cached_tokens,
+                error=error,
+            )
+        )
+
     def push(self, out: RequestOutput) -> None:
+        if self.sink is not None:
+            if not self.finished:
+                self.sink.send(token_stream.frame([self.delta(out)]))
+            return
         self.token_ids.extend(out.new_token_ids)
         self.text += out.text_delta
         self.logprobs.extend(out.new_logprobs)
@@ -54,6 +94,11 @@ class _Stream:
         self.event.set()
 
     def fail(self, error: str) -> None:
+        if self.sink is not None:
+            if not self.finished:
+                out = RequestOutput(self.request.request_id, (), "", True, FinishReason.ABORT)
+                self.sink.send(token_stream.frame([self.delta(out, error)]))
+            return
         self.error = error
         self.finished = True
         self.finish_reason = FinishReason.ABORT
@@ -61,6 +106,8 @@ class _Stream:
 
     def take(self) -> TokenBatch:
         r = self.request
+        if self.sink is not None:  # the router's heartbeat: alive, nothing to hand over
+            return TokenBatch(r.request_id, (), "", num_prompt_tokens=len(r.prompt_token_ids))
         batch = TokenBatch(
             request_id=r.request_id,
             token_ids=tuple(self.token_ids),
@@ -100,6 +147,9 @@ class DecodeWorker(WorkerBase):
         self.reserved: dict[str, tuple[Request, str]] = {}
         self.streams: dict[str, _Stream] = {}
         self._stream_reaper: asyncio.Task[None] | None = None
+        self._sinks: dict[TokenSink, SinkConnection] = {}  # one connection per router
+        self._sinks_lock = threading.Lock()
+        self._actor_loop: asyncio.AbstractEventLoop | None = None
         self._start_loop()
 
     # ---- API -----------------------------------------------------------------------------
@@ -128,7 +178,8 @@ class DecodeWorker(WorkerBase):
         if entry is None:
             raise TransferError(f"{s.request_id}: no reservation (aborted or expired)")
         req = entry[0]
-        stream = self._open(req)
+        conn = await self._connect(s.sink)
+        stream = self._open(req, conn)
         try:
             await asyncio.to_thread(self.receiver.wait, s.transfer_id, s.transfer_timeout_s)
         except TransferError as e:
@@ -149,15 +200,19 @@ class DecodeWorker(WorkerBase):
 
         await self.loop.run(admit)
 
-    async def submit(self, r: WorkerRequest) -> None:
+    async def submit(self, r: WorkerRequest, sink: TokenSink | None = None) -> None:
         """Prefill here and decode (colocated mode, or a prompt under the local threshold)."""
+        conn = await self._connect(sink)
+        loop = asyncio.get_running_loop()
 
-        def add() -> Request:
+        def add() -> None:
             self.num_requests_total += 1
-            return self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.cache_salt)
+            req = self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.cache_salt)
+            # its stream exists before the engine's next step can produce a token for it
+            self._open(req, conn, loop)
 
-        req = await self.loop.run(add)
-        self._open(req)
+        await self.loop.run(add)
+        self._start_reaper()
 
     async def release_reservation(self, request_id: str, transfer_id: str) -> None:
         """The request ended before decoding (finished at its first token, or failed)."""
@@ -181,6 +236,8 @@ class DecodeWorker(WorkerBase):
                 error="unknown request",
             )
         stream.last_poll_s = time.monotonic()
+        if stream.sink is not None:
+            return stream.take()
         if not stream.token_ids and not stream.finished:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stream.event.wait(), timeout_s)
@@ -210,17 +267,72 @@ class DecodeWorker(WorkerBase):
     def shutdown(self) -> None:
         if self._stream_reaper is not None:
             self._stream_reaper.cancel()
+        with self._sinks_lock:
+            for conn in self._sinks.values():
+                conn.close()
         super().shutdown()
         self.receiver.close()
         self.endpoint.close()
 
     # ---- internals -----------------------------------------------------------------------
-    def _open(self, req: Request) -> _Stream:
-        stream = _Stream(req, asyncio.get_running_loop())
-        self.streams[req.request_id] = stream
-        if self._stream_reaper is None:
-            self._stream_reaper = stream.loop.create_task(self._reap_unpolled())
+    def _open(
+        self,
+        req: Request,
+        sink: SinkConnection | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> _Stream:
+        """Register the request's stream (on the actor's loop, or on the engine thread
+        before the request's first step; `loop` is then the actor's)."""
+        rid = req.request_id
+        stream = _Stream(req, loop or asyncio.get_running_loop(), sink)
+        stream.forget = lambda: self._forget_stream(rid, stream)
+        self.streams[rid] = stream
+        if loop is None:
+            self._start_reaper()
         return stream
+
+    def _start_reaper(self) -> None:
+        if self._stream_reaper is None:
+            self._stream_reaper = asyncio.get_running_loop().create_task(self._reap_unpolled())
+
+    def _forget_stream(self, rid: str, stream: _Stream) -> None:
+        if self.streams.get(rid) is stream:
+            del self.streams[rid]
+
+    async def _connect(self, sink: TokenSink | None) -> SinkConnection | None:
+        """The connection to `sink` (opened on first use, again after it broke)."""
+        if sink is None:
+            return None
+        self._actor_loop = asyncio.get_running_loop()
+        with self._sinks_lock:
+            conn = self._sinks.get(sink)
+        if conn is not None and not conn.closed:
+            return conn
+        conn = await asyncio.to_thread(SinkConnection, sink, self.name, self._sink_lost)
+        with self._sinks_lock:
+            old = self._sinks.get(sink)
+            if old is not None and not old.closed:  # another request connected meanwhile
+                conn.close()
+                return old
+            self._sinks[sink] = conn
+        return conn
+
+    def _sink_lost(self, sink: TokenSink, why: str) -> None:
+        """Any thread: a router's connection broke (it died, or read nothing for long).
+        Nobody will read its streams' tokens: abort them and free their blocks."""
+        log.warning("%s: token stream to %s lost (%s)", self.name, sink.address, why)
+        if self._actor_loop is not None:
+            asyncio.run_coroutine_threadsafe(self._abort_sink(sink), self._actor_loop)
+
+    async def _abort_sink(self, sink: TokenSink) -> None:
+        with self._sinks_lock:
+            conn = self._sinks.get(sink)
+            if conn is not None and conn.closed:
+                del self._sinks[sink]
+        for rid, stream in list(self.streams.items()):
+            if stream.sink is not None and stream.sink.sink == sink:
+                await self.abort(rid)
+                self.streams.pop(rid, None)
 
     async def _reap_unpolled(self) -> None:
         """Abort and drop streams nobody polled within `stream_idle_timeout_s`: their router
@@ -246,8 +358,19 @@ class DecodeWorker(WorkerBase):
         self.loop.call(lambda: self.engine.release(request_id))
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Engine thread: polled streams get theirs on the actor loop; pushed ones go out
+        now, one frame per router for the whole step."""
+        frames: dict[SinkConnection, list[token_stream.tspb.TokenDelta]] = {}
         for out in outputs:
-            self._push(out)
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue
+            if stream.sink is None:
+                stream.loop.call_soon_threadsafe(stream.push, out)
+            elif not stream.finished:
+                frames.setdefault(stream.sink, []).append(stream.delta(out))
+        for conn, deltas in frames.items():
+            conn.send(token_stream.frame(deltas))
 
     def _push(self, out: RequestOutput) -> None:
         stream = self.streams.get(out.request_id)

@@ -1,5 +1,12 @@
 """Runs an `LLMEngine` on its own thread, so a worker's event loop never blocks on a forward.
 
+The engine is best built on that thread too (pass a function that builds it): torch's
+OpenMP runtime keeps one thread team per thread that ever ran a parallel op, and once a
+process holds more OpenMP threads than cores, libgomp stops spinning between parallel
+regions and every one of a decode step's hundreds of regions pays a futex wake-up. Weights
+loaded on the actor's main thread left such a second team behind and made each decode step
+about 1.5x slower than the same engine built and stepped on one thread (docs/benchmarks.md).
+
 Other threads (a Ray actor's asyncio loop, transport threads) hand the loop closures with
 `call`; the loop runs them between steps, in order, on the engine thread. The engine, its
 block manager included, is therefore only ever touched by one thread: transport threads
@@ -47,12 +54,14 @@ def name_os_thread(name: str) -> None:
 class EngineLoop:
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | Callable[[], LLMEngine],
         on_outputs: Callable[[list[RequestOutput]], None] | None = None,
         name: str = "engine",
         on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
-        self.engine = engine
+        """`engine`: an engine, or a function that builds one on the loop's thread (what a
+        worker passes: see `_build`). Returns once the engine exists; a build error raises
+        here."""
         self.on_outputs = on_outputs
         self.on_fatal = on_fatal  # called on the engine thread after a fatal error
         self.fatal: BaseException | None = None
@@ -63,8 +72,12 @@ class EngineLoop:
         ] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
+        built: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(engine, built), name=f"{name}-loop", daemon=True
+        )
         self._thread.start()
+        built.result()  # sets self.engine, or raises what building it raised
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run `fn` on the engine thread before the next step; its result resolves the future."""
@@ -92,8 +105,18 @@ class EngineLoop:
             except BaseException as e:
                 fut.set_exception(e)
 
-    def _run(self) -> None:
+    def _run(
+        self,
+        engine: LLMEngine | Callable[[], LLMEngine],
+        built: concurrent.futures.Future[LLMEngine],
+    ) -> None:
         name_os_thread("pd-engine")
+        try:
+            self.engine = engine if isinstance(engine, LLMEngine) else engine()
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(self.engine)
         try:
             self._loop()
         except BaseException as e:  # a fatal engine error must not go silent

@@ -221,8 +221,13 @@ class Deployment:
         self.summaries = wait_ready(
             ray, [a.ready.remote() for a in self.prefill_actors + self.decode_actors]
         )
+        view = router_view(cfg, self.summaries)
+        if cfg.router.token_stream_host == "auto" and not self.started_ray:
+            # joined a cluster: decode workers elsewhere reach this node's address
+            host = ray.util.get_node_ip_address()
+            view = replace(view, router=replace(view.router, token_stream_host=host))
         return build_router(
-            router_view(cfg, self.summaries),
+            view,
             self.model_path,
             [
                 PrefillClient.of_actor(f"pdserve-prefill-{i}", a)

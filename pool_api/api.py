@@ -16,6 +16,7 @@ from pool_api.messages import (
     PrefillTask,
     ReserveResult,
     TokenBatch,
+    TokenSink,
     WorkerRequest,
     WorkerStats,
 )
@@ -50,8 +51,9 @@ class DecodeApi(WorkerApi, Protocol):
         """Wait for the reserved request's KV to land, then decode it."""
         ...
 
-    async def submit(self, request: WorkerRequest) -> None:
-        """Prefill here and decode (colocated, or a prompt under the local threshold)."""
+    async def submit(self, request: WorkerRequest, sink: TokenSink | None = None) -> None:
+        """Prefill here and decode (colocated, or a prompt under the local threshold); its
+        tokens go to `sink` (pushed), or wait for `poll` when None."""
         ...
 
     async def release_reservation(self, request_id: str, transfer_id: str) -> None:
@@ -59,5 +61,7 @@ class DecodeApi(WorkerApi, Protocol):
         ...
 
     async def poll(self, request_id: str, timeout_s: float) -> TokenBatch:
-        """Tokens since the last poll; waits up to `timeout_s` for at least one."""
+        """Tokens since the last poll; waits up to `timeout_s` for at least one. A pushed
+        request's tokens never come this way: its poll answers at once, empty, while the
+        request lives (the router's heartbeat)."""
         ...

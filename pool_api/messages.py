@@ -80,6 +80,15 @@ class PrefillResult:
 
 
 @dataclass(frozen=True)
+class TokenSink:
+    """Where a request's tokens go (`pool_api.token_stream`): the router's listener and the
+    secret the worker's hello must carry."""
+
+    address: str  # HOST:PORT
+    secret: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
 class DecodeStart:
     """Continue a reserved request on its decode worker once its KV has landed."""
 
@@ -87,6 +96,7 @@ class DecodeStart:
     transfer_id: str
     first_token_id: int
     transfer_timeout_s: float = 10.0
+    sink: TokenSink | None = None  # push its tokens there; None: they wait for `poll`
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,11 @@ class WorkerBase(abc.ABC):
         self.name = cfg.name
         self.role = cfg.role or self.default_role
         t0 = time.perf_counter()
-        self.engine = engine or LLMEngine.from_config(cfg.engine)
+        # Built on the engine thread, which from then on is the only one running torch ops
+        # (engine.loop says why); the loop only steps once requests arrive.
+        build = engine or (lambda: LLMEngine.from_config(cfg.engine))
+        self.loop = EngineLoop(build, None, cfg.name)
+        self.engine = self.loop.engine
         self.summary = StartupSummary.of(
             self.name, self.role.value, cfg.model_name, self.engine, time.perf_counter() - t0
         )
@@ -126,7 +130,8 @@ class WorkerBase(abc.ABC):
         self.fatal_hook: Callable[[BaseException], None] | None = None  # the actor exits
 
     def _start_loop(self) -> None:
-        self.loop = EngineLoop(self.engine, self._on_outputs, self.name, self._on_fatal)
+        self.loop.on_outputs = self._on_outputs
+        self.loop.on_fatal = self._on_fatal
         self.feed = IndexFeed(self.name, self.cfg.index, self.cfg.model_name, self.loop)
 
     @abc.abstractmethod

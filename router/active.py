@@ -19,6 +19,7 @@ from pool_api.messages import WorkerRequest
 if TYPE_CHECKING:
     from router.clients import DecodeClient, PrefillClient
     from router.pools import WorkerLoad
+    from router.token_sink import PushedStream
 
 
 class RequestFailed(Exception):
@@ -62,6 +63,7 @@ class ActiveRequest:
     # carried (ABORT too when the client left without one), or the status it failed with.
     finish_reason: FinishReason | None = None
     failure: grpc.StatusCode | None = None
+    pushed: PushedStream | None = None  # its tokens come on the token stream, not by poll
 
     @property
     def request_id(self) -> str:

@@ -21,6 +21,7 @@ from pool_api.messages import (
     ReserveResult,
     Role,
     TokenBatch,
+    TokenSink,
     WorkerRequest,
     WorkerStats,
 )
@@ -123,8 +124,8 @@ class DecodeClient(WorkerClient[DecodeApi]):
     async def start(self, start: DecodeStart) -> None:
         await self._call(self._api.start(start))
 
-    async def submit(self, request: WorkerRequest) -> None:
-        await self._call(self._api.submit(request))
+    async def submit(self, request: WorkerRequest, sink: TokenSink | None = None) -> None:
+        await self._call(self._api.submit(request, sink))
 
     async def release_reservation(self, request_id: str, transfer_id: str) -> None:
         await self._call(self._api.release_reservation(request_id, transfer_id))

@@ -32,6 +32,7 @@ from router.index_sync import IndexSync
 from router.pools import Pool
 from router.reservation import Reserver
 from router.stats_log import RequestLog, StatsLog
+from router.token_sink import TokenSinkServer
 from router.validation import ModelLimits, prepare
 
 log = logging.getLogger(__name__)
@@ -74,12 +75,18 @@ class Router:
         self._stats_logger: asyncio.Task[None] | None = None
         self._index_sync = IndexSync(self.index)
         self.reserver = Reserver(cfg, prefill, decode, model_info.block_size, self._spawn)
+        # Decode workers push tokens here (router.token_sink); "poll": long-polled over Ray.
+        host = "127.0.0.1" if cfg.token_stream_host == "auto" else cfg.token_stream_host
+        self.sinks = TokenSinkServer(host) if cfg.token_stream == "push" else None
         self.flow = RequestFlow(
-            cfg, prefill, decode, self.index, model_info, self.reserver, self, colocated
-        )
+            cfg, prefill, decode, self.index, model_info, self.reserver, self, colocated,
+            self.sinks,
+        )  # fmt: skip
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
+        if self.sinks is not None:
+            await self.sinks.start()
         await self.refresh()
         self._refresher = asyncio.create_task(self._refresh_loop())
         if self.stats_log is not None:
@@ -121,6 +128,8 @@ class Router:
         for task in (self._refresher, self._stats_logger):
             if task is not None:
                 task.cancel()
+        if self.sinks is not None:
+            await self.sinks.stop()
         await self.index.close()
 
     # ---- one request ---------------------------------------------------------------------

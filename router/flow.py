@@ -3,7 +3,9 @@
 Disaggregated (docs/architecture.md): reserve KV blocks on a decode worker
 (`router.reservation`); run the prompt pass on a prefill worker, which pushes the KV straight
 into the reserved blocks; send the first token at once; start the decode worker on it and
-relay its tokens until a stop. Local (colocated mode, a short uncached prompt, or no healthy
+relay its tokens until a stop: pushed by the worker to the router's token sink
+(`router.token_sink`), with a Ray heartbeat poll about once a second, or long-polled over
+Ray (`router.token_stream: poll`). Local (colocated mode, a short uncached prompt, or no healthy
 prefill worker under the `recompute` policy): the decode worker runs both phases.
 
 A prefill worker that dies under a request is marked down; under `recompute` the request
@@ -24,7 +26,7 @@ from engine.prefix_hash import reusable_prefix_hashes
 from engine.request import FinishReason
 from engine.sampling import InvalidParameterError, TokenLogprob
 from kv_transfer.wire import TransferError
-from pool_api.messages import DecodeStart, PrefillResult, PrefillTask
+from pool_api.messages import DecodeStart, PrefillResult, PrefillTask, TokenBatch, TokenSink
 from pool_api.prefix_index import PrefixIndex
 from protos.pdserve.v1 import generation_pb2 as gen
 from protos.pdserve.v1 import kv_transfer_pb2 as kvpb
@@ -33,12 +35,16 @@ from router.clients import DecodeClient, PrefillClient, quietly
 from router.config import RouterConfig
 from router.pools import Pool, WorkerLoad
 from router.reservation import Reserver
+from router.token_sink import PushedStream, StreamLost, TokenSinkServer
 
 log = logging.getLogger(__name__)
 
 # A prefill result may come this long after its ticket's lease ran out (clocks of two nodes,
 # the decode side's reaper period) before the router stops waiting for it.
 _LEASE_GRACE_S = 2.0
+# A pushed request its worker no longer knows may still have its last delta on the wire
+# (frames and Ray replies travel apart): wait this long for it before failing the request.
+_LAST_DELTA_GRACE_S = 2.0
 
 Responses = AsyncIterator[gen.GenerateResponse]
 
@@ -69,6 +75,7 @@ class RequestFlow:
         reserver: Reserver,
         responder: Responder,
         colocated: bool,
+        sinks: TokenSinkServer | None = None,
     ) -> None:
         self.cfg = cfg
         self.prefill = prefill
@@ -78,6 +85,7 @@ class RequestFlow:
         self.reserver = reserver
         self.out = responder
         self.colocated = colocated
+        self.sinks = sinks  # None: tokens are long-polled
 
     def block_hashes(self, act: ActiveRequest) -> list[int]:
         """The prompt's chained block hashes that a prefix hit could reuse."""
@@ -118,6 +126,15 @@ class RequestFlow:
             raise RequestFailed(act.failure, f"{what}: {detail}") from e
         finally:
             act.done = True
+            if self.sinks is not None:
+                self.sinks.close(act.request_id)
+
+    def _push_to(self, act: ActiveRequest, d: WorkerLoad[DecodeClient]) -> TokenSink | None:
+        """Open the request's pushed stream before the worker can send to it."""
+        if self.sinks is None or self.sinks.sink is None:
+            return None
+        act.pushed = self.sinks.open(act.request_id, d.name)
+        return self.sinks.sink
 
     def _runs_locally(self, act: ActiveRequest, matches: dict[str, int]) -> bool:
         """Conditional disaggregation: colocated mode, or few uncached tokens on the decode
@@ -137,7 +154,7 @@ class RequestFlow:
         d = self.decode.best_match(matches) or self._pick_decode()
         act.decode = d
         d.track(act.request_id)
-        await d.client.submit(act.request)
+        await d.client.submit(act.request, self._push_to(act, d))
         act.timings.queue_ms = (time.perf_counter() - act.arrival_s) * 1e3
         async for resp in self._relay(act, d):
             yield resp
@@ -169,7 +186,10 @@ class RequestFlow:
         if res.finished:
             yield self.out.complete(act, res.finish_reason or FinishReason.STOP)
             return
-        await d.client.start(DecodeStart(act.request_id, act.transfer_id, res.first_token_id))
+        sink = self._push_to(act, d)
+        await d.client.start(
+            DecodeStart(act.request_id, act.transfer_id, res.first_token_id, sink=sink)
+        )
         async for resp in self._relay(act, d):
             yield resp
 
@@ -261,7 +281,11 @@ class RequestFlow:
         try:
             while True:
                 try:
-                    batch = await d.client.poll(rid, self.cfg.poll_timeout_s)
+                    batch = await (
+                        self._next_pushed(act, d, act.pushed)
+                        if act.pushed is not None
+                        else d.client.poll(rid, self.cfg.poll_timeout_s)
+                    )
                 except Exception as e:  # the decode worker died: its streams end here
                     if act.aborted:
                         yield self.out.complete(act, FinishReason.ABORT)
@@ -282,3 +306,29 @@ class RequestFlow:
                     return
         finally:
             d.untrack(rid)
+
+    async def _next_pushed(
+        self, act: ActiveRequest, d: WorkerLoad[DecodeClient], stream: PushedStream
+    ) -> TokenBatch:
+        """The next batch the worker pushed. Every `poll_timeout_s` without one, or when its
+        connection ended, a heartbeat poll asks the worker (over Ray) whether the request
+        still lives there: a dead worker raises, a forgotten request ends in its error."""
+        while True:
+            item = await stream.get(self.cfg.poll_timeout_s)
+            if isinstance(item, TokenBatch):
+                return item
+            beat = await d.client.poll(act.request_id, 0.0)
+            if not beat.finished:
+                continue  # alive, nothing new (a lost connection is re-opened by the worker)
+            item = await stream.get(_LAST_DELTA_GRACE_S)
+            if isinstance(item, TokenBatch):
+                return item
+            lost = f" ({item.reason})" if isinstance(item, StreamLost) else ""
+            return TokenBatch(
+                act.request_id,
+                (),
+                "",
+                finished=True,
+                finish_reason=FinishReason.ABORT,
+                error=f"decode worker {d.name} lost the request's token stream{lost}",
+            )

@@ -232,6 +232,13 @@ class Served:
     def worker_stat(self, role: str, stat: str) -> int:
         return sum(getattr(w, stat) for w in self.server_info().workers if w.role == role)
 
+    def wait_worker_stat(self, role: str, stat: str, want: int, timeout_s: float = 5.0) -> int:
+        """The stat once the router's stats (refreshed in the background) reach `want`."""
+        deadline = time.monotonic() + timeout_s
+        while (got := self.worker_stat(role, stat)) != want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return got
+
     def generate_all(
         self, requests: list[gen.GenerateRequest], concurrency: int, timeout_s: float = 120
     ) -> list[Result]:
@@ -402,7 +409,8 @@ class TestTwoByTwo:
             (r.complete.prefill_worker, r.complete.decode_worker) for r in results if r.complete
         }
         assert len(workers) > 1, "all requests went to one (prefill, decode) pair"
-        assert served.worker_stat("prefill", "num_requests_total") == before + len(PROMPTS)
+        want = before + len(PROMPTS)
+        assert served.wait_worker_stat("prefill", "num_requests_total", want) == want
         # token ids in, the same tokens out
         ids = parity_refs[5]["prompt_token_ids"]
         [res] = served.generate_all([greedy(ids, PARITY_MAX_TOKENS)], concurrency=1)
