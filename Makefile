@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 PACKAGES := engine kv_transfer pool_api prefill_workers decode_workers router pdserve
 export PDSERVE_HOME ?= $(CURDIR)/.venv/pdserve-home
 
-.PHONY: install demo test lint bench bench-engine bench-transfer bench-prefix bench-serving redis chaos
+.PHONY: install demo test lint bench bench-engine bench-transfer bench-prefix bench-serving bench-peers redis chaos
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -58,6 +58,13 @@ bench-serving: $(STAMP)
 # every request, and proof that the fault hit (docs/reliability.md). ~2.5 minutes.
 chaos: $(STAMP) redis
 	$(BIN)/pdserve chaos --out build/chaos
+
+# pdserve against vLLM's CPU build on the same machine, model and `vllm bench serve` load, one
+# server at a time (benchmarks/peers.py): vLLM installs once into build/vllm-venv (~4 min),
+# its first start compiles (~2-5 min, cached in build/vllm-cache); ~20 minutes in all.
+bench-peers: $(STAMP)
+	$(BIN)/python benchmarks/peers.py
+	$(BIN)/python benchmarks/report.py
 
 # One after another (never in parallel: they share the cores), then the dated report.
 bench: $(STAMP)

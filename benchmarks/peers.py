@@ -607,11 +607,12 @@ def main(argv: list[str] | None = None) -> int:
     data["meta"]["wall_s"] = time.perf_counter() - t0
     data["ratios"] = ratios(data)
     data["targets"] = targets(data)
+    data["table_md"] = table_text(data)
     out = args.out or RESULTS_DIR / "peers-latest.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1))
     plot(data, out.with_suffix(".png"))
-    print(table_text(data))
+    print(data["table_md"])
     print(f"\nwrote {out} and {out.with_suffix('.png').name}; raw runs in {run_dir}")
     return 0
 

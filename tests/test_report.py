@@ -112,3 +112,44 @@ def test_prefix_breakdown_splits_a_profiled_step_into_matmuls_attention_and_the_
     assert b["kernels_ratio"] == (45 + 45) / (420 + 240)
     assert b["warm_over_cold"]["total_ms"] == 110 / 820
     assert b["n"] == 3
+
+
+def _load_peers() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "benchmarks/peers.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peer_ratios_and_targets_divide_pdserve_by_vllm() -> None:
+    """Each ratio is pdserve's figure over vLLM's for the same workload; a missing server
+    or workload gives no ratio (n/a), never a made-up one; the report shows the targets."""
+    peers = _load_peers()
+
+    def wl(tok_s: float, ttft: float, tpot: float) -> dict[str, float]:
+        return {"output_throughput": tok_s, "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft,
+                "median_tpot_ms": tpot, "p99_tpot_ms": 2 * tpot}  # fmt: skip
+
+    data: dict[str, Any] = {
+        "workloads": {"c1": {}, "c8": {}},
+        "engine_alone": {"tpot_ms": 20.0, "ttft_ms": 300.0, "threads": 2},
+        "servers": {
+            "vllm": {"workloads": {"c1": wl(40, 300, 22), "c8": wl(120, 1200, 44)}},
+            "pdserve-colocated": {"workloads": {"c1": wl(36, 330, 25), "c8": wl(132, 1100, 40)}},
+        },
+    }
+    rows = {(r["workload"], r["metric"]): r for r in peers.ratios(data)}
+    assert rows[("c8", "output tok/s")]["pdserve-colocated/vllm"] == 132 / 120
+    assert rows[("c1", "TPOT p50 ms")]["pdserve-colocated/vllm"] == 25 / 22
+    targets = {t["target"]: t for t in peers.targets(data)}
+    assert targets["colocated c=8 output tok/s / vLLM"]["met"] is True
+    assert targets["colocated c=1 TPOT p50 / vLLM"]["met"] is False
+    assert targets["colocated c=1 TPOT p50 / engine alone"]["value"] == 25 / 20
+    assert targets["disaggregated c=8 output tok/s / vLLM"]["value"] is None  # not run
+    data["ratios"], data["targets"] = peers.ratios(data), peers.targets(data)
+    data["table_md"] = peers.table_text(data)
+    body, headline = report.peers_section(data)
+    assert "| c8 | output tok/s | 120.0 | 132.0 | 1.10x |" in body
+    assert headline[0][:2] == ("colocated c=8 output tok/s / vLLM", "1.10x")

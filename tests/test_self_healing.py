@@ -61,7 +61,7 @@ def test_kill_9_of_the_only_decode_worker_heals(server: ServeProcess) -> None:
 
     def one() -> None:
         try:
-            out = client.generate("a long answer", max_tokens=400, ignore_eos=True)
+            out = client.generate("a long answer", max_tokens=1500, ignore_eos=True)
             ends.append(("ok" if out.complete else "no final message", time.monotonic()))
         except grpc.RpcError as e:
             ends.append((e.code().name, time.monotonic()))
@@ -76,9 +76,17 @@ def test_kill_9_of_the_only_decode_worker_heals(server: ServeProcess) -> None:
     statuses: list[int] = []
     grpc_statuses: list[str] = []
     recovered = None
+    watching = True
+
+    def watch() -> None:  # both health endpoints, sampled densely: the outage may be short
+        while watching:
+            statuses.append(health(server))
+            grpc_statuses.append(grpc_health(server))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     while time.monotonic() - killed < 30 and recovered is None:
-        statuses.append(health(server))
-        grpc_statuses.append(grpc_health(server))
         try:
             out = Client(server.grpc_target, timeout_s=5).generate("probe", max_tokens=2)
             if out.complete is not None:
@@ -87,6 +95,8 @@ def test_kill_9_of_the_only_decode_worker_heals(server: ServeProcess) -> None:
             time.sleep(0.3)
     for t in load:
         t.join(15)
+    watching = False
+    watcher.join(10)
 
     assert len(ends) == len(load), "a request never ended"
     assert {outcome for outcome, _ in ends} <= {"ok", "UNAVAILABLE"}, ends
