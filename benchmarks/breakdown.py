@@ -14,6 +14,10 @@ server as ``peers.py`` does and drives it with the same ``vllm bench serve`` wor
 * **the engine's own step time** per step, from the workers' ``pdserve:engine_step_seconds``
   and ``pdserve:engine_steps`` counters on the router's ``/metrics``; against the client's
   TPOT it says what the serving path adds to each token;
+* with ``--omp-ab``, instead, the A/B behind building the engine on its own thread
+  (``engine.loop``): the same engine in fresh processes, 64 greedy tokens after a 512-token
+  prompt, stepped on a non-main thread, (a) built on that thread, (b) built on the main
+  thread first (as workers did: the main thread's OpenMP team stays behind), alternating;
 * with ``--profile``, a second pass of each workload under ``py-spy record`` (router and
   workers, on-CPU samples only), summarized as the top functions by self and by inclusive
   samples. py-spy steals CPU on a small box: the figures above come from the first pass.
@@ -186,6 +190,48 @@ def summarize_profile(path: Path, top: int = 15) -> dict[str, Any]:
     }
 
 
+# ---- the OpenMP-team A/B ---------------------------------------------------------------------
+OMP_AB_SNIPPET = """
+import json, sys, threading, time, torch
+from engine.engine import EngineConfig, LLMEngine
+from engine.sampling import SamplingParams
+model, side, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+torch.set_num_threads(threads)
+build = lambda: LLMEngine.from_config(EngineConfig(model=model, dtype="float32"))
+eng = build() if side == "main" else None  # (b): weights loaded on the main thread
+out = []
+def work():
+    e = eng or build()
+    g = torch.Generator().manual_seed(0)
+    p = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    tpots = []
+    for i in range(3):
+        e.add_request(f"r{i}", torch.randint(100, 40000, (512,), generator=g).tolist(), p)
+        st = []
+        while e.has_unfinished():
+            st += [time.perf_counter() for o in e.step() if o.new_token_ids]
+        tpots.append((st[-1] - st[0]) / (len(st) - 1) * 1e3)
+    out.append(sorted(tpots[1:])[0])
+t = threading.Thread(target=work); t.start(); t.join()
+print(json.dumps({"tpot_ms": out[0]}))
+"""
+
+
+def omp_ab(model: Path, rounds: int, threads: int) -> dict[str, Any]:
+    sides: dict[str, list[float]] = {"engine_thread": [], "main": []}
+    for _ in range(rounds):
+        for side in sides:
+            proc = subprocess.run(
+                [sys.executable, "-c", OMP_AB_SNIPPET, str(model), side, str(threads)],
+                cwd=peers.ROOT, env=peers.clean_env(), capture_output=True, text=True,
+                timeout=600, check=True,
+            )  # fmt: skip
+            sides[side].append(json.loads(proc.stdout.strip().splitlines()[-1])["tpot_ms"])
+    med = {k: sorted(v)[len(v) // 2] for k, v in sides.items()}
+    return {"rounds": sides, "median_tpot_ms": med, "main_over_engine_thread":
+            med["main"] / med["engine_thread"], "threads": threads}  # fmt: skip
+
+
 # ---- the run ---------------------------------------------------------------------------------
 def actor_pids(root: int) -> dict[str, int]:
     out = {"router": root}
@@ -257,14 +303,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--start-timeout-s", type=float, default=300.0)
     p.add_argument("--profile", action="store_true", help="a second pass under py-spy")
+    p.add_argument("--omp-ab", type=int, default=0, metavar="ROUNDS",
+                   help="only the OpenMP-team A/B, this many alternating rounds")
     p.add_argument("--label", default="")
     p.add_argument("--token-stream", choices=["push", "poll"], default=None)
     p.add_argument("--out", type=Path, default=peers.RESULTS_DIR / "breakdown-latest.json")
     args = p.parse_args(argv)
     run_dir = peers.BUILD / "breakdown-runs" / f"{datetime.now():%Y%m%d-%H%M%S}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    cli = peers.ensure_vllm()
     model = peers.resolve_model(peers.DEFAULT_MODEL, dtype="float32")
+    if args.omp_ab:
+        ab = omp_ab(model, args.omp_ab, os.cpu_count() or 1)
+        print(json.dumps(ab, indent=1))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"omp_ab": ab}, indent=1))
+        return 0
+    cli = peers.ensure_vllm()
     name = peers.DEFAULT_MODEL
     wls = peers.workloads(args)
     result: dict[str, Any] = {"mode": args.mode, "label": args.label, "workloads": {}}
