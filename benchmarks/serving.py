@@ -52,7 +52,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -72,6 +71,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from pdserve.models import BENCH_MODEL_HELP, resolve_model  # noqa: E402
+from pdserve.tools.procs import stop_process_group  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 ATTAINMENT_TARGET = 0.9  # DistServe: goodput = the highest rate with >= 90 % attainment
@@ -151,14 +151,7 @@ class Server:
         proc, self.proc = self.proc, None
         if proc is None:
             return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_process_group(proc, timeout_s)  # SIGTERM drains; the group is killed if it hangs
         with contextlib.suppress(Exception):
             self._log.close()
 

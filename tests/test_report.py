@@ -15,10 +15,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_report() -> Any:
-    """benchmarks/report.py by path: putting benchmarks/ on sys.path would let its engine.py
+def _load_bench(name: str) -> Any:
+    """benchmarks/<name>.py by path: putting benchmarks/ on sys.path would let its engine.py
     shadow the engine package for every later import in this pytest process."""
-    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "benchmarks/report.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / f"benchmarks/{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -26,7 +26,7 @@ def _load_report() -> Any:
     return module
 
 
-report = _load_report()
+report = _load_bench("report")
 
 
 def _ratio(transport: str, ceiling: str, size: int, value: float) -> dict[str, Any]:
@@ -114,19 +114,10 @@ def test_prefix_breakdown_splits_a_profiled_step_into_matmuls_attention_and_the_
     assert b["n"] == 3
 
 
-def _load_peers() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "benchmarks/peers.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_peer_ratios_and_targets_divide_pdserve_by_vllm() -> None:
     """Each ratio is pdserve's figure over vLLM's for the same workload; a missing server
     or workload gives no ratio (n/a), never a made-up one; the report shows the targets."""
-    peers = _load_peers()
+    peers = _load_bench("peers")
 
     def wl(tok_s: float, ttft: float, tpot: float) -> dict[str, float]:
         return {"output_throughput": tok_s, "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft,
