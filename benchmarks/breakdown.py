@@ -119,15 +119,11 @@ def delta(
         b = before.get(pid, {"cpu_s": 0.0, "threads": {}})
         row = out.setdefault(a["label"], {"cpu_s": 0.0, "threads": Counter()})
         row["cpu_s"] += a["cpu_s"] - b["cpu_s"]
+        # by OS thread name: `pd-engine` is the engine loop (torch's OpenMP threads inherit
+        # the name of the thread that started them); Ray's C++ threads have their own names
         for tid, (name, cpu) in a["threads"].items():
-            row["threads"][thread_kind(name)] += cpu - b["threads"].get(tid, (name, 0.0))[1]
+            row["threads"][name] += cpu - b["threads"].get(tid, (name, 0.0))[1]
     return out
-
-
-def thread_kind(comm: str) -> str:
-    """OS thread names: `pd-engine` is the engine loop; torch's OpenMP threads inherit the
-    name of the thread that started them; Ray's C++ threads have their own names."""
-    return comm
 
 
 # ---- the server's counters -------------------------------------------------------------------
@@ -191,45 +187,16 @@ def summarize_profile(path: Path, top: int = 15) -> dict[str, Any]:
 
 
 # ---- the OpenMP-team A/B ---------------------------------------------------------------------
-OMP_AB_SNIPPET = """
-import json, sys, threading, time, torch
-from engine.engine import EngineConfig, LLMEngine
-from engine.sampling import SamplingParams
-model, side, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
-torch.set_num_threads(threads)
-build = lambda: LLMEngine.from_config(EngineConfig(model=model, dtype="float32"))
-eng = build() if side == "main" else None  # (b): weights loaded on the main thread
-out = []
-def work():
-    e = eng or build()
-    g = torch.Generator().manual_seed(0)
-    p = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    tpots = []
-    for i in range(3):
-        e.add_request(f"r{i}", torch.randint(100, 40000, (512,), generator=g).tolist(), p)
-        st = []
-        while e.has_unfinished():
-            st += [time.perf_counter() for o in e.step() if o.new_token_ids]
-        tpots.append((st[-1] - st[0]) / (len(st) - 1) * 1e3)
-    out.append(sorted(tpots[1:])[0])
-t = threading.Thread(target=work); t.start(); t.join()
-print(json.dumps({"tpot_ms": out[0]}))
-"""
-
-
-def omp_ab(model: Path, rounds: int, threads: int) -> dict[str, Any]:
-    sides: dict[str, list[float]] = {"engine_thread": [], "main": []}
-    for _ in range(rounds):
+def omp_ab(model: Path, rounds: int, threads: int, run_dir: Path) -> dict[str, Any]:
+    """`peers.engine_alone` on both sides of the A/B, alternating, in fresh processes."""
+    sides: dict[str, list[float]] = {"thread": [], "main": []}
+    for rnd in range(rounds):
         for side in sides:
-            proc = subprocess.run(
-                [sys.executable, "-c", OMP_AB_SNIPPET, str(model), side, str(threads)],
-                cwd=peers.ROOT, env=peers.clean_env(), capture_output=True, text=True,
-                timeout=600, check=True,
-            )  # fmt: skip
-            sides[side].append(json.loads(proc.stdout.strip().splitlines()[-1])["tpot_ms"])
+            log = run_dir / f"omp-ab-{side}-{rnd}.log"
+            sides[side].append(peers.engine_alone(model, threads, log, side)["tpot_ms"])
     med = {k: sorted(v)[len(v) // 2] for k, v in sides.items()}
     return {"rounds": sides, "median_tpot_ms": med, "main_over_engine_thread":
-            med["main"] / med["engine_thread"], "threads": threads}  # fmt: skip
+            med["main"] / med["thread"], "threads": threads}  # fmt: skip
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -313,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     model = peers.resolve_model(peers.DEFAULT_MODEL, dtype="float32")
     if args.omp_ab:
-        ab = omp_ab(model, args.omp_ab, os.cpu_count() or 1)
+        ab = omp_ab(model, args.omp_ab, os.cpu_count() or 1, run_dir)
         print(json.dumps(ab, indent=1))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"omp_ab": ab}, indent=1))

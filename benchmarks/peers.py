@@ -321,37 +321,46 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
 # ---- the engine alone ------------------------------------------------------------------------
 ENGINE_SNIPPET = textwrap.dedent(
     """
-    import json, sys, time
+    import json, sys, threading, time
     import torch
     from engine.engine import EngineConfig, LLMEngine
     from engine.sampling import SamplingParams
-    torch.set_num_threads(int(sys.argv[2]))
-    eng = LLMEngine.from_config(EngineConfig(model=sys.argv[1], dtype="float32"))
-    g = torch.Generator().manual_seed(0)
-    vocab = eng.model_config.vocab_size
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    model, threads, side = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    torch.set_num_threads(threads)
+    build = lambda: LLMEngine.from_config(EngineConfig(model=model, dtype="float32"))
+    # "thread": built and stepped on one thread, as workers do; "main": built on the main
+    # thread first (its OpenMP team stays behind), stepped on another (the A/B's other side)
+    built = build() if side == "main" else None
     rows = []
-    for i in range(4):  # the first is a warm-up
-        ids = torch.randint(100, vocab - 100, (512,), generator=g).tolist()
-        eng.add_request(f"r{i}", ids, params)
-        stamps = []
-        t0 = time.perf_counter()
-        while eng.has_unfinished():
-            for out in eng.step():
-                if out.new_token_ids:
-                    stamps.append(time.perf_counter())
-        rows.append(((stamps[0] - t0) * 1e3, (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3))
-    rows = sorted(rows[1:], key=lambda r: r[1])
-    print(json.dumps({"ttft_ms": rows[1][0], "tpot_ms": rows[1][1], "threads": int(sys.argv[2])}))
+    def work():
+        eng = built or build()
+        g = torch.Generator().manual_seed(0)
+        vocab = eng.model_config.vocab_size
+        params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        for i in range(4):  # the first is a warm-up
+            ids = torch.randint(100, vocab - 100, (512,), generator=g).tolist()
+            eng.add_request(f"r{i}", ids, params)
+            stamps = []
+            t0 = time.perf_counter()
+            while eng.has_unfinished():
+                stamps += [time.perf_counter() for out in eng.step() if out.new_token_ids]
+            rows.append(((stamps[0] - t0) * 1e3,
+                         (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3))
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    mid = sorted(rows[1:], key=lambda r: r[1])[1]
+    print(json.dumps({"ttft_ms": mid[0], "tpot_ms": mid[1], "threads": threads, "side": side}))
     """
 )
 
 
-def engine_alone(model: Path, threads: int, log: Path) -> dict[str, Any]:
-    """The engine in a fresh process (its own thread count): 512-token prefill, 64 tokens."""
+def engine_alone(model: Path, threads: int, log: Path, side: str = "thread") -> dict[str, Any]:
+    """The engine in a fresh process (its own thread count): 512-token prefill, 64 tokens;
+    the median of three runs after a warm-up. `side`: see ENGINE_SNIPPET."""
     with open(log, "w") as f:
         proc = subprocess.run(
-            [sys.executable, "-c", ENGINE_SNIPPET, str(model), str(threads)],
+            [sys.executable, "-c", ENGINE_SNIPPET, str(model), str(threads), side],
             cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=f, text=True, timeout=900,
         )  # fmt: skip
     if proc.returncode != 0:

@@ -60,7 +60,7 @@ class EngineLoop:
         on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         """`engine`: an engine, or a function that builds one on the loop's thread (what a
-        worker passes: see `_build`). Returns once the engine exists; a build error raises
+        worker passes: `WorkerBase.__init__`). Returns once the engine exists; a build error raises
         here."""
         self.on_outputs = on_outputs
         self.on_fatal = on_fatal  # called on the engine thread after a fatal error

@@ -39,12 +39,22 @@ MAX_FRAME_BYTES = 64 << 20  # a frame past this is a broken or hostile peer
 SEND_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 5.0
 
-_FINISH_TO_PB = {
+# The one map from the engine's finish reasons to the proto's (the router's responses too).
+FINISH_TO_PROTO = {
     FinishReason.STOP: gen.FINISH_REASON_STOP,
     FinishReason.LENGTH: gen.FINISH_REASON_LENGTH,
     FinishReason.ABORT: gen.FINISH_REASON_ABORT,
 }
-_FINISH_OF_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+_FINISH_OF_PROTO = {v: k for k, v in FINISH_TO_PROTO.items()}
+
+
+def logprob_pb(lp: TokenLogprob) -> gen.TokenLogprob:
+    """A sampled token's logprob (and its top alternatives) as the public proto's."""
+    return gen.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top=[gen.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
 
 
 # ---- the codec -------------------------------------------------------------------------------
@@ -56,15 +66,10 @@ def delta(batch: TokenBatch) -> tspb.TokenDelta:
         finished=batch.finished,
         num_cached_tokens=batch.num_cached_tokens,
         error=batch.error,
+        logprobs=[logprob_pb(lp) for lp in batch.logprobs],
     )
     if batch.finish_reason is not None:
-        d.finish_reason = _FINISH_TO_PB[batch.finish_reason]
-    for lp in batch.logprobs:
-        d.logprobs.add(
-            token_id=lp.token_id,
-            logprob=lp.logprob,
-            top=[gen.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
-        )
+        d.finish_reason = FINISH_TO_PROTO[batch.finish_reason]
     return d
 
 
@@ -78,7 +83,7 @@ def batch_of(d: tspb.TokenDelta) -> TokenBatch:
             for lp in d.logprobs
         ),
         finished=d.finished,
-        finish_reason=_FINISH_OF_PB.get(d.finish_reason) if d.finished else None,
+        finish_reason=_FINISH_OF_PROTO.get(d.finish_reason) if d.finished else None,
         num_cached_tokens=d.num_cached_tokens,
         error=d.error,
     )

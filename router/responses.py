@@ -6,23 +6,9 @@ from collections.abc import Sequence
 
 from engine.request import FinishReason
 from engine.sampling import TokenLogprob
+from pool_api.token_stream import FINISH_TO_PROTO, logprob_pb
 from protos.pdserve.v1 import generation_pb2 as gen
 from router.active import ActiveRequest
-
-# The one map from the engine's finish reasons to the proto's.
-FINISH_TO_PROTO = {
-    FinishReason.STOP: gen.FINISH_REASON_STOP,
-    FinishReason.LENGTH: gen.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: gen.FINISH_REASON_ABORT,
-}
-
-
-def logprob_pb(lp: TokenLogprob) -> gen.TokenLogprob:
-    return gen.TokenLogprob(
-        token_id=lp.token_id,
-        logprob=lp.logprob,
-        top=[gen.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
-    )
 
 
 def chunk(
