@@ -150,6 +150,7 @@ class DecodeWorker(WorkerBase):
         self._sinks: dict[TokenSink, SinkConnection] = {}  # one connection per router
         self._sinks_lock = threading.Lock()
         self._actor_loop: asyncio.AbstractEventLoop | None = None
+        self._connecting: asyncio.Lock | None = None  # made on the actor's loop
         self._start_loop()
 
     # ---- API -----------------------------------------------------------------------------
@@ -300,22 +301,22 @@ class DecodeWorker(WorkerBase):
             del self.streams[rid]
 
     async def _connect(self, sink: TokenSink | None) -> SinkConnection | None:
-        """The connection to `sink` (opened on first use, again after it broke)."""
+        """The connection to `sink` (opened on first use, again after it broke). Requests
+        arriving together wait for one connection: a second one, closed at once, would
+        tell the router this worker's stream ended."""
         if sink is None:
             return None
         self._actor_loop = asyncio.get_running_loop()
-        with self._sinks_lock:
-            conn = self._sinks.get(sink)
-        if conn is not None and not conn.closed:
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            with self._sinks_lock:
+                conn = self._sinks.get(sink)
+            if conn is None or conn.closed:
+                conn = await asyncio.to_thread(SinkConnection, sink, self.name, self._sink_lost)
+                with self._sinks_lock:
+                    self._sinks[sink] = conn
             return conn
-        conn = await asyncio.to_thread(SinkConnection, sink, self.name, self._sink_lost)
-        with self._sinks_lock:
-            old = self._sinks.get(sink)
-            if old is not None and not old.closed:  # another request connected meanwhile
-                conn.close()
-                return old
-            self._sinks[sink] = conn
-        return conn
 
     def _sink_lost(self, sink: TokenSink, why: str) -> None:
         """Any thread: a router's connection broke (it died, or read nothing for long).

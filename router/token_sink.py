@@ -67,8 +67,10 @@ class TokenSinkServer:
         self.streams: dict[str, PushedStream] = {}
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.StreamWriter] = set()
+        self._latest: dict[str, asyncio.StreamWriter] = {}  # worker -> its newest connection
         self.num_frames_total = 0
         self.num_rejected_total = 0  # connections closed at the hello
+        self.num_connections_total = 0  # accepted at the hello
 
     async def start(self) -> TokenSink:
         self._server = await asyncio.start_server(self._handle, self.host, 0)
@@ -105,6 +107,8 @@ class TokenSinkServer:
                 log.warning("token stream: a connection without this router's secret, closed")
                 return
             worker = first.hello.worker
+            self.num_connections_total += 1
+            self._latest[worker] = writer
             while True:
                 f = await _read_frame(reader)
                 self.num_frames_total += 1
@@ -121,7 +125,10 @@ class TokenSinkServer:
         finally:
             self._conns.discard(writer)
             writer.close()
-            if worker:
+            # only the worker's newest connection speaks for it: an older one ending late
+            # (the process it came from was replaced) says nothing of the streams now
+            if worker and self._latest.get(worker) is writer:
+                del self._latest[worker]
                 for stream in self.streams.values():
                     if stream.worker == worker:
                         stream.put(StreamLost(worker, reason))

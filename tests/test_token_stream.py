@@ -240,3 +240,34 @@ def test_a_request_the_worker_forgot_fails_by_heartbeat(tiny_dir: Path) -> None:
             decode.shutdown()
 
     asyncio.run(main())
+
+
+def test_requests_arriving_together_share_one_connection(tiny_dir: Path) -> None:
+    """Eight submits at once open one connection to the sink: a duplicate, closed again,
+    once told the router the worker's stream had ended and took the worker out of rotation."""
+    cfg = serve_config(tiny_dir)
+
+    async def main() -> None:
+        decode = DecodeWorker(worker_config(cfg, "pdserve-decode-0", Role.COLOCATED))
+        server, sink = await _sink_and_stream()
+        streams = [server.open(f"r{i}", decode.name) for i in range(8)]
+        try:
+            params = SamplingParams(max_tokens=4, ignore_eos=True)
+            await asyncio.gather(*(
+                decode.submit(WorkerRequest(f"r{i}", tuple(range(4, 40)), params), sink)
+                for i in range(8)
+            ))  # fmt: skip
+            for stream in streams:
+                n = 0
+                while (item := await stream.get(5.0)) is not None:
+                    assert isinstance(item, TokenBatch), item
+                    n += len(item.token_ids)
+                    if item.finished:
+                        break
+                assert n == 4
+            assert server.num_connections_total == 1
+        finally:
+            decode.shutdown()
+            await server.stop()
+
+    asyncio.run(main())
