@@ -67,6 +67,7 @@ class EngineLoop:
         self.fatal: BaseException | None = None
         self.num_steps = 0  # steps that ran a forward
         self.step_s_total = 0.0  # their wall time (schedule, forward, sampling, detokenize)
+        self._busy_since: float | None = None  # monotonic start of the step or call running
         self._cmds: queue.SimpleQueue[
             tuple[Callable[[], object], concurrent.futures.Future[object]]
         ] = queue.SimpleQueue()
@@ -92,6 +93,13 @@ class EngineLoop:
     async def run(self, fn: Callable[[], T]) -> T:
         return await asyncio.wrap_future(self.call(fn))
 
+    def busy_s(self) -> float:
+        """How long the engine thread has been on its current step or call (0: between
+        them): what tells a worker that is busy (one long prompt pass) from one that is
+        stuck, without waiting on the thread."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
     def _drain(self) -> None:
         while True:
             try:
@@ -100,10 +108,13 @@ class EngineLoop:
                 return
             if not fut.set_running_or_notify_cancel():
                 continue
+            self._busy_since = time.monotonic()
             try:
                 fut.set_result(fn())
             except BaseException as e:
                 fut.set_exception(e)
+            finally:
+                self._busy_since = None
 
     def _run(
         self,
@@ -144,7 +155,11 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             t0 = time.perf_counter()
-            outputs = self.engine.step()
+            self._busy_since = time.monotonic()
+            try:
+                outputs = self.engine.step()
+            finally:
+                self._busy_since = None
             if self.engine.last_step_ran:
                 self.num_steps += 1
                 self.step_s_total += time.perf_counter() - t0

@@ -284,6 +284,9 @@ def _serve_table() -> tuple[ServeFlag, ...]:
         F("local_prefill_threshold", "router", "local_prefill_threshold", "prompts with at "
           "most N uncached tokens prefill on the decode worker (0: always disaggregate)", 0,
           int, metavar="N"),
+        F("prefill_overflow_tokens", "router", "prefill_overflow_tokens", "when every "
+          "prefill worker has N prompt tokens outstanding, prefill on a less busy decode "
+          "worker (0: never)", 0, int, metavar="N"),
         F("stats_interval_s", "router", "stats_log_interval_s", "log one line of throughput "
           "and load every this many seconds; 0 turns it off", 10.0, float, metavar="SECONDS",
           default_text="10"),

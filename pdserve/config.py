@@ -47,10 +47,15 @@ class PoolConfig:
     max_restarts: int = 10
     max_concurrency: int = 1000
     num_threads: int = 1  # torch intra-op threads per worker (Ray sets 1)
+    # A worker whose engine has been on one step this long is stuck: the router marks it
+    # down (a busy worker is not: WorkerBase.stats). Above the longest prompt pass expected.
+    stall_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.num_workers < 0 or self.num_threads < 1:
             raise ValueError("num_workers must be >= 0 and num_threads >= 1")
+        if self.stall_timeout_s <= 0:
+            raise ValueError("stall_timeout_s must be positive")
 
 
 @dataclass(frozen=True)

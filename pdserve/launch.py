@@ -196,6 +196,7 @@ class Deployment:
                 index=cfg.index,
                 model_name=served_name(cfg),
                 num_threads=pool.num_threads,
+                stall_timeout_s=pool.stall_timeout_s,
                 role=role,
                 # ten missed long polls, and never under the default
                 stream_idle_timeout_s=max(30.0, 10 * cfg.router.poll_timeout_s),

@@ -82,4 +82,7 @@ class WorkerConfig:
     # A decode stream nobody polls this long (its router died) is aborted and dropped; the
     # router long-polls every stream at least every `router.poll_timeout_s`.
     stream_idle_timeout_s: float = 30.0
+    # An engine on one step or call this long is stuck: its stats raise, the router marks
+    # the worker down. A long prompt pass is not: stats answer from the last ones taken.
+    stall_timeout_s: float = 120.0
     role: Role | None = None  # None: the worker class's own role

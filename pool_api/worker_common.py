@@ -9,6 +9,7 @@ through `self.loop`.
 from __future__ import annotations
 
 import abc
+import asyncio
 import os
 import threading
 import time
@@ -26,6 +27,13 @@ from kv_transfer.transports.base import Transport, get_transport
 from pool_api.config import WorkerConfig
 from pool_api.index_feed import IndexFeed
 from pool_api.messages import IndexUpdate, Role, WorkerStats
+
+# How long `stats` waits for fresh stats before answering with the last ones taken.
+_FRESH_STATS_WAIT_S = 0.25
+
+
+class EngineStalled(RuntimeError):
+    """A worker's engine thread has been on one step or call past `stall_timeout_s`."""
 
 
 def exit_soon(error: BaseException) -> None:
@@ -127,6 +135,7 @@ class WorkerBase(abc.ABC):
         )
         self.transport = make_transport(cfg)
         self.num_requests_total = 0
+        self._last_stats: WorkerStats | None = None  # what `_stats` last returned
         self.fatal_hook: Callable[[BaseException], None] | None = None  # the actor exits
 
     def _start_loop(self) -> None:
@@ -169,9 +178,32 @@ class WorkerBase(abc.ABC):
         return await self.feed.take(with_held)
 
     async def stats(self) -> WorkerStats:
-        return await self.loop.run(self._stats)
+        """Fresh from the engine thread when it answers within `_FRESH_STATS_WAIT_S` (between
+        steps it does at once; a decode step is tens of ms). During a longer step (a prompt
+        pass of seconds on a CPU), the last stats taken, so the router never mistakes a busy
+        worker for a dead one: it used to mark such a worker down after 2 s, route around it
+        and report the service unready. A step or call running past
+        `cfg.stall_timeout_s` raises `EngineStalled`: that worker is stuck."""
+        fresh = asyncio.wrap_future(self.loop.call(self._stats))
+        fresh.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen, if late
+        try:
+            return await asyncio.wait_for(asyncio.shield(fresh), _FRESH_STATS_WAIT_S)
+        except asyncio.TimeoutError:
+            pass
+        busy_s = self.loop.busy_s()
+        if busy_s > self.cfg.stall_timeout_s:
+            raise EngineStalled(
+                f"{self.name}: its engine has been on one step for {busy_s:.0f} s "
+                f"(stall_timeout_s={self.cfg.stall_timeout_s:g})"
+            )
+        return self._last_stats if self._last_stats is not None else await fresh
 
     def _stats(self) -> WorkerStats:
+        """Engine thread: the stats now; kept for `stats` to answer with during a long step."""
+        self._last_stats = self._stats_now()
+        return self._last_stats
+
+    def _stats_now(self) -> WorkerStats:
         return WorkerStats.of(
             self.name,
             self.role,

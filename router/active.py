@@ -9,7 +9,7 @@ lives here, not beside the metrics, so the router core needs nothing from `route
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import grpc
 
@@ -43,6 +43,13 @@ class Timings:
     transfer_total_ms: float | None = None
 
 
+# Where a request's prompt pass ran, and why (router.flow.RequestFlow._local_worker; the
+# `pdserve:request_prefill_placement` counter): on a prefill worker, or on its decode worker
+# because the service is colocated, the prompt had few uncached tokens, the prefill pool was
+# busy (overflow), or no prefill worker was up.
+Placement = Literal["disaggregated", "colocated", "short_prompt", "overflow", "no_prefill_worker"]
+
+
 @dataclass
 class ActiveRequest:
     request: WorkerRequest
@@ -64,6 +71,7 @@ class ActiveRequest:
     finish_reason: FinishReason | None = None
     failure: grpc.StatusCode | None = None
     pushed: PushedStream | None = None  # its tokens come on the token stream, not by poll
+    placement: Placement | None = None  # None: not placed yet
 
     @property
     def request_id(self) -> str:

@@ -22,6 +22,12 @@ class RouterConfig:
     # Prompts with at most this many uncached tokens are prefilled on the decode worker
     # (conditional disaggregation). 0: always disaggregate.
     local_prefill_threshold: int = 0
+    # Prefill overflow (conditional disaggregation by load, as Dynamo's prefill queue limit):
+    # when every healthy prefill worker already has at least this many prompt tokens sent
+    # and not returned, a prompt is prefilled on a decode worker with fewer prompt tokens of
+    # its own outstanding. A busy prefill pool then borrows idle decode compute, at the cost
+    # of the decode worker's running streams stalling for that prompt pass. 0: never.
+    prefill_overflow_tokens: int = 0
     drain_grace_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
     poll_timeout_s: float = 1.0  # long-poll wait per decode poll; pushed: heartbeat period
     # How tokens get from decode workers to the router: "push" (each worker writes every
@@ -107,8 +113,8 @@ class RouterConfig:
             raise ValueError("prefill_tokens_per_s and transfer_gbps must be positive")
         if self.stats_log_interval_s < 0:
             raise ValueError("router.stats_log_interval_s must be >= 0 (0: off)")
-        if self.local_prefill_threshold < 0:
-            raise ValueError("local_prefill_threshold must be >= 0")
+        if self.local_prefill_threshold < 0 or self.prefill_overflow_tokens < 0:
+            raise ValueError("local_prefill_threshold and prefill_overflow_tokens must be >= 0")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:

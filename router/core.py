@@ -128,6 +128,7 @@ class Router:
         for task in (self._refresher, self._stats_logger):
             if task is not None:
                 task.cancel()
+        self._index_sync.cancel()
         if self.sinks is not None:
             await self.sinks.stop()
         await self.index.close()

@@ -33,7 +33,7 @@ from protos.pdserve.v1 import kv_transfer_pb2 as kvpb
 from router.active import ActiveRequest, RequestFailed
 from router.clients import DecodeClient, PrefillClient, quietly
 from router.config import RouterConfig
-from router.pools import Pool, WorkerLoad
+from router.pools import Pool, WorkerLoad, overflow_worker
 from router.reservation import Reserver
 from router.token_sink import PushedStream, StreamLost, TokenSinkServer
 
@@ -101,9 +101,10 @@ class RequestFlow:
         """Drive one admitted request; every failure ends as RequestFailed (or an abort)."""
         try:
             matches = await self.index.lookup(self.block_hashes(act))
+            local = self._local_worker(act, matches)
             stream = (
-                self._local(act, matches)
-                if self._runs_locally(act, matches)
+                self._local(act, matches, local)
+                if local is not None
                 else self._disaggregated(act, matches)
             )
             async for resp in stream:
@@ -136,28 +137,49 @@ class RequestFlow:
         act.pushed = self.sinks.open(act.request_id, d.name)
         return self.sinks.sink
 
-    def _runs_locally(self, act: ActiveRequest, matches: dict[str, int]) -> bool:
-        """Conditional disaggregation: colocated mode, or few uncached tokens on the decode
-        worker holding the longest prefix; also when the whole prefill pool is down and the
-        policy is `recompute` (`fail` ends the request here)."""
+    def _local_worker(
+        self, act: ActiveRequest, matches: dict[str, int]
+    ) -> WorkerLoad[DecodeClient] | None:
+        """The decode worker to prefill this prompt on itself, or None to disaggregate.
+
+        Locally: colocated mode; few uncached tokens on the decode worker holding the
+        longest prefix (conditional disaggregation); a busy prefill pool
+        (`pools.overflow_worker`); or the whole prefill pool down with policy `recompute`
+        (`fail` ends the request here)."""
         best = self.decode.best_match(matches)
-        cached = matches.get(best.name, 0) * self.model_info.block_size if best else 0
-        if self.colocated or act.num_prompt_tokens - cached <= self.cfg.local_prefill_threshold:
-            return True
-        if self.prefill.healthy():
-            return False
+        bs, n = self.model_info.block_size, act.num_prompt_tokens
+        cached = best.cached_tokens(matches, bs) if best else 0
+        if self.colocated or n - cached <= self.cfg.local_prefill_threshold:
+            act.placement = "colocated" if self.colocated else "short_prompt"
+            return best or self._pick_decode()
+        if prefill := self.prefill.healthy():
+            limit = self.cfg.prefill_overflow_tokens
+            d = overflow_worker(prefill, self.decode.healthy(), matches, n, bs, limit)
+            act.placement = "disaggregated" if d is None else "overflow"
+            return d
         if self.cfg.prefill_failure_policy == "fail":
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
-        return True
+        act.placement = "no_prefill_worker"
+        return best or self._pick_decode()
 
-    async def _local(self, act: ActiveRequest, matches: dict[str, int]) -> Responses:
-        d = self.decode.best_match(matches) or self._pick_decode()
+    async def _local(
+        self, act: ActiveRequest, matches: dict[str, int], d: WorkerLoad[DecodeClient]
+    ) -> Responses:
+        """Prefill and decode on `d`; its prompt tokens count as `d`'s outstanding prefill
+        work until the first token comes back (what `overflow_worker` weighs)."""
         act.decode = d
         d.track(act.request_id)
-        await d.client.submit(act.request, self._push_to(act, d))
-        act.timings.queue_ms = (time.perf_counter() - act.arrival_s) * 1e3
-        async for resp in self._relay(act, d):
-            yield resp
+        todo = act.num_prompt_tokens - d.cached_tokens(matches, self.model_info.block_size)
+        d.outstanding_tokens += todo
+        try:
+            await d.client.submit(act.request, self._push_to(act, d))
+            act.timings.queue_ms = (time.perf_counter() - act.arrival_s) * 1e3
+            async for resp in self._relay(act, d):
+                d.outstanding_tokens -= todo
+                todo = 0
+                yield resp
+        finally:
+            d.outstanding_tokens -= todo
 
     async def _disaggregated(self, act: ActiveRequest, matches: dict[str, int]) -> Responses:
         while (got := await self._prefill_on_pair(act, matches)) is None:
@@ -166,7 +188,8 @@ class RequestFlow:
                 yield self.out.complete(act, FinishReason.ABORT)
                 return
             if not self.prefill.healthy():
-                async for resp in self._local(act, {}):
+                act.placement = "no_prefill_worker"
+                async for resp in self._local(act, {}, self._pick_decode()):
                     yield resp
                 return
         d, res = got

@@ -7,6 +7,7 @@ lives in the router, which pulls each worker's events on every stats refresh.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -19,22 +20,46 @@ log = logging.getLogger(__name__)
 _HELD_EVERY_N_REFRESHES = 50  # in-memory index: re-assert held blocks every ~10 s
 
 
+# How long a pull waits for workers' events before leaving the slow ones to finish later.
+_PULL_WAIT_S = 0.25
+
+
 class IndexSync:
     def __init__(self, index: PrefixIndex) -> None:
         self.index = index
         self._num_pulls = 0
-        # One pull at a time: two overlapping pulls (the refresh loop and GetServerInfo)
-        # could apply a worker's events out of order.
-        self._lock = asyncio.Lock()
+        # At most one pull per worker in flight, so its events apply in order (the refresh
+        # loop and GetServerInfo both pull).
+        self._inflight: dict[str, asyncio.Task[None]] = {}
 
     async def pull(self, workers: Sequence[WorkerLoad[Any]]) -> None:
-        """Apply every healthy worker's block events (in-memory index only)."""
+        """Apply every healthy worker's block events (in-memory index only).
+
+        A worker answers from its engine thread, so one on a long step (a prompt pass of
+        seconds) answers late: its pull finishes in the background, is not asked again
+        until then, and holds up neither this call past `_PULL_WAIT_S` nor the stats
+        refresh that calls it (which must keep seeing the other workers' load)."""
         if not isinstance(self.index, MemoryPrefixIndex):
             return
-        async with self._lock:
-            self._num_pulls += 1
-            with_held = self._num_pulls % _HELD_EVERY_N_REFRESHES == 0
-            await asyncio.gather(*(self._pull_one(w, with_held) for w in workers if w.healthy))
+        self._num_pulls += 1
+        with_held = self._num_pulls % _HELD_EVERY_N_REFRESHES == 0
+        started = []
+        for w in workers:
+            if w.healthy and w.name not in self._inflight:
+                task = asyncio.create_task(self._pull_one(w, with_held))
+                self._inflight[w.name] = task
+                task.add_done_callback(functools.partial(self._pulled, w.name))
+                started.append(task)
+        if started:
+            await asyncio.wait(started, timeout=_PULL_WAIT_S)
+
+    def _pulled(self, name: str, _: asyncio.Task[None]) -> None:
+        self._inflight.pop(name, None)
+
+    def cancel(self) -> None:
+        """Stop pulls still in flight (the router is stopping)."""
+        for task in list(self._inflight.values()):
+            task.cancel()
 
     async def _pull_one(self, w: WorkerLoad[Any], with_held: bool) -> None:
         try:

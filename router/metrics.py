@@ -100,6 +100,7 @@ class RouterMetrics(RequestObserver):
     req_generation: Histogram
     success: Counter
     rejected: Counter
+    placement: Counter
     prefix_queries: Counter
     prefix_hits: Counter
     prompt_tokens: Counter
@@ -204,6 +205,13 @@ class RouterMetrics(RequestObserver):
         self.rejected = self._counter(
             "request_rejected", "Requests refused at admission, by gRPC status code name.", "code"
         )
+        self.placement = self._counter(
+            "request_prefill_placement",
+            "Finished requests by where their prompt pass ran (router.active.Placement): "
+            "disaggregated, or on the decode worker: colocated, short_prompt, overflow, "
+            "no_prefill_worker.",
+            "placement",
+        )
         self.prefix_queries = self._counter(
             "prefix_cache_queries",
             "Prompt tokens looked up in a prefix cache (finished requests).",
@@ -282,6 +290,8 @@ class RouterMetrics(RequestObserver):
         lv = self._lv
         self.e2e.labels(*lv).observe(max(now - act.arrival_s, 0.0))
         self.success.labels(*lv, reason.value).inc()
+        if act.placement is not None:
+            self.placement.labels(*lv, act.placement).inc()
         t = act.timings
         stages = (
             (self.queue, t.queue_ms),

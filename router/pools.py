@@ -129,6 +129,10 @@ class WorkerLoad(Generic[C]):
             self.outstanding_tokens -= num_tokens
             self.untrack(request_id)
 
+    def cached_tokens(self, matches: dict[str, int], block_size: int) -> int:
+        """Leading prompt tokens this worker holds (`matches`: name -> blocks)."""
+        return matches.get(self.client.name, 0) * block_size
+
     def stats_arrived(self, stats: WorkerStats) -> None:
         """Fresh stats already count every reservation made before them."""
         self.stats = stats
@@ -141,10 +145,10 @@ class WorkerLoad(Generic[C]):
         return free - self.pending_blocks - self.reserving_blocks
 
     def prefill_work(self, matches: dict[str, int], num_tokens: int, block_size: int) -> int:
-        """Prompt tokens this prefill worker would compute for a request (its cached prefix
-        subtracted) plus the prompt tokens already sent to it and not yet returned."""
-        todo = num_tokens - matches.get(self.client.name, 0) * block_size
-        return todo + self.outstanding_tokens
+        """Prompt tokens this worker would compute for a request (its cached prefix
+        subtracted) plus the prompt tokens already sent to it and not yet returned (a decode
+        worker: those of prompts prefilled on it that have no first token yet)."""
+        return num_tokens - self.cached_tokens(matches, block_size) + self.outstanding_tokens
 
 
 @dataclass(frozen=True)
@@ -205,6 +209,27 @@ def rank_pairs(
         for p in prefill:
             pairs.append(PairCost(p, d, prefill_s[p.client.name], transfer_s, has_room))
     return sorted(pairs, key=PairCost.sort_key)
+
+
+def overflow_worker(
+    prefill: Sequence[WorkerLoad[PrefillClient]],
+    decode: Sequence[WorkerLoad[DecodeClient]],
+    matches: dict[str, int],
+    num_tokens: int,
+    block_size: int,
+    threshold: int,
+) -> WorkerLoad[DecodeClient] | None:
+    """The decode worker to prefill a prompt on because the prefill pool is busy, or None
+    (`RouterConfig.prefill_overflow_tokens`): every healthy prefill worker has at least
+    `threshold` prompt tokens outstanding, and some healthy decode worker would finish this
+    prompt's pass with less work ahead of it (`WorkerLoad.prefill_work`) than the least
+    busy prefill worker. Of those, the one with the least such work, then the most room."""
+    if threshold <= 0 or not prefill or min(p.outstanding_tokens for p in prefill) < threshold:
+        return None
+    remote = min(p.prefill_work(matches, num_tokens, block_size) for p in prefill)
+    work = {d.client.name: d.prefill_work(matches, num_tokens, block_size) for d in decode}
+    lighter = [d for d in decode if work[d.client.name] < remote]
+    return min(lighter, key=lambda d: (work[d.client.name], -d.free_blocks), default=None)
 
 
 class Pool(Generic[C]):

@@ -121,6 +121,8 @@ def test_counts_after_n_requests(server: ServeProcess, stub: gen_grpc.Generation
     assert value(fams, "pdserve:request_rejected_total", code="INVALID_ARGUMENT") == 1
     assert value(fams, "pdserve:request_prefill_time_seconds_count") == n
     assert value(fams, "pdserve:kv_transfer_seconds_count") == n
+    placed = "pdserve:request_prefill_placement_total"
+    assert value(fams, placed, placement="disaggregated") == value(fams, placed) == n
     assert value(fams, "pdserve:request_queue_time_seconds_count") == n
     # 6 and 5 tokens: all but the first of each request are inter-token gaps
     itl = value(fams, "pdserve:inter_token_latency_seconds_count")

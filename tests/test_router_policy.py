@@ -18,7 +18,7 @@ from router.active import ActiveRequest, RequestFailed
 from router.clients import DecodeClient, PrefillClient
 from router.config import PrefillFailurePolicy, RouterConfig
 from router.flow import RequestFlow
-from router.pools import Pool, WorkerLoad, rank_pairs
+from router.pools import Pool, WorkerLoad, overflow_worker, rank_pairs
 from router.reservation import Reserver, WaitingLine
 
 BS = 16
@@ -202,13 +202,49 @@ def test_conditional_disaggregation(
     local: bool,
 ) -> None:
     f = flow(threshold, "recompute", prefill_up, colocated)
-    assert f._runs_locally(active(num_tokens), matches) is local
+    assert (f._local_worker(active(num_tokens), matches) is not None) is local
 
 
 def test_no_prefill_worker_under_the_fail_policy_is_unavailable() -> None:
     with pytest.raises(RequestFailed) as e:
-        flow(0, "fail", prefill_up=False)._runs_locally(active(100), {})
+        flow(0, "fail", prefill_up=False)._local_worker(active(100), {})
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize(
+    ("prefill_backlog", "decode_backlog", "matches", "num_tokens", "picked"),
+    [
+        ((511,), (0, 0), {}, 512, None),  # under the threshold: disaggregate
+        ((512,), (0, 0), {}, 512, "d0"),  # every prefill worker at it: an idle decode worker
+        ((512, 0), (0, 0), {}, 512, None),  # one prefill worker is free: it takes the prompt
+        ((512,), (512, 0), {}, 512, "d1"),  # the decode worker with less of its own work
+        ((512,), (512, 512), {}, 512, None),  # no decode worker is lighter: wait in line
+        ((512,), (100, 0), {"d0": 10}, 10 * BS, "d0"),  # its cached prefix makes d0 lighter
+        ((2048,), (0, 0), {"p0": 200}, 200 * BS, None),  # p0 holds all but a block of it
+    ],
+)
+def test_a_busy_prefill_pool_overflows_to_the_lightest_decode_worker(
+    prefill_backlog: tuple[int, ...],
+    decode_backlog: tuple[int, int],
+    matches: dict[str, int],
+    num_tokens: int,
+    picked: str | None,
+) -> None:
+    prefill, decode = prefill_pool(*prefill_backlog), decode_pool(40, 40)
+    for w, n in zip(decode.workers, decode_backlog, strict=True):
+        w.outstanding_tokens = n
+    got = overflow_worker(prefill.workers, decode.workers, matches, num_tokens, BS, 512)
+    assert (got.name if got else None) == picked
+
+
+def test_overflow_is_off_at_zero_and_reaches_the_flow() -> None:
+    prefill, decode = prefill_pool(10**6), decode_pool(40, 40)
+    assert overflow_worker(prefill.workers, decode.workers, {}, 64, BS, 0) is None
+    f = flow(0, "recompute", prefill_up=True)
+    f.prefill.workers[0].outstanding_tokens = 4096
+    assert f._local_worker(active(512), {}) is None  # RouterConfig() leaves it off
+    f.cfg = RouterConfig(prefill_overflow_tokens=1024)
+    assert f._local_worker(active(512), {}) is not None
 
 
 class StatsOnly:

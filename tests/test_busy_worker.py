@@ -1,0 +1,191 @@
+"""A busy worker is not a dead one. Stats come from the engine thread between steps; during a
+long step (a prompt pass of seconds on a CPU) a worker answers with the last stats it took,
+and only a step or call running past `stall_timeout_s` makes its stats raise.
+
+Before, `stats` waited on the engine thread and the router gave it 2 s: under 8 concurrent
+512-token prompts a single-thread prefill worker's steps ran longer than that, so the router
+marked it down several times a minute, reported the service unready, and prefilled 9-12 of 48
+requests on the decode worker as if the prefill pool were gone.
+
+Also here, since it is about a busy pool: prefill overflow (`router.prefill_overflow_tokens`)
+sends a prompt to the decode worker while the prefill worker is busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pdserve.checkpoint import write_checkpoint
+from pdserve.config import ServeConfig
+from pdserve.launch import build_router, engine_config
+from pool_api.config import WorkerConfig
+from pool_api.messages import Role
+from pool_api.worker_common import EngineStalled
+from prefill_workers.worker import PrefillWorker
+from router.clients import DecodeClient, PrefillClient
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+def _config(tiny_dir: Path) -> ServeConfig:
+    return ServeConfig.load(
+        None, {"model": {"model": str(tiny_dir)}, "transfer": {"transport": "local"}}
+    )
+
+
+def _worker_config(cfg: ServeConfig, name: str, role: Role) -> WorkerConfig:
+    ecfg = engine_config(cfg, Path(cfg.model.model))
+    return WorkerConfig(name, ecfg, cfg.transfer, cfg.index, "tiny", role=role)
+
+
+def _hold_engine(worker: PrefillWorker) -> tuple[threading.Event, threading.Event]:
+    """Occupy the engine thread (as one long step would) until the first event is set; the
+    second is set when the thread is free again."""
+    release, started, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def hold() -> None:
+        started.set()
+        release.wait(30)
+        finished.set()
+
+    worker.loop.call(hold)
+    assert started.wait(10)
+    return release, finished
+
+
+def test_a_busy_engine_answers_with_its_last_stats_and_a_stuck_one_raises(
+    tiny_dir: Path,
+) -> None:
+    cfg = _config(tiny_dir)
+    worker = PrefillWorker(_worker_config(cfg, "pdserve-prefill-0", Role.PREFILL))
+    try:
+
+        async def main() -> None:
+            taken = await worker.stats()  # fresh, between steps
+            release, _ = _hold_engine(worker)
+            try:
+                during = await asyncio.wait_for(worker.stats(), 10)
+                assert not release.is_set()  # answered while the engine was still held
+                assert during == taken
+                worker.cfg = replace(worker.cfg, stall_timeout_s=0.3)
+                await asyncio.sleep(0.4)
+                with pytest.raises(EngineStalled, match=r"stall_timeout_s=0\.3"):
+                    await worker.stats()
+            finally:
+                release.set()
+            assert (await worker.stats()).name == worker.name  # fresh again once it is free
+
+        asyncio.run(main())
+    finally:
+        worker.shutdown()
+
+
+def test_the_router_keeps_a_busy_prefill_worker_in_rotation(tiny_dir: Path) -> None:
+    """The engine held past the router's 2 s stats timeout: still healthy, still serving,
+    and the refresh loop goes on for the other workers (it used to wait on the busy one's
+    index pull for as long as its step ran)."""
+    from decode_workers.worker import DecodeWorker
+
+    cfg = _config(tiny_dir)
+    prefill = PrefillWorker(_worker_config(cfg, "pdserve-prefill-0", Role.PREFILL))
+    decode = DecodeWorker(_worker_config(cfg, "pdserve-decode-0", Role.DECODE))
+    router = build_router(
+        cfg,
+        tiny_dir,
+        [PrefillClient(prefill.name, prefill)],
+        [DecodeClient(decode.name, decode)],
+    )
+
+    async def main() -> None:
+        await router.start()
+        try:
+            release, finished = _hold_engine(prefill)
+            try:
+                seen = []
+                for _ in range(6):  # 3 s of refreshes
+                    await asyncio.wait_for(router.refresh(), 10)
+                    assert router.prefill.workers[0].healthy
+                    assert router.serviceable()
+                    seen.append(router.decode.workers[0].stats)
+                    await asyncio.sleep(0.5)
+                # Every refresh came back while the engine was held (the index pull from the
+                # busy worker finishes later), and the decode worker's load kept coming.
+                assert not finished.is_set()
+                assert len({id(s) for s in seen}) == len(seen)
+            finally:
+                release.set()
+        finally:
+            await router.drain(0.0)
+
+    try:
+        asyncio.run(main())
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_overflow_prefills_on_the_decode_worker_while_the_prefill_pool_is_busy(
+    tiny_dir: Path,
+) -> None:
+    """`router.prefill_overflow_tokens`: with the prefill worker's engine held, a first
+    request waits there (disaggregated); a second with the same prompt overflows to the
+    decode worker and completes before the first, with the same greedy tokens."""
+    from decode_workers.worker import DecodeWorker
+    from pdserve.client import make_request
+
+    cfg = ServeConfig.load(
+        None,
+        {
+            "model": {"model": str(tiny_dir)},
+            "transfer": {"transport": "local"},
+            "router": {"prefill_overflow_tokens": 1},
+        },
+    )
+    prefill = PrefillWorker(_worker_config(cfg, "pdserve-prefill-0", Role.PREFILL))
+    decode = DecodeWorker(_worker_config(cfg, "pdserve-decode-0", Role.DECODE))
+    router = build_router(
+        cfg, tiny_dir, [PrefillClient(prefill.name, prefill)], [DecodeClient(decode.name, decode)]
+    )
+    ids = [4 + (j * 13) % 400 for j in range(48)]
+
+    async def one(rid: str, done: list[str]) -> tuple[list[int], str | None]:
+        act = await router.admit(make_request(ids, rid, max_tokens=12, temperature=0.0))
+        toks: list[int] = []
+        try:
+            async for resp in router.run(act):
+                toks += resp.chunk.token_ids
+        finally:
+            router.finish(act, True)
+        done.append(rid)
+        return toks, act.placement
+
+    async def main() -> None:
+        await router.start()
+        try:
+            release, _ = _hold_engine(prefill)
+            done: list[str] = []
+            first = asyncio.create_task(one("first", done))
+            while router.prefill.workers[0].outstanding_tokens == 0:
+                await asyncio.sleep(0.01)
+            second = await asyncio.wait_for(one("second", done), 30)
+            assert done == ["second"]  # the prefill worker is still held
+            release.set()
+            got = await asyncio.wait_for(first, 30)
+            assert got[1] == "disaggregated" and second[1] == "overflow"
+            assert got[0] == second[0] and len(got[0]) == 12
+        finally:
+            await router.drain(0.0)
+
+    try:
+        asyncio.run(main())
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
