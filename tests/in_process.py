@@ -146,3 +146,53 @@ def asgi_call(
     out = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     got = {k.decode().lower(): v.decode() for k, v in start.get("headers", [])}
     return start["status"], got, out
+
+
+async def generate(router: Any, request: Any) -> tuple[list[int], Any]:
+    """One request through a started Router, as its gRPC face drives it: the token ids it
+    sent and its ActiveRequest (for placement, timings)."""
+    act = await router.admit(request)
+    toks: list[int] = []
+    try:
+        async for resp in router.run(act):
+            toks += resp.chunk.token_ids
+    finally:
+        router.finish(act, True)
+    return toks, act
+
+
+def run_with_workers(cfg: Any, model_dir: Any, body: Any) -> None:
+    """`await body(router, prefill, decode)` against a started Router over one in-process
+    prefill and one decode worker of `cfg` (a ServeConfig; use transport `local`); drained
+    and shut down afterwards, whatever happens."""
+    import asyncio
+
+    from decode_workers.worker import DecodeWorker
+    from pdserve.launch import build_router, engine_config
+    from pool_api.config import WorkerConfig
+    from pool_api.messages import Role
+    from prefill_workers.worker import PrefillWorker
+    from router.clients import DecodeClient, PrefillClient
+
+    def worker_cfg(name: str, role: Role) -> WorkerConfig:
+        ecfg = engine_config(cfg, model_dir)
+        return WorkerConfig(name, ecfg, cfg.transfer, cfg.index, "tiny", role=role)
+
+    prefill = PrefillWorker(worker_cfg("pdserve-prefill-0", Role.PREFILL))
+    decode = DecodeWorker(worker_cfg("pdserve-decode-0", Role.DECODE))
+    router = build_router(
+        cfg, model_dir, [PrefillClient(prefill.name, prefill)], [DecodeClient(decode.name, decode)]
+    )
+
+    async def main() -> None:
+        await router.start()
+        try:
+            await body(router, prefill, decode)
+        finally:
+            await router.drain(0.0)
+
+    try:
+        asyncio.run(main())
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

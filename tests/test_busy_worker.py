@@ -17,17 +17,19 @@ import asyncio
 import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pdserve.checkpoint import write_checkpoint
+from pdserve.client import make_request
 from pdserve.config import ServeConfig
-from pdserve.launch import build_router, engine_config
+from pdserve.launch import engine_config
 from pool_api.config import WorkerConfig
 from pool_api.messages import Role
 from pool_api.worker_common import EngineStalled
 from prefill_workers.worker import PrefillWorker
-from router.clients import DecodeClient, PrefillClient
+from tests.in_process import generate, run_with_workers
 
 
 @pytest.fixture(scope="module")
@@ -92,44 +94,25 @@ def test_the_router_keeps_a_busy_prefill_worker_in_rotation(tiny_dir: Path) -> N
     """The engine held past the router's 2 s stats timeout: still healthy, still serving,
     and the refresh loop goes on for the other workers (it used to wait on the busy one's
     index pull for as long as its step ran)."""
-    from decode_workers.worker import DecodeWorker
 
-    cfg = _config(tiny_dir)
-    prefill = PrefillWorker(_worker_config(cfg, "pdserve-prefill-0", Role.PREFILL))
-    decode = DecodeWorker(_worker_config(cfg, "pdserve-decode-0", Role.DECODE))
-    router = build_router(
-        cfg,
-        tiny_dir,
-        [PrefillClient(prefill.name, prefill)],
-        [DecodeClient(decode.name, decode)],
-    )
-
-    async def main() -> None:
-        await router.start()
+    async def body(router: Any, prefill: PrefillWorker, _: Any) -> None:
+        release, finished = _hold_engine(prefill)
         try:
-            release, finished = _hold_engine(prefill)
-            try:
-                seen = []
-                for _ in range(6):  # 3 s of refreshes
-                    await asyncio.wait_for(router.refresh(), 10)
-                    assert router.prefill.workers[0].healthy
-                    assert router.serviceable()
-                    seen.append(router.decode.workers[0].stats)
-                    await asyncio.sleep(0.5)
-                # Every refresh came back while the engine was held (the index pull from the
-                # busy worker finishes later), and the decode worker's load kept coming.
-                assert not finished.is_set()
-                assert len({id(s) for s in seen}) == len(seen)
-            finally:
-                release.set()
+            seen = []
+            for _ in range(6):  # 3 s of refreshes
+                await asyncio.wait_for(router.refresh(), 10)
+                assert router.prefill.workers[0].healthy
+                assert router.serviceable()
+                seen.append(router.decode.workers[0].stats)
+                await asyncio.sleep(0.5)
+            # Every refresh came back while the engine was held (the index pull from the
+            # busy worker finishes later), and the decode worker's load kept coming.
+            assert not finished.is_set()
+            assert len({id(s) for s in seen}) == len(seen)
         finally:
-            await router.drain(0.0)
+            release.set()
 
-    try:
-        asyncio.run(main())
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
+    run_with_workers(_config(tiny_dir), tiny_dir, body)
 
 
 def test_overflow_prefills_on_the_decode_worker_while_the_prefill_pool_is_busy(
@@ -138,9 +121,6 @@ def test_overflow_prefills_on_the_decode_worker_while_the_prefill_pool_is_busy(
     """`router.prefill_overflow_tokens`: with the prefill worker's engine held, a first
     request waits there (disaggregated); a second with the same prompt overflows to the
     decode worker and completes before the first, with the same greedy tokens."""
-    from decode_workers.worker import DecodeWorker
-    from pdserve.client import make_request
-
     cfg = ServeConfig.load(
         None,
         {
@@ -149,43 +129,23 @@ def test_overflow_prefills_on_the_decode_worker_while_the_prefill_pool_is_busy(
             "router": {"prefill_overflow_tokens": 1},
         },
     )
-    prefill = PrefillWorker(_worker_config(cfg, "pdserve-prefill-0", Role.PREFILL))
-    decode = DecodeWorker(_worker_config(cfg, "pdserve-decode-0", Role.DECODE))
-    router = build_router(
-        cfg, tiny_dir, [PrefillClient(prefill.name, prefill)], [DecodeClient(decode.name, decode)]
-    )
     ids = [4 + (j * 13) % 400 for j in range(48)]
 
-    async def one(rid: str, done: list[str]) -> tuple[list[int], str | None]:
-        act = await router.admit(make_request(ids, rid, max_tokens=12, temperature=0.0))
-        toks: list[int] = []
-        try:
-            async for resp in router.run(act):
-                toks += resp.chunk.token_ids
-        finally:
-            router.finish(act, True)
-        done.append(rid)
-        return toks, act.placement
+    async def body(router: Any, prefill: PrefillWorker, _: Any) -> None:
+        def one(rid: str) -> Any:
+            return generate(router, make_request(ids, rid, max_tokens=12, temperature=0.0))
 
-    async def main() -> None:
-        await router.start()
+        release, _ = _hold_engine(prefill)
         try:
-            release, _ = _hold_engine(prefill)
-            done: list[str] = []
-            first = asyncio.create_task(one("first", done))
+            first = asyncio.create_task(one("first"))
             while router.prefill.workers[0].outstanding_tokens == 0:
                 await asyncio.sleep(0.01)
-            second = await asyncio.wait_for(one("second", done), 30)
-            assert done == ["second"]  # the prefill worker is still held
-            release.set()
-            got = await asyncio.wait_for(first, 30)
-            assert got[1] == "disaggregated" and second[1] == "overflow"
-            assert got[0] == second[0] and len(got[0]) == 12
+            toks2, act2 = await asyncio.wait_for(one("second"), 30)
+            assert not first.done()  # the prefill worker is still held
         finally:
-            await router.drain(0.0)
+            release.set()
+        toks1, act1 = await asyncio.wait_for(first, 30)
+        assert (act1.placement, act2.placement) == ("disaggregated", "overflow")
+        assert toks1 == toks2 and len(toks1) == 12
 
-    try:
-        asyncio.run(main())
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
+    run_with_workers(cfg, tiny_dir, body)

@@ -29,6 +29,7 @@ from prefill_workers.worker import PrefillWorker
 from router.active import RequestFailed
 from router.clients import DecodeClient, PrefillClient
 from router.token_sink import StreamLost, TokenSinkServer
+from tests.in_process import generate
 
 
 @pytest.fixture(scope="module")
@@ -158,16 +159,8 @@ def test_push_and_poll_give_the_same_tokens_push_without_a_poll_per_token(
         try:
             for i in range(3):
                 ids = [4 + (i * 37 + j * 11) % 500 for j in range(40)]
-                act = await router.admit(
-                    make_request(ids, f"r{i}", max_tokens=24, ignore_eos=True, temperature=0.0)
-                )
-                toks: list[int] = []
-                try:
-                    async for resp in router.run(act):
-                        toks += resp.chunk.token_ids
-                finally:
-                    router.finish(act, True)
-                outs.append(toks)
+                req = make_request(ids, f"r{i}", max_tokens=24, ignore_eos=True, temperature=0.0)
+                outs.append((await generate(router, req))[0])
             frames = router.sinks.num_frames_total if router.sinks else 0
         finally:
             await router.drain(0.0)
