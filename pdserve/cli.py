@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from kv_transfer.registry import SERVE_TRANSPORT_NAMES
 from pdserve.engine_load import load_engine
+from pool_api.logs import log_to_stderr
 
 if TYPE_CHECKING:
     from pdserve.config import ServeConfig
@@ -367,13 +368,7 @@ def configure_logging(level: str | None, default: str = "info") -> None:
     name = (level or os.environ.get(LOG_LEVEL_ENV) or default).lower()
     if name not in LOG_LEVELS:
         raise ValueError(f"{LOG_LEVEL_ENV}={name!r}: choose from {', '.join(LOG_LEVELS)}")
-    logging.basicConfig(
-        level=name.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
-    logging.getLogger().setLevel(name.upper())  # also where a handler was installed before
+    log_to_stderr(name)
 
 
 def check_unsupported(args: argparse.Namespace) -> None:

@@ -181,7 +181,8 @@ class Deployment:
                 namespace=cfg.ray.namespace,
                 include_dashboard=False,
                 logging_level=logging.WARNING,
-                log_to_driver=False,
+                # Workers' log records (pool_api.logs) show in this process's terminal.
+                log_to_driver=True,
             )
             self.started_ray = cfg.ray.address is None
         ecfg = engine_config(cfg, self.model_path)
@@ -197,6 +198,7 @@ class Deployment:
                 model_name=served_name(cfg),
                 num_threads=pool.num_threads,
                 stall_timeout_s=pool.stall_timeout_s,
+                log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
                 role=role,
                 # ten missed long polls, and never under the default
                 stream_idle_timeout_s=max(30.0, 10 * cfg.router.poll_timeout_s),

@@ -85,4 +85,5 @@ class WorkerConfig:
     # An engine on one step or call this long is stuck: its stats raise, the router marks
     # the worker down. A long prompt pass is not: stats answer from the last ones taken.
     stall_timeout_s: float = 120.0
+    log_level: str = "warning"  # the worker process's Python logging (the driver's, by launch)
     role: Role | None = None  # None: the worker class's own role

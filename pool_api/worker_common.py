@@ -26,6 +26,7 @@ from engine.request import RequestOutput
 from kv_transfer.transports.base import Transport, get_transport
 from pool_api.config import WorkerConfig
 from pool_api.index_feed import IndexFeed
+from pool_api.logs import log_to_stderr
 from pool_api.messages import IndexUpdate, Role, WorkerStats
 
 # How long `stats` waits for fresh stats before answering with the last ones taken.
@@ -55,7 +56,7 @@ def make_transport(cfg: WorkerConfig) -> Transport:
 @dataclass(frozen=True)
 class StartupSummary:
     """What a worker loaded and how big its KV cache came out; `ready` returns it so the
-    driver prints it (Ray does not forward actors' logs: `log_to_driver=False`)."""
+    driver prints it in its own words, one line a worker."""
 
     name: str
     role: str
@@ -238,6 +239,7 @@ class ActorBase(Generic[W]):
 
     def __init__(self, make_worker: Callable[[WorkerConfig], W], cfg: WorkerConfig) -> None:
         torch.set_num_threads(cfg.num_threads)  # Ray starts actors with one thread
+        log_to_stderr(cfg.log_level)  # Ray streams it to the driver (pool_api.logs)
         self.worker = make_worker(cfg)
         self.worker.fatal_hook = exit_soon
 

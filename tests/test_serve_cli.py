@@ -49,6 +49,7 @@ from pdserve.cli import build_parser, main
 from pdserve.client import make_request
 from protos.pdserve.v1 import generation_pb2 as gen
 from protos.pdserve.v1 import generation_pb2_grpc as gen_grpc
+from tests.serve_proc import ServeProcess
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -374,3 +375,32 @@ def test_help_and_client_do_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_a_worker_warning_reaches_the_serve_terminal(tmp_path: Path) -> None:
+    """Workers' log records stream to `pdserve serve`'s stderr with their actor's name (they
+    used to stay in Ray's session files). A float16 checkpoint served with `--dtype auto` on a
+    CPU makes each worker warn that it computes in another dtype."""
+    import re
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    ckpt = write_checkpoint("tiny", tmp_path / "fp16")
+    weights = ckpt / "model.safetensors"
+    save_file({k: v.to(torch.float16) for k, v in load_file(weights).items()}, weights)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["torch_dtype"] = "float16"
+    config.pop("dtype", None)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    (tmp_path / "home").mkdir()
+    proc = ServeProcess(tmp_path / "home", model=str(ckpt))
+    try:
+        pattern = re.compile(
+            r"\((?:Prefill|Decode)Actor pid=\d+\).*WARNING engine\.engine: dtype auto: the "
+            r"float16 checkpoint computes in (?:bfloat16|float32)"
+        )
+        found = proc.wait_for(lambda: pattern.search(proc.log_tail(400)), timeout_s=60)
+        assert found, proc.log_tail()
+    finally:
+        proc.stop()
