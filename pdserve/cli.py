@@ -42,6 +42,12 @@ DTYPE_HELP = (
 )
 
 
+REVISION_HELP = (
+    "branch, tag or commit of a Hub --model (a commit pins what is served); default: its "
+    "default branch"
+)
+
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     from pdserve.models import DEFAULT_MODEL
 
@@ -60,6 +66,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         dest="weights_seed",
         help="seed of a generated preset checkpoint",
     )
+    p.add_argument("--revision", default=None, help=REVISION_HELP)
 
 
 def version() -> str:
@@ -244,6 +251,7 @@ def _serve_table() -> tuple[ServeFlag, ...]:
         F("served_model_name", "model", "served_model_name", "the model name the API serves",
           None, default_text="the --model as given"),
         F("dtype", "model", "dtype", DTYPE_HELP, "auto", choices=DTYPE_CHOICES),
+        F("revision", "model", "revision", REVISION_HELP, None, default_text="the default branch"),
         F("chat_template", "model", "chat_template", "Jinja file overriding the model's chat "
           "template", None, metavar="PATH", default_text="the checkpoint's"),
         F("max_model_len", "scheduler", "max_model_len", "prompt + output tokens per request; "
@@ -574,7 +582,9 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         ignore_eos=args.ignore_eos,
     )
-    engine = load_engine(args.model, args.dtype, args.weights_seed, args.chat_template)
+    engine = load_engine(
+        args.model, args.dtype, args.weights_seed, args.chat_template, args.revision
+    )
     tok = engine.tokenizer
     assert tok is not None  # load_engine refuses a checkpoint without one
     prompts = [

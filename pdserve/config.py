@@ -32,6 +32,9 @@ class ModelSettings:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (float16 -> float32 on CPU)
     chat_template: str | None = None  # a Jinja file overriding the checkpoint's template
     weights_seed: int = 0  # seed of a generated preset
+    # A Hub id's branch, tag or commit (vLLM's --revision); None: its default branch. A
+    # commit hash pins what is served; refused for anything but a Hub id.
+    revision: str | None = None
     device: str = "cpu"
 
 

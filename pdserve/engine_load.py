@@ -14,13 +14,17 @@ if TYPE_CHECKING:
 
 
 def load_engine(
-    model: str, dtype: str, weights_seed: int = 0, chat_template: str | None = None
+    model: str,
+    dtype: str,
+    weights_seed: int = 0,
+    chat_template: str | None = None,
+    revision: str | None = None,
 ) -> LLMEngine:
     """The engine in process for `--model` (refused without a tokenizer: it takes text)."""
     from engine.engine import EngineConfig, LLMEngine
     from pdserve.models import require_tokenizer, resolve_model
 
-    path = resolve_model(model, seed=weights_seed)
+    path = resolve_model(model, seed=weights_seed, revision=revision)
     require_tokenizer(path, model)
     return LLMEngine.from_config(
         EngineConfig(model=str(path), dtype=dtype, chat_template=chat_template)

@@ -171,7 +171,9 @@ class Deployment:
         from prefill_workers.actor import PrefillActor
 
         cfg = self.cfg
-        self.model_path = resolve_model(cfg.model.model, seed=cfg.model.weights_seed)
+        self.model_path = resolve_model(
+            cfg.model.model, seed=cfg.model.weights_seed, revision=cfg.model.revision
+        )
         require_tokenizer(self.model_path, cfg.model.model)
         if not ray.is_initialized():
             ray.init(

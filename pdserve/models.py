@@ -90,13 +90,22 @@ def preset_dir(preset: str, seed: int = 0, dtype: str = "float32") -> Path:
     return target
 
 
-def resolve_model(spec: str, seed: int = 0, dtype: str = "float32") -> Path:
+def resolve_model(
+    spec: str, seed: int = 0, dtype: str = "float32", revision: str | None = None
+) -> Path:
     """The checkpoint directory for `--model spec` (see the module docstring).
 
     `seed` and `dtype` are the weights of a generated preset or of a named model's
-    conversion; a given directory keeps its own.
+    conversion; a given directory keeps its own. `revision` (a Hub id's branch, tag or
+    commit) is refused for anything else: it would be silently ignored.
     """
     from pdserve.checkpoint import PRESETS
+
+    if revision is not None and not _is_hub_id(spec):
+        raise ModelError(
+            f"--revision {revision[:64]!r} applies to a Hugging Face Hub id (org/name); "
+            f"--model {spec[:64]!r} is not one (a named model is pinned by its package)"
+        )
 
     if spec in PRESETS:
         log.warning(
@@ -116,13 +125,19 @@ def resolve_model(spec: str, seed: int = 0, dtype: str = "float32") -> Path:
         if not (path / "config.json").is_file() and len(list(path.glob("*.gguf"))) == 1:
             return gguf_dir(next(path.glob("*.gguf")))
         return _with_fast_tokenizer(_checked_dir(path))
-    if path.exists() or spec.startswith((".", "/", "~")) or not _HUB_ID.match(spec):
+    if not _is_hub_id(spec):
         raise ModelError(
             f"--model {spec!r}: not a preset ({', '.join(sorted(PRESETS))}), not a named model "
             f"({', '.join(sorted(NAMED_MODELS))}), not a .gguf file and not a directory with "
             "config.json"
         )
-    return _with_fast_tokenizer(_checked_dir(hub_download(spec)))
+    return _with_fast_tokenizer(_checked_dir(hub_download(spec, revision)))
+
+
+def _is_hub_id(spec: str) -> bool:
+    """`org/name` that is not a local path (presets and named models have no slash)."""
+    path = Path(spec).expanduser()
+    return not path.exists() and not spec.startswith((".", "/", "~")) and bool(_HUB_ID.match(spec))
 
 
 def require_tokenizer(model_dir: Path, spec: str) -> None:
@@ -304,8 +319,10 @@ def _with_fast_tokenizer(path: Path) -> Path:
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
 
 
-def hub_download(repo_id: str) -> Path:
-    """`huggingface_hub.snapshot_download` into its usual cache (HF_HOME, HF_TOKEN apply).
+def hub_download(repo_id: str, revision: str | None = None) -> Path:
+    """`huggingface_hub.snapshot_download` into its usual cache (HF_HOME, HF_TOKEN apply), of
+    `revision` (a branch, tag or commit; None: the default branch). The snapshot directory
+    is named by the commit it resolved to, which the log line gives.
 
     Safetensors are preferred; `pytorch_model*.bin` is fetched only when a repository has
     no safetensors. Offline (no network, or HF_HUB_OFFLINE=1 without a cached copy) raises
@@ -319,11 +336,10 @@ def hub_download(repo_id: str) -> Path:
             f"--model {repo_id}: a Hub id needs huggingface_hub (pip install huggingface_hub)"
         ) from e
     try:
-        path = Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_PATTERNS))
         if not any(path.glob("*.safetensors")):
-            path = Path(
-                snapshot_download(repo_id, allow_patterns=[*_HUB_PATTERNS, "pytorch_model*.bin"])
-            )
+            bins = [*_HUB_PATTERNS, "pytorch_model*.bin"]
+            path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=bins))
     except LocalEntryNotFoundError as e:
         raise ModelError(
             f"--model {repo_id}: cannot reach the Hugging Face Hub and no copy is cached "
@@ -332,6 +348,7 @@ def hub_download(repo_id: str) -> Path:
         ) from e
     except HfHubHTTPError as e:
         raise ModelError(f"--model {repo_id}: the Hub refused it ({str(e).splitlines()[0]})") from e
+    log.info("model %s at revision %s: commit %s", repo_id, revision or "(default)", path.name)
     return path
 
 

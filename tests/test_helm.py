@@ -54,6 +54,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+HF_REVISION = "9fd5d5a2b1f5ad25f4d1b3d5a6c7e8f901234567"  # a commit: every pod the same snapshot
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 PROFILES: dict[str, dict[str, Any]] = {
     "default": {},
@@ -118,6 +119,7 @@ PROFILES: dict[str, dict[str, Any]] = {
             "uri": "hf://Qwen/Qwen2.5-0.5B-Instruct",
             "hfTokenSecret": {"name": "hf-token", "key": "token"},
             "chatTemplate": CHAT_TEMPLATE,
+            "revision": HF_REVISION,
         },
         "router": {"extraArgs": ["--max-model-len", "4096", "--max-num-seqs=32"]},
     },
@@ -239,6 +241,7 @@ def test_lint_reports_no_errors(profile: str) -> None:
         {"model": {"uri": "small"}},  # a preset that is not baked into the image
         {"model": {"hfTokenSecret": {"value": "hf_inline"}}},  # no inline token
         {"model": {"hfTokenSecret": {"name": "hf", "key": ""}}},
+        {"model": {"uri": "hf://a/b", "revision": "main; rm -rf /"}},  # not a git ref
         {"router": {"extraArgs": "--max-model-len 4096"}},  # a list of words
         {"router": {"extraArgs": [4096]}},
         {"ingress": {"pathType": "Regex"}},
@@ -298,6 +301,14 @@ def test_schema_config_sections_are_the_serve_config_tree(chart: Any) -> None:
             "config.model.chat_template and model.chatTemplate are both set",
         ),
         ({"model": {"uri": "pvc://weights/../etc"}}, "must not contain . or .. segments"),
+        ({"model": {"uri": "tiny", "revision": "main"}}, "model.revision applies to an hf://"),
+        (
+            {
+                "model": {"uri": "hf://a/b", "revision": "main"},
+                "config": {"model": {"revision": "v1"}},
+            },
+            "config.model.revision and model.revision are both set",
+        ),
         ({"router": {"extraArgs": ["--api-key=hunter2"]}}, "--api-key is set by the chart"),
         ({"router": {"extraArgs": ["--api-key-file", "/k"]}}, "--api-key-file is set by"),
         (
@@ -458,6 +469,7 @@ def test_configmap_config_loads_as_serve_config(
     }
     assert cfg.model.model == model.get(profile, "smollm2-135m-instruct")
     assert cfg.model.chat_template == (CHAT_TEMPLATE_PATH if profile == "hf" else None)
+    assert cfg.model.revision == (HF_REVISION if profile == "hf" else None)
     if profile == "gpu":
         assert cfg.model.dtype == "bfloat16"
     tls = (cfg.router.tls_cert, cfg.router.tls_key, cfg.router.tls_client_ca)
@@ -1037,7 +1049,7 @@ def test_model_uri(chart: Any, uri: str, model: str, tmp_path: Path) -> None:
             (init,) = inits
             assert init["name"] == "fetch-model" and init["image"] == serving["image"]
             assert init["command"][:2] == ["python3", "-c"]
-            assert init["command"][-1] == model
+            assert init["command"][3:] == [model, ""]  # no model.revision: ""
             assert init["volumeMounts"] == [{"name": "hf-cache", "mountPath": HF_HOME}]
             assert env_of(init)["HF_HOME"] == {"name": "HF_HOME", "value": HF_HOME}
             assert "HF_TOKEN" not in env_of(init)  # no hfTokenSecret: no token
@@ -1070,20 +1082,21 @@ def test_hf_init_container_resolves_with_pdserve(
     repository to pdserve's own resolver and refuses a snapshot that needed a converted
     tokenizer outside the shared cache (the other pods would not see it)."""
     (init,) = ray_pods(rendered["hf"])["decode"]["initContainers"]
-    script, repo = init["command"][2], init["command"][3]
+    script, repo, revision = init["command"][2:5]
+    assert revision == HF_REVISION
     stub = tmp_path / "stub" / "pdserve"
     stub.mkdir(parents=True)
     (stub / "__init__.py").write_text("")
     (stub / "models.py").write_text(
         "import os\n"
-        "def resolve_model(spec):\n"
-        "    return os.path.join(os.environ['RESOLVED_UNDER'], spec)\n"
+        "def resolve_model(spec, revision=None):\n"
+        "    return os.path.join(os.environ['RESOLVED_UNDER'], spec, revision)\n"
         "def require_tokenizer(path, spec):\n"
         "    pass\n"
     )
     for under, ok in [(HF_HOME + "/hub", True), ("/opt/pdserve/views", False)]:
         out = subprocess.run(
-            [sys.executable, "-c", script, repo],
+            [sys.executable, "-c", script, repo, revision],
             env={"PYTHONPATH": str(stub.parent), "HF_HOME": HF_HOME, "RESOLVED_UNDER": under},
             cwd=tmp_path,  # not the repository: the stub is the `pdserve` imported
             capture_output=True,
@@ -1092,7 +1105,7 @@ def test_hf_init_container_resolves_with_pdserve(
         )
         assert (out.returncode == 0) is ok, out.stderr
         if ok:
-            assert out.stdout.strip() == f"{HF_HOME}/hub/{repo}"
+            assert out.stdout.strip() == f"{HF_HOME}/hub/{repo}/{HF_REVISION}"
         else:
             assert "has no tokenizer.json" in out.stderr
 

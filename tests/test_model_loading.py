@@ -275,6 +275,40 @@ def test_hub_id_offline_is_one_clear_line(tmp_path: Path) -> None:
     assert "offline" in line and "--model tiny" in line and "smollm2-135m-instruct" in line
 
 
+def _hub_cache(hf_home: Path, repo: str, commits: dict[str, int], main: str) -> None:
+    """A Hugging Face cache holding `repo` at each commit (a tiny checkpoint of that weights
+    seed) with refs/main at `main`: what `snapshot_download` finds offline."""
+    root = hf_home / "hub" / f"models--{repo.replace('/', '--')}"
+    for commit, seed in commits.items():
+        write_checkpoint("tiny", root / "snapshots" / commit, seed=seed)
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(main)
+
+
+def test_revision_picks_the_hub_snapshot(tmp_path: Path) -> None:
+    """`--revision` reaches huggingface_hub: a commit serves that snapshot, none serves the
+    default branch, an unknown one offline is one clear line; a non-Hub --model refuses it."""
+    a, b = "a" * 40, "b" * 40
+    _hub_cache(tmp_path / "hf", "acme/tiny", {a: 1, b: 2}, main=a)
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PDSERVE_HOME": str(tmp_path)}
+    resolve = "import sys; from pdserve.models import resolve_model as r; print(r(*sys.argv[1:]))"
+    for revision, commit in ((b, b), ("main", a), (None, a)):
+        args = ["acme/tiny", "0", "float32"] + ([revision] if revision else [])
+        cmd = [sys.executable, "-c", resolve, *args]
+        full = {**os.environ, **env}
+        proc = subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        assert Path(proc.stdout.strip()).name == commit
+    gen_args = ["generate", "--model", "acme/tiny", "--max-tokens", "2", "hi"]
+    assert _cli([*gen_args, "--revision", b], env).returncode == 0
+    proc = _cli([*gen_args, "--revision", "c" * 40], env)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "acme/tiny" in line and "offline" in line
+    with pytest.raises(ModelError, match="--revision 'main' applies to a Hugging Face Hub id"):
+        resolve_model("tiny", revision="main")
+
+
 def test_named_model_offline_names_the_alternatives(tmp_path: Path) -> None:
     env = {
         "PDSERVE_HOME": str(tmp_path),

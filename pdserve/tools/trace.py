@@ -834,7 +834,9 @@ def render(
 # ---- entry point -------------------------------------------------------------------------
 def run_trace(args: argparse.Namespace) -> int:
     """`pdserve trace`: measure the roofs, trace prefill and one decode step, print."""
-    engine = load_engine(args.model, args.dtype, args.weights_seed, args.chat_template)
+    engine = load_engine(
+        args.model, args.dtype, args.weights_seed, args.chat_template, args.revision
+    )
     if engine.tokenizer is None:
         raise ValueError(f"--model {args.model!r}: trace needs a checkpoint with tokenizer.json")
     ids = engine.tokenizer.encode(args.prompt)

@@ -204,6 +204,15 @@ group offers exactly one, so every pod runs one actor.
 {{- end }}
 {{- $model := index $cfg "model" | default dict }}
 {{- $_ := set $model "model" (include "pdserve.modelSpec" .) }}
+{{- with .Values.model.revision }}
+{{- if ne (include "pdserve.modelKind" $) "hf" }}
+{{- fail "model.revision applies to an hf:// model.uri only" }}
+{{- end }}
+{{- if hasKey $model "revision" }}
+{{- fail "config.model.revision and model.revision are both set: give it in model.revision only" }}
+{{- end }}
+{{- $_ := set $model "revision" . }}
+{{- end }}
 {{- if .Values.model.chatTemplate }}
 {{- if hasKey $model "chat_template" }}
 {{- fail "config.model.chat_template and model.chatTemplate are both set: give the template in model.chatTemplate only" }}
@@ -333,7 +342,7 @@ root, resources.
     - |
       import os, sys
       from pdserve.models import require_tokenizer, resolve_model
-      path = resolve_model(sys.argv[1])
+      path = resolve_model(sys.argv[1], revision=sys.argv[2] or None)
       require_tokenizer(path, sys.argv[1])
       if not str(path).startswith(os.environ["HF_HOME"]):
           sys.exit(f"pdserve: {sys.argv[1]} has no tokenizer.json (converted into {path}, "
@@ -341,6 +350,7 @@ root, resources.
                    "or a pvc:// copy of the checkpoint with one")
       print(path)
     - {{ trimPrefix "hf://" $root.Values.model.uri | quote }}
+    - {{ $root.Values.model.revision | quote }}
   env:
     - name: HF_HOME
       value: {{ include "pdserve.hfHome" $root }}
