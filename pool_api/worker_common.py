@@ -194,7 +194,7 @@ class WorkerBase(abc.ABC):
         busy_s = self.loop.busy_s()
         if busy_s > self.cfg.stall_timeout_s:
             raise EngineStalled(
-                f"{self.name}: its engine has been on one step for {busy_s:.0f} s "
+                f"{self.name}: its engine has been on one step or call for {busy_s:.0f} s "
                 f"(stall_timeout_s={self.cfg.stall_timeout_s:g})"
             )
         return self._last_stats if self._last_stats is not None else await fresh

@@ -170,16 +170,15 @@ class RequestFlow:
         act.decode = d
         d.track(act.request_id)
         todo = act.num_prompt_tokens - d.cached_tokens(matches, self.model_info.block_size)
-        d.outstanding_tokens += todo
+        passed = d.prompt_pass(todo)
         try:
             await d.client.submit(act.request, self._push_to(act, d))
             act.timings.queue_ms = (time.perf_counter() - act.arrival_s) * 1e3
             async for resp in self._relay(act, d):
-                d.outstanding_tokens -= todo
-                todo = 0
+                passed()
                 yield resp
         finally:
-            d.outstanding_tokens -= todo
+            passed()
 
     async def _disaggregated(self, act: ActiveRequest, matches: dict[str, int]) -> Responses:
         while (got := await self._prefill_on_pair(act, matches)) is None:

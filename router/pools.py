@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -121,13 +121,24 @@ class WorkerLoad(Generic[C]):
     @contextlib.contextmanager
     def prefilling(self, request_id: str, num_tokens: int) -> Iterator[None]:
         """The prompt pass of `num_tokens` is out on this prefill worker."""
-        self.outstanding_tokens += num_tokens
+        done = self.prompt_pass(num_tokens)
         self.track(request_id)
         try:
             yield
         finally:
-            self.outstanding_tokens -= num_tokens
+            done()
             self.untrack(request_id)
+
+    def prompt_pass(self, num_tokens: int) -> Callable[[], None]:
+        """A prompt pass of `num_tokens` is out on this worker (`outstanding_tokens`) until
+        the returned function is called; calling it again does nothing."""
+        self.outstanding_tokens += num_tokens
+        left = [num_tokens]
+
+        def done() -> None:
+            self.outstanding_tokens -= left.pop() if left else 0
+
+        return done
 
     def cached_tokens(self, matches: dict[str, int], block_size: int) -> int:
         """Leading prompt tokens this worker holds (`matches`: name -> blocks)."""

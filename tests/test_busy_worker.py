@@ -147,5 +147,8 @@ def test_overflow_prefills_on_the_decode_worker_while_the_prefill_pool_is_busy(
         toks1, act1 = await asyncio.wait_for(first, 30)
         assert (act1.placement, act2.placement) == ("disaggregated", "overflow")
         assert toks1 == toks2 and len(toks1) == 12
+        # both prompt passes are off the books once their first tokens came back
+        loads = router.prefill.workers + router.decode.workers
+        assert [w.outstanding_tokens for w in loads] == [0, 0]
 
     run_with_workers(cfg, tiny_dir, body)

@@ -237,6 +237,16 @@ def test_a_busy_prefill_pool_overflows_to_the_lightest_decode_worker(
     assert (got.name if got else None) == picked
 
 
+def test_a_prompt_pass_is_counted_once_and_released_once() -> None:
+    (w,) = prefill_pool(0).workers
+    done = w.prompt_pass(100)
+    with w.prefilling("r", 28):
+        assert w.outstanding_tokens == 128
+    done()
+    done()
+    assert w.outstanding_tokens == 0
+
+
 def test_overflow_is_off_at_zero_and_reaches_the_flow() -> None:
     prefill, decode = prefill_pool(10**6), decode_pool(40, 40)
     assert overflow_worker(prefill.workers, decode.workers, {}, 64, BS, 0) is None
