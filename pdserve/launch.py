@@ -9,6 +9,7 @@ weights.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import sys
 from dataclasses import dataclass, field, replace
@@ -176,6 +177,8 @@ class Deployment:
         )
         require_tokenizer(self.model_path, cfg.model.model)
         if not ray.is_initialized():
+            if not sys.stderr.isatty():  # a log file or a pod log: no colour codes in it
+                os.environ.setdefault("RAY_COLOR_PREFIX", "0")
             ray.init(
                 # None starts a fresh local Ray ("local"): plain None would join whatever
                 # RAY_ADDRESS or the last `ray start` (/tmp/ray/ray_current_cluster) names.

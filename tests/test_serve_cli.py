@@ -402,5 +402,7 @@ def test_a_worker_warning_reaches_the_serve_terminal(tmp_path: Path) -> None:
         )
         found = proc.wait_for(lambda: pattern.search(proc.log_tail(400)), timeout_s=60)
         assert found, proc.log_tail()
+        line = next(ln for ln in proc.log_tail(400).splitlines() if pattern.search(ln))
+        assert line.startswith("("), repr(line)  # no colour codes: stderr is not a terminal
     finally:
         proc.stop()
