@@ -201,11 +201,7 @@ class WorkerBase(abc.ABC):
 
     def _stats(self) -> WorkerStats:
         """Engine thread: the stats now; kept for `stats` to answer with during a long step."""
-        self._last_stats = self._stats_now()
-        return self._last_stats
-
-    def _stats_now(self) -> WorkerStats:
-        return WorkerStats.of(
+        self._last_stats = WorkerStats.of(
             self.name,
             self.role,
             self.engine.stats(),
@@ -217,6 +213,7 @@ class WorkerBase(abc.ABC):
                 **self._extra_stats(),
             },
         )
+        return self._last_stats
 
     async def check_integrity(self) -> int:
         """Run the block manager's integrity check; returns the number of held blocks."""
