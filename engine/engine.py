@@ -164,7 +164,9 @@ class LLMEngine:
         self.eos_token_ids = tokenizer.eos_token_ids if tokenizer else model_config.eos_token_ids
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig) -> LLMEngine:
+    def from_config(cls, cfg: EngineConfig, onednn: bool | None = None) -> LLMEngine:
+        """`onednn`: the matmul path (`LlamaModel`'s); None picks it by capability. Tests
+        pass False to run the plain path on a CPU where the packed one is the default."""
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         mcfg = ModelConfig.from_hf(cfg.model)
@@ -180,7 +182,8 @@ class LLMEngine:
             if (Path(cfg.model) / "tokenizer.json").exists()
             else None
         )
-        return cls(mcfg, LlamaModel(mcfg, weights, max_len), tokenizer, cache, sched)
+        model = LlamaModel(mcfg, weights, max_len, onednn)
+        return cls(mcfg, model, tokenizer, cache, sched)
 
     # ---- requests ------------------------------------------------------------------------
     def validate(

@@ -374,6 +374,13 @@ class LlamaModel:
             onednn = OneDnnProjections.available(self.device, self.dtype)
         self.proj: Projections = OneDnnProjections(weights) if onednn else Projections(weights)
 
+    @property
+    def matmul_path(self) -> str:
+        """Which projections run and in what dtype, for startup lines and test ids:
+        `packed oneDNN bfloat16`, `plain float32`, ..."""
+        kind = "packed oneDNN" if isinstance(self.proj, OneDnnProjections) else "plain"
+        return f"{kind} {str(self.dtype).removeprefix('torch.')}"
+
     @torch.inference_mode()
     def forward(
         self,

@@ -63,6 +63,7 @@ class StartupSummary:
     model: str
     device: str
     dtype: str
+    matmul: str  # the projections' path and dtype (`LlamaModel.matmul_path`)
     num_params: int
     load_s: float
     block_size: int
@@ -87,6 +88,7 @@ class StartupSummary:
             model=model,
             device=str(engine.cache.data.device),
             dtype=spec.dtype,
+            matmul=engine.runner.model.matmul_path,
             num_params=engine.model_config.num_params(),
             load_s=load_s,
             block_size=cache.block_size,
@@ -104,7 +106,8 @@ class StartupSummary:
     def line(self) -> str:
         tokens = self.num_blocks * self.block_size
         return (
-            f"{self.name} ({self.role}): {self.model}, {self.dtype} on {self.device}, "
+            f"{self.name} ({self.role}): {self.model}, {self.dtype} on {self.device} "
+            f"({self.matmul} matmuls), "
             f"{self.num_params / 1e6:.1f}M parameters, loaded in {self.load_s:.2f} s; "
             f"KV cache {self.num_blocks} blocks x {self.block_size} = {tokens} tokens, "
             f"{format_bytes(self.kv_bytes)} (by {self.sized_by}); Maximum concurrency for "

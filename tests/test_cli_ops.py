@@ -158,7 +158,7 @@ def test_engine_sizes_its_cache_and_reports_it(tmp_path: Path) -> None:
     tokens = s.num_blocks * 16
     assert f"KV cache {s.num_blocks} blocks x 16 = {tokens} tokens" in line
     assert "by kv_cache_memory" in line and "loaded in 1.23 s" in line
-    assert "float32 on cpu" in line and "M parameters" in line
+    assert "float32 on cpu (packed oneDNN float32 matmuls)" in line and "M parameters" in line
     blocks_per_request = -(-engine.max_model_len // 16)
     want = f"Maximum concurrency for {engine.max_model_len} tokens per request: "
     assert want + f"{s.num_blocks / blocks_per_request:.2f}x" in line
@@ -169,7 +169,9 @@ def test_router_checks_against_the_smallest_worker_cache() -> None:
     from pool_api.worker_common import StartupSummary
 
     def summary(n: int) -> StartupSummary:
-        return StartupSummary("w", "decode", "m", "cpu", "float32", 1, 0.0, 16, n, 0, 64, "x")
+        return StartupSummary(
+            "w", "decode", "m", "cpu", "float32", "plain float32", 1, 0.0, 16, n, 0, 64, "x"
+        )
 
     cfg = ServeConfig()
     assert router_view(cfg, []) is cfg

@@ -15,7 +15,8 @@ router's gRPC and HTTP servers) and runs the scenarios in sequence, each a load 
 - overload: capacity from a closed loop, then Poisson arrivals at 0.8x (the baseline TTFT)
   and 2x capacity for 30 s, the router's admission bound sized from the 0.8x TTFT;
 - kill-router: a second router (`pdserve serve` in a child process, on the same pools) under
-  41 requests; kill -9 of its process once 25 ended: the workers must free all it held
+  41 requests (the last 16 long); kill -9 of its process once 25 ended and a decode worker
+  holds one of the long streams: the workers must free all it held
   (leases, the idle-stream bound) and the rig's own router serve on;
 - abusive-client: a normal load alone, then again while one client sends 10 MB prompts,
   stop-string floods, a slowloris and idle KV connections: its median latency within 2x.
@@ -121,6 +122,9 @@ class ChaosConfig:
     # kill-router: decode workers drop streams nobody polled this long (pdserve.launch sets
     # max(30 s, 10 x router.poll_timeout_s); the rig lowers it for the scenario)
     stream_idle_s: float = 3.0
+    # kill-router: tokens of the requests sent after the first `kill_after`, so that a stream
+    # seen held on a decode worker cannot end in the moment before the kill lands
+    kill_router_output_len: int = 512
     num_abuse: int = 48  # abusive-client: the normal load, alone and under abuse
     abuse_concurrency: int = 4
     abuse_ratio_bound: float = 2.0  # its p50 latency under abuse / alone
@@ -785,12 +789,21 @@ def scenario_kill_router(ch: Chaos) -> ScenarioResult:
         rig.leftovers()  # the workers import this module's helpers now, not while aiming
         pids = {name: rig.pid(name) for name in rig.actors()}
         d = Driver(proc.target, cfg.hang_bound_s, progress=cfg.progress)
-        shots = ch.shots("kill-router", cfg.kill_after + cfg.kill_concurrency)
+        shots = ch.shots("kill-router", cfg.kill_after)
+        long = [
+            Shot(ch.request("kill-router", max_tokens=cfg.kill_router_output_len))
+            for _ in range(cfg.kill_concurrency)
+        ]
+        shots += long
+        held_at_kill: list[str] = []  # request ids of long streams held on a decode worker
 
         async def body() -> list[Outcome]:
             async def inject() -> None:
                 await d.wait_ended(cfg.kill_after)
-                await _until_streaming(rig, cfg.aim_timeout_s)  # the idle bound's case too
+                # Aim: the kill lands only once a decode worker holds one of its streams (as
+                # the worker's own state says); those are long, so they are still held.
+                ids = {shot.request.request_id for shot in long}
+                held_at_kill.extend(await _until_streaming(rig, cfg.aim_timeout_s, ids))
                 fault["at"] = d.now()
                 fault["pid"] = proc.kill9() or 0
 
@@ -821,9 +834,12 @@ def scenario_kill_router(ch: Chaos) -> ScenarioResult:
     in_flight = [o for o in outs if o.sent_s <= fault["at"] < (o.ended_s or math.inf)]
     after = [(o.ended_s or math.inf) - fault["at"] for o in in_flight]
     held_for_it = _held_for(held)
+    streams_at_kill = set(held_at_kill)
+    cut = [o for o in outs if o.request_id in streams_at_kill and o.status == unavailable]
     res.figures = {
         "router_start_s": round(fault["router_start_s"], 2),
         "in_flight_at_kill": len(in_flight),
+        "streams_held_at_kill": len(streams_at_kill),
         "in_flight_outcomes": dict(Counter(o.status for o in in_flight)),
         "max_end_after_kill_s": round(max(after, default=0.0), 3),
         "held_after_kill": len(held_for_it),
@@ -836,9 +852,9 @@ def scenario_kill_router(ch: Chaos) -> ScenarioResult:
     }
     res.base_checks()
     res.fault_hit(
-        f"{len(in_flight)} requests in flight at the kill, {len(held_for_it)} entries held "
-        "for them on the workers",
-        len(in_flight) >= 1 and len(held_for_it) >= 1,
+        f"{len(streams_at_kill)} streams held on decode workers at the kill, "
+        f"{len(cut)} of them cut by it (UNAVAILABLE)",
+        len(streams_at_kill) >= 1 and len(cut) == len(streams_at_kill),
     )
     res.checks["each completes or ends UNAVAILABLE"] = set(o.status for o in outs) <= {
         OK,
@@ -862,14 +878,17 @@ def _held_for(leftovers: dict[str, list[str]], tag: str = "-kill-router-") -> li
     return sorted(k for v in leftovers.values() for k in v if tag in k)
 
 
-async def _until_streaming(rig: Rig, timeout_s: float) -> None:
-    """Wait, up to `timeout_s`, until a decode worker holds a stream of the second router's."""
+async def _until_streaming(rig: Rig, timeout_s: float, request_ids: set[str]) -> list[str]:
+    """Wait, up to `timeout_s`, until a decode worker holds the stream of one of
+    `request_ids`; those it then holds (empty when the wait ran out)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        held = _held_for(await asyncio.to_thread(rig.leftovers))
-        if any(k.startswith("streams:") for k in held):
-            return
+        held = await asyncio.to_thread(rig.leftovers)
+        streams = [k.split(":", 1)[1] for v in held.values() for k in v if k.startswith("streams:")]
+        if found := sorted(set(streams) & request_ids):
+            return found
         await asyncio.sleep(0.01)
+    return []
 
 
 def _expect(queue: Any, child: Any, what: str, timeout_s: float) -> Any:
@@ -1179,7 +1198,8 @@ def _key_figures(r: ScenarioResult) -> str:
         )
     if r.name == "kill-router":
         return (
-            f"{f['in_flight_at_kill']} in flight, {f['held_after_kill']} held on workers; "
+            f"{f['in_flight_at_kill']} in flight, {f['streams_held_at_kill']} streams held at "
+            f"the kill, {f['held_after_kill']} entries after it; "
             f"all freed {f['freed_after_kill_s']} s after the kill (bound {f['free_bound_s']:g})"
         )
     if r.name == "abusive-client":
