@@ -51,6 +51,11 @@ def name_os_thread(name: str) -> None:
         pass
 
 
+class EngineFailed(RuntimeError):
+    """The engine thread died (or is stuck): this engine serves nothing more. A worker's
+    callers take it as the worker being unavailable, not as a bug of theirs."""
+
+
 class EngineLoop:
     def __init__(
         self,
@@ -84,7 +89,7 @@ class EngineLoop:
         """Run `fn` on the engine thread before the next step; its result resolves the future."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         if self.fatal is not None:
-            fut.set_exception(RuntimeError(f"engine died: {self.fatal!r}"))
+            fut.set_exception(EngineFailed(f"engine died: {self.fatal!r}"))
             return fut
         self._cmds.put((fn, fut))  # type: ignore[arg-type]
         self._wake.set()

@@ -21,7 +21,7 @@ import torch
 
 from engine.config import ceil_div, format_bytes
 from engine.engine import LLMEngine
-from engine.loop import EngineLoop
+from engine.loop import EngineFailed, EngineLoop
 from engine.request import RequestOutput
 from kv_transfer.transports.base import Transport, get_transport
 from pool_api.config import WorkerConfig
@@ -33,7 +33,7 @@ from pool_api.messages import IndexUpdate, Role, WorkerStats
 _FRESH_STATS_WAIT_S = 0.25
 
 
-class EngineStalled(RuntimeError):
+class EngineStalled(EngineFailed):
     """A worker's engine thread has been on one step or call past `stall_timeout_s`."""
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from pool_api.config import WorkerConfig
 from pool_api.messages import PrefillResult, PrefillTask, Role
 from pool_api.worker_common import WorkerBase
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,7 +109,10 @@ class PrefillWorker(WorkerBase):
                         t, src[t.first_block : t.first_block + len(t.dst_block_ids)]
                     )
                 self.sender.push_async(job.outbound, layer + 1)
-            except Exception as e:  # a broken pair fails its transfers, never the engine step
+            except Exception as e:
+                # Boundary: a broken pair fails its transfers, never the engine step.
+                if not isinstance(e, TransferError):
+                    log.exception("KV push of %s failed", job.request.request_id)
                 job.error = f"KV push to {job.ticket.channel_address} failed: {e!r}"
                 if not isinstance(e, TransferRejected):  # the pair is suspect: rebuild it
                     channel = job.outbound.channel if job.outbound is not None else None
@@ -182,7 +188,10 @@ class PrefillWorker(WorkerBase):
                 self.sender.abort(job.outbound, "finished at the first token")
             else:
                 self.sender.finish(job.outbound)
-        except Exception as e:  # whatever broke, the router gets an answer, not a hang
+        except Exception as e:
+            # Boundary: whatever broke, the router gets an answer, not a hang.
+            if not isinstance(e, TransferError):
+                log.exception("finishing the transfer of %s failed", req.request_id)
             error = str(e) if isinstance(e, TransferError) else f"{req.request_id}: {e!r}"
             if not job.aborted:  # an abort while it finished is no transfer failure
                 self.num_transfer_failures += 1

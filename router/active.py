@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     from router.token_sink import PushedStream
 
 
+class RequestAborted(Exception):
+    """`Abort(request_id)` came while the request waited for a worker: it ends with finish
+    reason abort (the client asked for it), never as a failure."""
+
+
 class RequestFailed(Exception):
     """Ends a request with a gRPC status (HTTP maps it to a status code)."""
 

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar, cast
 
+from engine.loop import EngineFailed
 from pool_api.api import DecodeApi, PrefillApi, WorkerApi
 from pool_api.messages import (
     DecodeStart,
@@ -33,8 +34,10 @@ A = TypeVar("A", bound=WorkerApi)
 
 
 class WorkerUnavailable(Exception):
-    """The worker's process is gone or restarting: the call never ran there, or its answer
-    was lost with the process. Another worker of the pool may take the request."""
+    """The worker's process is gone or restarting, or its engine died or is stuck: the call
+    never ran there, or its answer was lost with the process. Another worker of the pool may
+    take the request. What a worker's death raises, and the only thing the request path
+    takes as one: any other error is a bug, answered INTERNAL (`router.flow`)."""
 
 
 class _RayApi:
@@ -58,9 +61,10 @@ def ray_api(actor: Any) -> Any:
 
 
 def _ray_lost() -> tuple[type[BaseException], ...]:
-    from ray.exceptions import RayActorError  # Ray is imported only where actors exist
+    # Ray is imported only where actors exist.
+    from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
 
-    return (RayActorError,)
+    return (RayActorError, WorkerCrashedError, NodeDiedError, ObjectLostError)
 
 
 class WorkerClient(Generic[A]):
@@ -78,6 +82,8 @@ class WorkerClient(Generic[A]):
         try:
             return await call
         except self._lost as e:  # died, or unavailable while Ray restarts it
+            raise WorkerUnavailable(f"{self.name}: {e}") from e
+        except EngineFailed as e:  # Ray re-raises the worker's own error as a subclass
             raise WorkerUnavailable(f"{self.name}: {e}") from e
 
     async def stats(self) -> WorkerStats:
@@ -138,5 +144,8 @@ async def quietly(call: Awaitable[object], what: str, worker: str) -> None:
     """Best-effort cleanup call: a failure is logged, never raised."""
     try:
         await call
-    except Exception as e:
+    except WorkerUnavailable as e:
         log.warning("%s on %s failed: %s", what, worker, e)
+    except Exception:
+        # Boundary: a cleanup call must not raise into the request it cleans up after.
+        log.exception("%s on %s failed", what, worker)

@@ -10,6 +10,12 @@ prefill worker under the `recompute` policy): the decode worker runs both phases
 
 A prefill worker that dies under a request is marked down; under `recompute` the request
 is placed again (another pair, or locally), under `fail` it ends UNAVAILABLE.
+
+What ends a request, by type: `RequestFailed` (its status), `RequestAborted` (the client's
+abort: finish reason abort), `InvalidParameterError` (a worker refused it: INVALID_ARGUMENT),
+`WorkerUnavailable` or `TransferError` (a worker died or a transfer broke: UNAVAILABLE, and
+only these mark a worker down). Anything else is a bug: INTERNAL, logged once with its
+traceback and the request id, and no worker is blamed for it.
 """
 
 from __future__ import annotations
@@ -30,8 +36,8 @@ from pool_api.messages import DecodeStart, PrefillResult, PrefillTask, TokenBatc
 from pool_api.prefix_index import PrefixIndex
 from protos.pdserve.v1 import generation_pb2 as gen
 from protos.pdserve.v1 import kv_transfer_pb2 as kvpb
-from router.active import ActiveRequest, RequestFailed
-from router.clients import DecodeClient, PrefillClient, quietly
+from router.active import ActiveRequest, RequestAborted, RequestFailed
+from router.clients import DecodeClient, PrefillClient, WorkerUnavailable, quietly
 from router.config import RouterConfig
 from router.pools import Pool, WorkerLoad, overflow_worker
 from router.reservation import Reserver
@@ -112,19 +118,28 @@ class RequestFlow:
         except RequestFailed as e:
             act.failure = e.code  # for the books: Router.finish counts it as failed
             raise
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
+        except RequestAborted:
+            yield self.out.complete(act, FinishReason.ABORT)
         except InvalidParameterError as e:  # a worker refused it (e.g. its id still runs there)
             act.failure = grpc.StatusCode.INVALID_ARGUMENT
             raise RequestFailed(act.failure, f"{e.field}: {e.message}") from e
-        except Exception as e:
+        except (WorkerUnavailable, TransferError) as e:
             if act.aborted:
                 yield self.out.complete(act, FinishReason.ABORT)
                 return
             act.failure = grpc.StatusCode.UNAVAILABLE
-            what = "KV transfer failed" if isinstance(e, TransferError) else "worker failure"
-            detail = str(e) if isinstance(e, TransferError) else f"{type(e).__name__}: {e}"
-            raise RequestFailed(act.failure, f"{what}: {detail}") from e
+            what = "KV transfer failed" if isinstance(e, TransferError) else "worker unavailable"
+            raise RequestFailed(act.failure, f"{what}: {e}") from e
+        except Exception as e:
+            # The request path's one boundary for bugs: whatever else went wrong is ours,
+            # not a worker's. Logged here once with its traceback; no worker is marked down.
+            act.failure = grpc.StatusCode.INTERNAL
+            log.exception("internal error on request %s", act.request_id)
+            raise RequestFailed(
+                act.failure,
+                f"internal error ({type(e).__name__}) on request {act.request_id}; "
+                "the server log has its traceback",
+            ) from e
         finally:
             act.done = True
             if self.sinks is not None:
@@ -230,7 +245,7 @@ class RequestFlow:
         except TransferError:
             self._transfer_done(act, p, rsv.decode, ok=False)
             raise
-        except Exception as e:  # the prefill worker died (or its actor is gone)
+        except WorkerUnavailable as e:  # the prefill worker died (or its actor is gone)
             await self._prefill_failed(act, p, rsv.decode, e)
             return None
         self._transfer_done(act, p, rsv.decode, ok=not res.error)
@@ -274,7 +289,7 @@ class RequestFlow:
         act: ActiveRequest,
         p: WorkerLoad[PrefillClient],
         d: WorkerLoad[DecodeClient],
-        error: Exception,
+        error: WorkerUnavailable,
     ) -> None:
         """A prefill worker died under this request: release its reservation, then fail it
         (policy `fail`, unless it was aborted meanwhile) or let the caller place it again."""
@@ -308,7 +323,7 @@ class RequestFlow:
                         if act.pushed is not None
                         else d.client.poll(rid, self.cfg.poll_timeout_s)
                     )
-                except Exception as e:  # the decode worker died: its streams end here
+                except WorkerUnavailable as e:  # the decode worker died: its streams end here
                     if act.aborted:
                         yield self.out.complete(act, FinishReason.ABORT)
                         return
@@ -344,9 +359,13 @@ class RequestFlow:
                 # out of rotation now, as a failed long poll used to put it; a probe brings
                 # it back. A worker that hangs does not get to hold the request either.
                 d.mark_down(f"its token stream ended ({item.reason})")
-                beat = await asyncio.wait_for(
-                    d.client.poll(act.request_id, 0.0), max(2.0, self.cfg.poll_timeout_s)
-                )
+                bound_s = max(2.0, self.cfg.poll_timeout_s)
+                try:
+                    beat = await asyncio.wait_for(d.client.poll(act.request_id, 0.0), bound_s)
+                except asyncio.TimeoutError as e:
+                    raise WorkerUnavailable(
+                        f"{d.name}: its stream ended and it did not answer within {bound_s:g} s"
+                    ) from e
             else:
                 beat = await d.client.poll(act.request_id, 0.0)
             if not beat.finished:

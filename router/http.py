@@ -55,6 +55,8 @@ from router.openai.tokenize import detokenize, tokenize
 from router.ports import bind_socket
 from router.tls import ServerTLS
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "HTTPError",
     "HTTPServer",
@@ -457,7 +459,8 @@ class HTTPServer:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
         except Exception:
-            pass
+            # Boundary of a stop: the server task's own error is logged, the stop goes on.
+            log.exception("the HTTP server ended with an error")
 
 
 async def start_http_server(

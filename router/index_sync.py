@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pool_api.prefix_index import MemoryPrefixIndex, PrefixIndex
+from router.clients import WorkerUnavailable
 from router.pools import WorkerLoad
 
 log = logging.getLogger(__name__)
@@ -64,9 +65,14 @@ class IndexSync:
     async def _pull_one(self, w: WorkerLoad[Any], with_held: bool) -> None:
         try:
             upd = await w.client.take_index_update(with_held)
-        except Exception as e:
+        except (WorkerUnavailable, asyncio.TimeoutError) as e:
             self.index.errors += 1
             log.debug("index pull from %s failed: %s", w.name, e)
+            return
+        except Exception:
+            # Boundary of one background pull: a bug must not stop the sync loop.
+            self.index.errors += 1
+            log.exception("index pull from %s failed", w.name)
             return
         await self.index.register(upd.worker, upd.epoch)
         await self.index.publish(upd.worker, upd.epoch, upd.events)

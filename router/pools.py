@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from pool_api.messages import Role, WorkerStats
-from router.clients import DecodeClient, PrefillClient, WorkerClient
+from router.clients import DecodeClient, PrefillClient, WorkerClient, WorkerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +289,12 @@ class Pool(Generic[C]):
                 return
             try:
                 w.stats_arrived(await asyncio.wait_for(w.client.stats(), timeout_s))
-            except Exception as e:
+            except (WorkerUnavailable, asyncio.TimeoutError) as e:
                 w.probe_failed(e or type(e).__name__, interval_s)
+            except Exception as e:
+                # Boundary of the refresh loop: a worker whose stats raise cannot be routed
+                # to by load, so it is probed again later; the traceback says whose bug it is.
+                log.exception("stats of %s failed", w.name)
+                w.probe_failed(e, interval_s)
 
         await asyncio.gather(*(one(w) for w in self.workers))

@@ -19,10 +19,9 @@ from typing import Any
 
 import grpc
 
-from kv_transfer.wire import TransferError
 from pool_api.messages import ReserveResult
 from protos.pdserve.v1 import kv_transfer_pb2 as kvpb
-from router.active import ActiveRequest, RequestFailed
+from router.active import ActiveRequest, RequestAborted, RequestFailed
 from router.clients import DecodeClient, PrefillClient, WorkerUnavailable, quietly
 from router.config import RouterConfig
 from router.pools import PairCost, Pool, WorkerLoad, rank_pairs
@@ -95,7 +94,7 @@ class Reserver:
 
     async def reserve(self, act: ActiveRequest, matches: dict[str, int]) -> Reservation:
         """Reserve on the decode worker of the cheapest pair; while none has room, wait in
-        line (bounded by `queue_timeout_s`). An abort meanwhile raises TransferError."""
+        line (bounded by `queue_timeout_s`). An abort meanwhile raises RequestAborted."""
         got = await self._reserve_once(act, matches)
         if got is not None:
             return got
@@ -103,7 +102,7 @@ class Reserver:
 
         def give_up() -> None:
             if act.aborted:
-                raise TransferError("aborted while queued")
+                raise RequestAborted()
             if time.monotonic() > deadline:
                 raise RequestFailed(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -161,11 +160,11 @@ class Reserver:
             d.reserved(act.request_id, len(ticket.dst_block_ids) + 1)
             if act.aborted:  # Abort came during the call and saw no reservation
                 await quietly(d.client.abort(act.request_id), "abort", d.name)
-                raise TransferError("aborted while queued")
+                raise RequestAborted()
             act.timings.queue_ms = (time.perf_counter() - act.arrival_s) * 1e3
             return Reservation(d, pc.prefill, rr.ticket)
         if act.aborted:
-            raise TransferError("aborted while queued")
+            raise RequestAborted()
         return None
 
     async def _reserve_on(self, d: WorkerLoad[DecodeClient], act: ActiveRequest) -> ReserveResult:

@@ -18,6 +18,8 @@ import secrets
 from collections import deque
 from dataclasses import dataclass, field
 
+from google.protobuf.message import DecodeError
+
 from pool_api.messages import TokenBatch
 from pool_api.token_stream import HEADER, MAX_FRAME_BYTES, TokenSink, batch_of
 from protos.pdserve.v1 import token_stream_pb2 as tspb
@@ -141,6 +143,6 @@ async def _read_frame(reader: asyncio.StreamReader) -> tspb.TokenStreamFrame:
     f = tspb.TokenStreamFrame()
     try:
         f.ParseFromString(await reader.readexactly(n))
-    except Exception as e:  # protobuf's DecodeError
+    except DecodeError as e:
         raise ValueError(f"undecodable frame: {e}") from e
     return f

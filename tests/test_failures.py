@@ -1,0 +1,97 @@
+"""What ends a request, by type (`router.flow`'s docstring): a bug in router code answers
+INTERNAL, logged once with its traceback and the request id, and no worker is marked down for
+it; a worker whose engine died answers UNAVAILABLE and is marked down. Real in-process workers
+on the tiny checkpoint behind a started Router (`tests.in_process.run_with_workers`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from decode_workers.worker import DecodeWorker
+from engine.loop import EngineFailed
+from pdserve.checkpoint import write_checkpoint
+from pdserve.client import make_request
+from pdserve.config import ServeConfig
+from prefill_workers.worker import PrefillWorker
+from router.active import RequestFailed
+from router.flow import RequestFlow
+from tests.in_process import run_with_workers
+
+IDS = [4 + (j * 7) % 400 for j in range(40)]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+def _config(tiny_dir: Path) -> ServeConfig:
+    return ServeConfig.load(
+        None, {"model": {"model": str(tiny_dir)}, "transfer": {"transport": "local"}}
+    )
+
+
+async def _drive(router: Any, request_id: str) -> list[int]:
+    """One request as the gRPC face drives it: a request that did not complete is released."""
+    act = await router.admit(make_request(IDS, request_id, max_tokens=8, temperature=0.0))
+    toks: list[int] = []
+    completed = False
+    try:
+        async for resp in router.run(act):
+            toks += resp.chunk.token_ids
+            completed = resp.HasField("complete")
+    finally:
+        router.finish(act, completed)
+    return toks
+
+
+async def _until_no_block_is_used(decode: DecodeWorker, timeout_s: float = 10.0) -> int:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (used := await decode.check_integrity()) and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    return used
+
+
+def test_a_bug_in_router_code_is_internal_and_blames_no_worker(
+    tiny_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def injected_bug(*args: Any, **kwargs: Any) -> None:
+        raise ZeroDivisionError("an injected bug")
+
+    async def body(router: Any, prefill: PrefillWorker, decode: DecodeWorker) -> None:
+        # Router code that runs once the prompt pass and its transfer are done.
+        monkeypatch.setattr(RequestFlow, "_transfer_done", staticmethod(injected_bug))
+        with pytest.raises(RequestFailed) as failed:
+            await _drive(router, "bug-1")
+        monkeypatch.undo()
+        assert failed.value.code == grpc.StatusCode.INTERNAL, failed.value.details
+        assert "ZeroDivisionError" in failed.value.details and "bug-1" in failed.value.details
+        workers = router.prefill.workers + router.decode.workers
+        assert all(w.healthy for w in workers), [w.client.name for w in workers if not w.healthy]
+        assert len(await _drive(router, "after-the-bug")) == 8  # both workers still serve
+        assert await _until_no_block_is_used(decode) == 0  # what it reserved was released
+
+    with caplog.at_level(logging.ERROR, logger="router.flow"):
+        run_with_workers(_config(tiny_dir), tiny_dir, body)
+    logged = [r for r in caplog.records if r.exc_info and "bug-1" in r.getMessage()]
+    assert len(logged) == 1, [r.getMessage() for r in caplog.records]
+    assert logged[0].exc_info is not None and logged[0].exc_info[0] is ZeroDivisionError
+
+
+def test_a_dead_engine_is_unavailable_and_its_worker_marked_down(tiny_dir: Path) -> None:
+    async def body(router: Any, prefill: PrefillWorker, decode: DecodeWorker) -> None:
+        decode.loop.fatal = EngineFailed("an injected engine death")
+        with pytest.raises(RequestFailed) as failed:
+            await _drive(router, "dead-engine")
+        assert failed.value.code == grpc.StatusCode.UNAVAILABLE, failed.value.details
+        assert not router.decode.workers[0].healthy  # its reservation raised EngineFailed
+        assert router.prefill.workers[0].healthy
+
+    run_with_workers(_config(tiny_dir), tiny_dir, body)
