@@ -350,7 +350,10 @@ def test_kv_push_streams_over_the_limit_are_refused_not_queued() -> None:
         try:
             t0 = time.monotonic()
             idle = [push_call(channel).future(stalled([], release)) for _ in range(limit + 2)]
-            time.sleep(0.3)
+            # The two over the limit end at once; the others cannot end before the idle limit.
+            deadline = time.monotonic() + TIMEOUT_S / 2
+            while sum(f.done() for f in idle) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
             refused = [f for f in idle if f.done()]
             assert [f.code() for f in refused] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
             ticket = rx.receiver.reserve("r", 16 * 3 + 5)
@@ -378,7 +381,7 @@ def test_kv_push_streams_over_the_limit_are_refused_not_queued() -> None:
         f"push over the limit refused in {refused_after:.3f} s; "
         f"idle streams cancelled after {cancelled_after:.2f} s"
     )
-    assert refused_after < 1.0
+    assert refused_after < 5.0  # refused, not left to its 10 s transport timeout
     assert 0.9 * TIMEOUT_S <= cancelled_after <= TIMEOUT_S + LATE_S
 
 

@@ -499,7 +499,8 @@ def test_random_workloads_keep_blocks_consistent(
         assert req.finish_reason is FinishReason.LENGTH
         assert len(req.output_token_ids) == specs[i][2]
         tokens, gaps = reference(req.prompt_token_ids)
-        trusted = next((j for j, g in enumerate(gaps) if g < MIN_GAP), len(gaps)) + 1
+        # up to the first near-tie step, not the token picked there
+        trusted = next((j for j, g in enumerate(gaps) if g < MIN_GAP), len(gaps))
         m = min(trusted, len(req.output_token_ids))
         assert req.output_token_ids[:m] == tokens[:m]
 

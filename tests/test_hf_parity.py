@@ -389,16 +389,17 @@ def test_bfloat16_first_token_close_to_hf_bf16(hf_refs: dict[str, HFReference]) 
     attention kernels) may differ by about as much as either differs from fp32. The
     tolerance is therefore measured, not guessed: twice HF bf16's own error against HF fp32
     on the same prompt (0.05-0.16 here, on logits of spread ~1.5). The greedy first token
-    must equal HF bf16's; each prompt's HF bf16 top-2 margin is asserted to exceed bf16's
-    own error, so that choice is a real decision rather than a rounding coin-flip.
+    must equal HF bf16's where HF bf16's top-2 margin exceeds twice that tolerance (each of
+    the two top logits may move by up to it), so that the choice is a real decision rather
+    than a rounding coin-flip; at least one prompt is such a decision.
     """
     ref = hf_refs["llama"]
     hf16 = transformers.LlamaForCausalLM.from_pretrained(ref.path, dtype=torch.bfloat16).eval()
     engine = LLMEngine.from_config(EngineConfig(model=str(ref.path), dtype="bfloat16"))
     assert engine.runner.model.dtype == torch.bfloat16
     assert engine.cache.data.dtype == torch.bfloat16
-    first_tokens = []
-    for prompt, fp32 in zip(ref.prompts, ref.last_logits, strict=True):
+    decided: dict[int, int] = {}  # prompt index -> HF bf16's first token, where decided
+    for i, (prompt, fp32) in enumerate(zip(ref.prompts, ref.last_logits, strict=True)):
         want = hf_last_logits(hf16, prompt)
         got = prefill_logits(engine, prompt)
         hf_err = float((want - fp32).abs().max())
@@ -406,12 +407,13 @@ def test_bfloat16_first_token_close_to_hf_bf16(hf_refs: dict[str, HFReference]) 
         tol = 2 * hf_err
         assert float((got - want).abs().max()) <= tol, f"prompt len {len(prompt)}"
         assert float((got - fp32).abs().max()) <= tol + hf_err
-        assert top_gap(want) > hf_err, "pick a prompt whose bf16 argmax is not a near-tie"
-        assert int(got.argmax()) == int(want.argmax()), f"prompt len {len(prompt)}"
-        first_tokens.append(int(want.argmax()))
+        if top_gap(want) > 2 * tol:
+            assert int(got.argmax()) == int(want.argmax()), f"prompt len {len(prompt)}"
+            decided[i] = int(want.argmax())
+    assert decided, "no prompt's bf16 argmax is a real decision: pick other prompts"
     # And through the engine's own sampling path.
     reqs = engine.generate(ref.prompts, SamplingParams(temperature=0, max_tokens=1))
-    assert [r.output_token_ids[0] for r in reqs] == first_tokens
+    assert {i: reqs[i].output_token_ids[0] for i in decided} == decided
 
 
 # ---- `pdserve model init` checkpoints ----------------------------------------------------

@@ -260,6 +260,19 @@ def worker_config(cfg: ServeConfig, name: str, role: Role) -> WorkerConfig:
     return WorkerConfig(name, ecfg, cfg.transfer, cfg.index, "tiny", role=role)
 
 
+async def until_all_free(decode: DecodeWorker, timeout_s: float = 10.0) -> Any:
+    """The decode worker's stats once every block is free and it keeps no reservation or
+    stream (or at `timeout_s`): a lease and the reapers take their time on a loaded
+    machine, and a fixed sleep would race them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await decode.stats()
+        free = stats.num_free_blocks == stats.num_total_blocks
+        if (free and not decode.reserved and not decode.streams) or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.05)
+
+
 def test_decode_worker_forgets_lapsed_reservations(tiny_dir: Path) -> None:
     """A reservation nobody starts or releases (its router died): the lease frees its blocks
     and the decode worker drops its bookkeeping too, instead of keeping it for ever."""
@@ -271,8 +284,9 @@ def test_decode_worker_forgets_lapsed_reservations(tiny_dir: Path) -> None:
             request = WorkerRequest("lapsed", tuple(range(4, 70)), SamplingParams(max_tokens=4))
             assert (await decode.reserve(request)).ticket is not None
             assert "lapsed" in decode.reserved
-            await asyncio.sleep(1.0)  # the lease, then the receiver's reaper (every 0.5 s)
-            stats = await decode.stats()
+            held = await decode.stats()
+            assert held.num_free_blocks < held.num_total_blocks
+            stats = await until_all_free(decode)  # the lease, then the receiver's reaper
             assert stats.num_free_blocks == stats.num_total_blocks
             assert decode.reserved == {}
         finally:
@@ -303,8 +317,8 @@ def test_what_a_dead_router_held_is_freed_by_leases(tiny_dir: Path) -> None:
             await decode.submit(WorkerRequest("unpolled", tuple(range(4, 40)), params))
             held = await decode.stats()
             assert held.num_free_blocks < held.num_total_blocks
-            await asyncio.sleep(2.5)  # the lease (0.5 s + reaper), the idle bound (1 s + 1 s)
-            stats = await decode.stats()
+            # the lease (0.5 s + reaper), the idle bound (1 s + its check every 0.25 s)
+            stats = await until_all_free(decode)
             assert stats.num_free_blocks == stats.num_total_blocks, stats
             assert decode.reserved == {} and decode.streams == {}
             assert await decode.check_integrity() == 0

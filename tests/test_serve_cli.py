@@ -318,9 +318,10 @@ def test_sigterm_drains_in_flight_requests(
             assert health.Check(check, timeout=5).status == health_pb2.HealthCheckResponse.SERVING
             server.proc.send_signal(signal.SIGTERM)
             t0 = time.monotonic()
-            # Health turns NOT_SERVING within 1 s (load balancers stop sending new work).
+            # Health turns NOT_SERVING at once (load balancers stop sending new work); the
+            # bound allows for a loaded machine, and is still far below the drain's.
             while health.Check(check, timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
-                assert time.monotonic() - t0 < 1.0, "health still SERVING 1 s after SIGTERM"
+                assert time.monotonic() - t0 < 5.0, "health still SERVING 5 s after SIGTERM"
                 time.sleep(0.02)
             while "pdserve: draining" not in log.read_text() and time.monotonic() - t0 < 30:
                 time.sleep(0.05)
