@@ -70,9 +70,6 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         return len(self._lru)
 
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
-
     def block_table(self, request_id: str) -> list[int]:
         return self._tables[request_id]
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from kv_transfer.registry import SERVE_TRANSPORT_NAMES
 from pdserve.engine_load import load_engine
 from pool_api.logs import log_to_stderr
+from pool_api.version import package_version
 
 if TYPE_CHECKING:
     from pdserve.config import ServeConfig
@@ -69,16 +70,6 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None, help=REVISION_HELP)
 
 
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("pdserve")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown"
-
-
 class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
     """Each flag's default after its help, unless the help says it already."""
 
@@ -91,7 +82,7 @@ class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     shown = _DefaultsShown
 

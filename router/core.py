@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import grpc
@@ -22,6 +21,7 @@ from engine.sampling import InvalidParameterError, TokenLogprob
 from engine.tokenizer import Tokenizer
 from pool_api.messages import WorkerRequest
 from pool_api.prefix_index import MemoryPrefixIndex, PrefixIndex
+from pool_api.version import package_version
 from protos.pdserve.v1 import generation_pb2 as gen
 from router import responses
 from router.active import ActiveRequest, Observers, RequestFailed
@@ -289,10 +289,3 @@ class Router:
             index_backend=self.index.backend,
             workers=workers,
         )
-
-
-def package_version() -> str:
-    try:
-        return version("pdserve")
-    except PackageNotFoundError:
-        return "0+unknown"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.metadata
 import logging
 import socket
 import time
@@ -36,6 +35,7 @@ from starlette.types import Receive, Scope, Send
 
 from engine.sampling import InvalidParameterError
 from engine.validation import ContextLengthError
+from pool_api.version import package_version
 from protos.pdserve.v1 import generation_pb2 as gen
 from router.active import ActiveRequest, RequestFailed
 from router.auth import bearer_ok
@@ -71,14 +71,7 @@ __all__ = [
 T = TypeVar("T")
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version("pdserve")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-_VERSION = _version()
+_VERSION = package_version()
 
 # gRPC status -> (HTTP status, OpenAI error type)
 _STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
