@@ -273,7 +273,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--omp-ab", type=int, default=0, metavar="ROUNDS",
                    help="only the OpenMP-team A/B, this many alternating rounds")
     p.add_argument("--label", default="")
-    p.add_argument("--token-stream", choices=["push", "poll"], default=None)
     p.add_argument("--out", type=Path, default=peers.RESULTS_DIR / "breakdown-latest.json")
     args = p.parse_args(argv)
     run_dir = peers.BUILD / "breakdown-runs" / f"{datetime.now():%Y%m%d-%H%M%S}"

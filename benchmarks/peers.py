@@ -250,8 +250,6 @@ def pdserve_server(
         ncpu = os.cpu_count() or 1
         yaml += f"decode:\n  num_cpus: {ncpu}\n  num_threads: {ncpu}\n"
         cmd += ["--colocated", "--decode-workers", "1"]
-    if getattr(args, "token_stream", None):  # an A/B of the token path
-        yaml += f"router:\n  token_stream: {args.token_stream}\n"
     if yaml:
         cfg = run_dir / f"{mode}.yaml"
         cfg.write_text(yaml)
@@ -615,8 +613,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--bench-timeout-s", type=float, default=1200.0, help="per bench run")
     p.add_argument("--label", default="", help="a note kept in the JSON (e.g. an A/B side)")
-    p.add_argument("--token-stream", choices=["push", "poll"], default=None,
-                   help="pdserve's router.token_stream (default: its own default, push)")
     p.add_argument("--out", type=Path, default=None,
                    help="result JSON (default benchmarks/results/peers-latest.json)")  # fmt: skip
     args = p.parse_args(argv)

@@ -8,7 +8,7 @@ import ray
 
 from decode_workers.worker import DecodeWorker
 from pool_api.config import WorkerConfig
-from pool_api.messages import DecodeStart, ReserveResult, TokenBatch, TokenSink, WorkerRequest
+from pool_api.messages import DecodeStart, ReserveResult, TokenSink, WorkerRequest
 from pool_api.worker_common import ActorBase
 
 
@@ -25,11 +25,11 @@ class DecodeActor(ActorBase[DecodeWorker]):
     async def start(self, start: DecodeStart) -> None:
         await self.worker.start(start)
 
-    async def submit(self, request: WorkerRequest, sink: TokenSink | None = None) -> None:
+    async def submit(self, request: WorkerRequest, sink: TokenSink) -> None:
         await self.worker.submit(request, sink)
 
     async def release_reservation(self, request_id: str, transfer_id: str) -> None:
         await self.worker.release_reservation(request_id, transfer_id)
 
-    async def poll(self, request_id: str, timeout_s: float) -> TokenBatch:
-        return await self.worker.poll(request_id, timeout_s)
+    async def heartbeat(self, request_id: str) -> bool:
+        return await self.worker.heartbeat(request_id)

@@ -5,25 +5,35 @@ Plain class (tests build it without Ray); `decode_workers.actor` is the Ray adap
 A disaggregated request arrives twice: `reserve` (blocks first, a ticket back) and, once the
 prefill worker returned the first token, `start` (wait for the KV to land, then join the
 running batch). A colocated or short request arrives once, through `submit`, and is
-prefilled here. Tokens leave pushed to the router's sink (`pool_api.token_stream`: the
-engine thread writes one frame per step and router), or, for a request placed without a
-sink, through `poll`, a long poll per request.
+prefilled here. Tokens leave on the token stream (`pool_api.token_stream`): the engine thread
+writes one frame per step and router. The router's `heartbeat`, about once a second per
+request, is how each side learns the other is alive.
+
+Who writes what (one owner per field; other threads hand work to it):
+
+    state                                            owner            others hand work over by
+    engine (its blocks too), reserved, _routes,      engine thread    `self.loop.call`
+      num_requests_total
+    streams, _sinks, _stream_reaper, _connecting     the actor loop   `call_soon_threadsafe`
+                                                                      (`_forget_stream`,
+                                                                      `_abort_sink`)
+    the receiver's reservations                      KVReceiver       its lock; block frees go
+                                                                      to the engine thread
+
+With `PDSERVE_CHECK_OWNERS=1` (the tests set it) each owner's methods assert their thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.block_manager import NoFreeBlocksError
 from engine.engine import LLMEngine
 from engine.request import FinishReason, Request, RequestOutput
-from engine.sampling import TokenLogprob
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.wire import TransferError
 from pool_api import token_stream
@@ -37,93 +47,53 @@ from pool_api.messages import (
     WorkerRequest,
 )
 from pool_api.token_stream import SinkConnection
-from pool_api.worker_common import WorkerBase
+from pool_api.worker_common import WorkerBase, check_owner
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Stream:
-    """Tokens produced for one request. Polled: kept until `take` (touched on the actor's
-    loop). Pushed (`sink` set): each output goes straight out as a delta, from whichever
-    thread produced it, and `forget` drops the stream once the last one went."""
+    """Actor loop: a request whose tokens go to a router, as its heartbeats see it."""
+
+    sink: TokenSink  # which router
+    last_heard_s: float = field(default_factory=time.monotonic)  # opened, or last heartbeat
+
+
+@dataclass
+class _Route:
+    """Engine thread: where a running request's tokens go."""
 
     request: Request
-    loop: asyncio.AbstractEventLoop
-    sink: SinkConnection | None = None
-    forget: Callable[[], None] | None = None  # pushed: runs on the loop after the last delta
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    error: str = ""
-    last_poll_s: float = field(default_factory=time.monotonic)  # opened, or last polled
+    conn: SinkConnection
+    last_sent_s: float = field(default_factory=time.monotonic)  # its last frame went out
 
-    def delta(self, out: RequestOutput, error: str = "") -> token_stream.tspb.TokenDelta:
-        """A pushed output as its wire delta; marks the stream finished with it."""
-        if out.finished and not self.finished:
-            self.finished = True
-            self.loop.call_soon_threadsafe(self.forget or (lambda: None))
-        r = self.request
-        return token_stream.delta(
-            TokenBatch(
-                request_id=r.request_id,
-                token_ids=out.new_token_ids,
-                text=out.text_delta,
-                logprobs=out.new_logprobs,
-                finished=out.finished,
-                finish_reason=out.finish_reason,
-                num_cached_tokens=r.num_cached_tokens,
-                error=error,
-            )
+
+def _delta(req: Request, out: RequestOutput, error: str = "") -> token_stream.tspb.TokenDelta:
+    return token_stream.delta(
+        TokenBatch(
+            request_id=req.request_id,
+            token_ids=out.new_token_ids,
+            text=out.text_delta,
+            logprobs=out.new_logprobs,
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+            num_cached_tokens=req.num_cached_tokens,
+            error=error,
         )
+    )
 
-    def push(self, out: RequestOutput) -> None:
-        if self.sink is not None:
-            if not self.finished:
-                self.sink.send(token_stream.frame([self.delta(out)]))
-            return
-        self.token_ids.extend(out.new_token_ids)
-        self.text += out.text_delta
-        self.logprobs.extend(out.new_logprobs)
-        if out.finished:
-            self.finished = True
-            self.finish_reason = out.finish_reason
-        self.event.set()
 
-    def fail(self, error: str) -> None:
-        if self.sink is not None:
-            if not self.finished:
-                out = RequestOutput(self.request.request_id, (), "", True, FinishReason.ABORT)
-                self.sink.send(token_stream.frame([self.delta(out, error)]))
-            return
-        self.error = error
-        self.finished = True
-        self.finish_reason = FinishReason.ABORT
-        self.event.set()
+def _ending(request_id: str) -> RequestOutput:
+    """An output that ends a request's stream with finish reason abort."""
+    return RequestOutput(request_id, (), "", True, FinishReason.ABORT)
 
-    def take(self) -> TokenBatch:
-        r = self.request
-        if self.sink is not None:  # the router's heartbeat: alive, nothing to hand over
-            return TokenBatch(r.request_id, (), "", num_prompt_tokens=len(r.prompt_token_ids))
-        batch = TokenBatch(
-            request_id=r.request_id,
-            token_ids=tuple(self.token_ids),
-            text=self.text,
-            logprobs=tuple(self.logprobs),
-            finished=self.finished,
-            finish_reason=self.finish_reason,
-            num_prompt_tokens=len(r.prompt_token_ids),
-            num_output_tokens=len(r.output_token_ids),
-            num_cached_tokens=r.num_cached_tokens,
-            error=self.error,
-            first_token_s=r.first_token_s,
-        )
-        self.token_ids, self.text, self.logprobs = [], "", []
-        self.event.clear()
-        return batch
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class DecodeWorker(WorkerBase):
@@ -142,18 +112,17 @@ class DecodeWorker(WorkerBase):
         self.endpoint = self.transport.listen(self.receiver, t.host)
         self.receiver.address = self.endpoint.address
         self.receiver.start_reaper()
-        # request id -> (request, transfer id) awaiting its KV. Written on the engine thread
-        # only; the actor loop only reads it.
-        self.reserved: dict[str, tuple[Request, str]] = {}
+        self.reserved: dict[str, tuple[Request, str]] = {}  # id -> (request, transfer id)
+        self._routes: dict[str, _Route] = {}
         self.streams: dict[str, _Stream] = {}
         self._stream_reaper: asyncio.Task[None] | None = None
         self._sinks: dict[TokenSink, SinkConnection] = {}  # one connection per router
-        self._sinks_lock = threading.Lock()
+        self._sinks_lock = threading.Lock()  # shutdown closes them from another thread
         self._actor_loop: asyncio.AbstractEventLoop | None = None
         self._connecting: asyncio.Lock | None = None  # made on the actor's loop
         self._start_loop()
 
-    # ---- API -----------------------------------------------------------------------------
+    # ---- API (the actor's loop) ----------------------------------------------------------
     async def reserve(self, r: WorkerRequest) -> ReserveResult:
         """Reserve the prompt's blocks (+1); no room now answers without a ticket.
 
@@ -161,6 +130,7 @@ class DecodeWorker(WorkerBase):
         here) are shared, so the ticket asks the prefill side for the delta only."""
 
         def do() -> ReserveResult:
+            self._on_engine_thread()
             req = self.engine.make_request(r.request_id, r.prompt_token_ids, r.params, r.cache_salt)
             try:
                 ticket = self.receiver.reserve(
@@ -174,96 +144,87 @@ class DecodeWorker(WorkerBase):
         return await self.loop.run(do)
 
     async def start(self, s: DecodeStart) -> None:
-        """Wait for the transfer to land, then add the request to the running batch."""
-        entry = self.reserved.get(s.request_id)
-        if entry is None:
-            raise TransferError(f"{s.request_id}: no reservation (aborted or expired)")
-        req = entry[0]
+        """Wait for the transfer to land, then add the request to the running batch. Its
+        stream is open (heartbeats answered) from the start; a request that cannot join
+        (its transfer failed, its lease ran out, it was aborted or never reserved here)
+        ends on it with the reason."""
         conn = await self._connect(s.sink)
-        stream = self._open(req, conn)
+        self._open(s.request_id, s.sink)
+        error = ""
         try:
             await asyncio.to_thread(self.receiver.wait, s.transfer_id, s.transfer_timeout_s)
         except TransferError as e:
-            await self.loop.run(lambda: self.reserved.pop(s.request_id, None))
-            stream.fail(str(e))
-            return
+            error = str(e)
 
         def admit() -> None:
-            if self.reserved.pop(s.request_id, None) is None:
-                return  # aborted while its KV landed: abort() freed it and ends the stream
-            if self.receiver.take_if_complete(s.transfer_id) is None:  # its lease ran out
-                stream.loop.call_soon_threadsafe(stream.fail, f"{s.request_id}: lease expired")
+            self._on_engine_thread()
+            entry = self.reserved.pop(s.request_id, None)
+            why = error
+            if not why and entry is None:
+                why = f"{s.request_id}: no reservation (aborted or expired)"
+            if not why and self.receiver.take_if_complete(s.transfer_id) is None:
+                why = f"{s.request_id}: lease expired"
+            if why or entry is None:
+                self._end_unrouted(s.request_id, conn, why)
                 return
+            req = entry[0]
             self.num_requests_total += 1
             out = self.engine.add_prefilled(req, s.first_token_id)
+            self._routes[req.request_id] = _Route(req, conn)
             if out.finished:  # the first token was already final (the router knows it)
-                self._push(RequestOutput(out.request_id, (), "", True, out.finish_reason))
+                self._emit([RequestOutput(out.request_id, (), "", True, out.finish_reason)])
 
         await self.loop.run(admit)
 
-    async def submit(self, r: WorkerRequest, sink: TokenSink | None = None) -> None:
+    async def submit(self, r: WorkerRequest, sink: TokenSink) -> None:
         """Prefill here and decode (colocated mode, or a prompt under the local threshold)."""
         conn = await self._connect(sink)
-        loop = asyncio.get_running_loop()
+        self._open(r.request_id, sink)
 
         def add() -> None:
+            self._on_engine_thread()
             self.num_requests_total += 1
             req = self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.cache_salt)
-            # its stream exists before the engine's next step can produce a token for it
-            self._open(req, conn, loop)
+            # routed before the engine's next step can produce a token for it
+            self._routes[req.request_id] = _Route(req, conn)
 
         await self.loop.run(add)
-        self._start_reaper()
 
     async def release_reservation(self, request_id: str, transfer_id: str) -> None:
         """The request ended before decoding (finished at its first token, or failed)."""
 
         def release() -> None:
+            self._on_engine_thread()
             self.reserved.pop(request_id, None)
             self.receiver.fail(transfer_id, "released by router")
 
         await self.loop.run(release)
 
-    async def poll(self, request_id: str, timeout_s: float = 1.0) -> TokenBatch:
-        """Tokens since the last poll; waits up to `timeout_s` for at least one."""
+    async def heartbeat(self, request_id: str) -> bool:
+        """The router's liveness check of a request's stream: True while this worker still
+        holds it (its tokens keep coming on the stream); False once it ended or was never
+        here (its last delta, if any, is on the stream)."""
+        self._on_actor_loop()
         stream = self.streams.get(request_id)
         if stream is None:
-            return TokenBatch(
-                request_id,
-                (),
-                "",
-                finished=True,
-                finish_reason=FinishReason.ABORT,
-                error="unknown request",
-            )
-        stream.last_poll_s = time.monotonic()
-        if stream.sink is not None:
-            return stream.take()
-        if not stream.token_ids and not stream.finished:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stream.event.wait(), timeout_s)
-        stream.last_poll_s = time.monotonic()
-        batch = stream.take()
-        if batch.finished:
-            self.streams.pop(request_id, None)
-        return batch
+            return False
+        stream.last_heard_s = time.monotonic()
+        return True
 
     async def abort(self, request_id: str) -> bool:
-        """End a request wherever it is here and free its blocks."""
+        """End a request wherever it is here, free its blocks, and end its stream."""
 
         def do() -> bool:
+            self._on_engine_thread()
             found = self.engine.abort(request_id)
             entry = self.reserved.pop(request_id, None)
             if entry is not None:
                 self.receiver.fail(entry[1], "aborted")
                 found = True
+            self._emit([_ending(request_id)])
             return found
 
-        found = await self.loop.run(do)
-        stream = self.streams.get(request_id)
-        if stream is not None and not stream.finished:
-            stream.push(RequestOutput(request_id, (), "", True, FinishReason.ABORT))
-        return found
+        return await self.loop.run(do)
 
     def shutdown(self) -> None:
         if self._stream_reaper is not None:
@@ -275,43 +236,30 @@ class DecodeWorker(WorkerBase):
         self.receiver.close()
         self.endpoint.close()
 
-    # ---- internals -----------------------------------------------------------------------
-    def _open(
-        self,
-        req: Request,
-        sink: SinkConnection | None = None,
-        loop: asyncio.AbstractEventLoop | None = None,
-    ) -> _Stream:
-        """Register the request's stream (on the actor's loop, or on the engine thread
-        before the request's first step; `loop` is then the actor's)."""
-        rid = req.request_id
-        stream = _Stream(req, loop or asyncio.get_running_loop(), sink)
-        stream.forget = lambda: self._forget_stream(rid, stream)
-        self.streams[rid] = stream
-        if loop is None:
-            self._start_reaper()
-        return stream
+    # ---- the actor loop's state ----------------------------------------------------------
+    def _on_actor_loop(self) -> None:
+        check_owner(self._actor_loop is None or _running_loop() is self._actor_loop, "actor loop")
 
-    def _start_reaper(self) -> None:
+    def _open(self, request_id: str, sink: TokenSink) -> None:
+        self._on_actor_loop()
+        self.streams[request_id] = _Stream(sink)
         if self._stream_reaper is None:
-            self._stream_reaper = asyncio.get_running_loop().create_task(self._reap_unpolled())
+            self._stream_reaper = asyncio.get_running_loop().create_task(self._reap_unheard())
 
-    def _forget_stream(self, rid: str, stream: _Stream) -> None:
-        if self.streams.get(rid) is stream:
-            del self.streams[rid]
+    def _forget_stream(self, request_id: str) -> None:
+        """Its last delta went out (handed over by the engine thread)."""
+        self._on_actor_loop()
+        self.streams.pop(request_id, None)
 
-    async def _connect(self, sink: TokenSink | None) -> SinkConnection | None:
+    async def _connect(self, sink: TokenSink) -> SinkConnection:
         """The connection to `sink` (opened on first use, again after it broke). Requests
         arriving together wait for one connection: a second one, closed at once, would
         tell the router this worker's stream ended."""
-        if sink is None:
-            return None
         self._actor_loop = asyncio.get_running_loop()
         if self._connecting is None:
             self._connecting = asyncio.Lock()
         async with self._connecting:
-            with self._sinks_lock:
-                conn = self._sinks.get(sink)
+            conn = self._sinks.get(sink)
             if conn is None or conn.closed:
                 conn = await asyncio.to_thread(SinkConnection, sink, self.name, self._sink_lost)
                 with self._sinks_lock:
@@ -326,57 +274,82 @@ class DecodeWorker(WorkerBase):
             asyncio.run_coroutine_threadsafe(self._abort_sink(sink), self._actor_loop)
 
     async def _abort_sink(self, sink: TokenSink) -> None:
-        with self._sinks_lock:
-            conn = self._sinks.get(sink)
-            if conn is not None and conn.closed:
+        self._on_actor_loop()
+        conn = self._sinks.get(sink)
+        if conn is not None and conn.closed:
+            with self._sinks_lock:
                 del self._sinks[sink]
         for rid, stream in list(self.streams.items()):
-            if stream.sink is not None and stream.sink.sink == sink:
+            if stream.sink == sink:
                 await self.abort(rid)
                 self.streams.pop(rid, None)
 
-    async def _reap_unpolled(self) -> None:
-        """Abort and drop streams nobody polled within `stream_idle_timeout_s`: their router
-        died (or forgot them), and they would otherwise decode to `max_tokens` and keep their
-        blocks and tokens for ever. Runs on the actor's loop, which owns `streams`."""
+    async def _reap_unheard(self) -> None:
+        """Abort and drop streams whose router neither sent a heartbeat nor took a frame
+        for `stream_idle_timeout_s`: it died (or forgot them), and they would otherwise
+        decode to `max_tokens` and keep their blocks for ever. A stream whose frames flow
+        needs no heartbeat (a router that stops reading loses its connection instead)."""
         idle_s = self.cfg.stream_idle_timeout_s
         while True:
             await asyncio.sleep(min(idle_s / 4, 1.0))
+            sent = await self.loop.run(self._last_sent)
             now = time.monotonic()
             for rid, stream in list(self.streams.items()):
-                if now - stream.last_poll_s > idle_s and self.streams.get(rid) is stream:
-                    log.warning("%s: %s not polled for %.0f s: aborted", self.name, rid, idle_s)
+                heard_s = max(stream.last_heard_s, sent.get(rid, 0.0))
+                if now - heard_s > idle_s and self.streams.get(rid) is stream:
+                    log.warning("%s: %s not heard of for %.0f s: aborted", self.name, rid, idle_s)
                     await self.abort(rid)
                     self.streams.pop(rid, None)
 
+    # ---- the engine thread's state -------------------------------------------------------
+    def _on_engine_thread(self) -> None:
+        check_owner(self.loop.on_its_thread(), "engine thread")
+
+    def _emit(self, outputs: list[RequestOutput], error: str = "") -> None:
+        """Engine thread: the outputs of routed requests go out, one frame per router; a
+        finished request's route ends here, and its stream on the actor loop after it."""
+        self._on_engine_thread()
+        frames: dict[SinkConnection, list[token_stream.tspb.TokenDelta]] = {}
+        for out in outputs:
+            route = self._routes.get(out.request_id)
+            if route is None:
+                continue
+            frames.setdefault(route.conn, []).append(_delta(route.request, out, error))
+            route.last_sent_s = time.monotonic()
+            if out.finished:
+                del self._routes[out.request_id]
+                self._hand_to_actor_loop(out.request_id)
+        for conn, deltas in frames.items():
+            conn.send(token_stream.frame(deltas))
+
+    def _end_unrouted(self, request_id: str, conn: SinkConnection, error: str) -> None:
+        """Engine thread: end the stream of a request that never joined the batch."""
+        self._on_engine_thread()
+        ending = TokenBatch(request_id, (), "", finished=True, finish_reason=FinishReason.ABORT)
+        conn.send(token_stream.frame([token_stream.delta(replace(ending, error=error))]))
+        self._hand_to_actor_loop(request_id)
+
+    def _last_sent(self) -> dict[str, float]:
+        """Engine thread: when each routed request's last frame went out."""
+        return {rid: route.last_sent_s for rid, route in self._routes.items()}
+
+    def _hand_to_actor_loop(self, request_id: str) -> None:
+        if self._actor_loop is not None:
+            self._actor_loop.call_soon_threadsafe(self._forget_stream, request_id)
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        self._emit(outputs)
+
     def _fail_all(self, error: BaseException) -> None:
-        for stream in list(self.streams.values()):
-            stream.loop.call_soon_threadsafe(stream.fail, f"{self.name}: engine died: {error!r}")
+        """Engine thread, the engine dead: every routed stream ends with the error."""
+        ids = list(self._routes)
+        self._emit([_ending(rid) for rid in ids], f"{self.name}: engine died: {error!r}")
 
     def _release_soon(self, request_id: str) -> None:
         """Any thread: the receiver let a reservation go; free its blocks on the engine
         thread, the blocks' one owner."""
         self.loop.call(lambda: self.engine.release(request_id))
 
-    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        """Engine thread: polled streams get theirs on the actor loop; pushed ones go out
-        now, one frame per router for the whole step."""
-        frames: dict[SinkConnection, list[token_stream.tspb.TokenDelta]] = {}
-        for out in outputs:
-            stream = self.streams.get(out.request_id)
-            if stream is None:
-                continue
-            if stream.sink is None:
-                stream.loop.call_soon_threadsafe(stream.push, out)
-            elif not stream.finished:
-                frames.setdefault(stream.sink, []).append(stream.delta(out))
-        for conn, deltas in frames.items():
-            conn.send(token_stream.frame(deltas))
-
-    def _push(self, out: RequestOutput) -> None:
-        stream = self.streams.get(out.request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.push, out)
 
     def _forget_lapsed(self) -> None:
         """Drop reservations the receiver no longer knows (its lease ran out and freed the

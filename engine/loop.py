@@ -95,6 +95,10 @@ class EngineLoop:
         self._wake.set()
         return fut
 
+    def on_its_thread(self) -> bool:
+        """Whether the caller runs on the engine thread (owner checks)."""
+        return threading.current_thread() is self._thread
+
     async def run(self, fn: Callable[[], T]) -> T:
         return await asyncio.wrap_future(self.call(fn))
 

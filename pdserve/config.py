@@ -145,12 +145,23 @@ def _redacted(obj: Any, data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+# Keys a config file may still carry from an earlier release: what became of each.
+RETIRED_KEYS = {
+    "router.token_stream": "removed: decode workers always push tokens to the router's sink",
+    "router.poll_timeout_s": "renamed router.heartbeat_s",
+}
+
+
 def from_dict(cls: type[T], data: dict[str, Any], where: str) -> T:
-    """Build a (nested) frozen dataclass, rejecting unknown keys with their dotted path."""
+    """Build a (nested) frozen dataclass, rejecting unknown keys with their dotted path (and
+    a retired key with what became of it)."""
     assert is_dataclass(cls)
     hints = get_type_hints(cls)
     known = {f.name for f in fields(cls)}
     unknown = set(data) - known
+    for key in sorted(f"{where}{k}" for k in unknown):
+        if key in RETIRED_KEYS:
+            raise ValueError(f"config: {key} was {RETIRED_KEYS[key]}")
     if unknown:
         raise ValueError(f"config: unknown key(s) {sorted(f'{where}{k}' for k in unknown)}")
     kwargs: dict[str, Any] = {}

@@ -206,7 +206,7 @@ class Deployment:
                 log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
                 role=role,
                 # ten missed long polls, and never under the default
-                stream_idle_timeout_s=max(30.0, 10 * cfg.router.poll_timeout_s),
+                stream_idle_timeout_s=max(30.0, 10 * cfg.router.heartbeat_s),
             )
 
         if not cfg.colocated:

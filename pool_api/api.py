@@ -15,7 +15,6 @@ from pool_api.messages import (
     PrefillResult,
     PrefillTask,
     ReserveResult,
-    TokenBatch,
     TokenSink,
     WorkerRequest,
     WorkerStats,
@@ -51,17 +50,16 @@ class DecodeApi(WorkerApi, Protocol):
         """Wait for the reserved request's KV to land, then decode it."""
         ...
 
-    async def submit(self, request: WorkerRequest, sink: TokenSink | None = None) -> None:
+    async def submit(self, request: WorkerRequest, sink: TokenSink) -> None:
         """Prefill here and decode (colocated, or a prompt under the local threshold); its
-        tokens go to `sink` (pushed), or wait for `poll` when None."""
+        tokens go to `sink`."""
         ...
 
     async def release_reservation(self, request_id: str, transfer_id: str) -> None:
         """The request ended before decoding: let its reserved blocks go."""
         ...
 
-    async def poll(self, request_id: str, timeout_s: float) -> TokenBatch:
-        """Tokens since the last poll; waits up to `timeout_s` for at least one. A pushed
-        request's tokens never come this way: its poll answers at once, empty, while the
-        request lives (the router's heartbeat)."""
+    async def heartbeat(self, request_id: str) -> bool:
+        """The router's liveness check of a request's token stream, answered at once: True
+        while the worker holds it; False once it ended or was never there."""
         ...

@@ -79,8 +79,9 @@ class WorkerConfig:
     index: IndexConfig = IndexConfig()
     model_name: str = "model"  # namespaces the prefix index
     num_threads: int = 1  # torch intra-op threads (Ray starts actors with 1)
-    # A decode stream nobody polls this long (its router died) is aborted and dropped; the
-    # router long-polls every stream at least every `router.poll_timeout_s`.
+    # A decode stream whose router neither sent a heartbeat nor took a frame this long (it
+    # forgot the stream) is aborted and dropped; the router sends a heartbeat for every
+    # stream it waited `router.heartbeat_s` on.
     stream_idle_timeout_s: float = 30.0
     # An engine on one step or call this long is stuck: its stats raise, the router marks
     # the worker down. A long prompt pass is not: stats answer from the last ones taken.

@@ -95,13 +95,13 @@ class DecodeStart:
     request_id: str
     transfer_id: str
     first_token_id: int
+    sink: TokenSink  # where its tokens go (the router's token sink)
     transfer_timeout_s: float = 10.0
-    sink: TokenSink | None = None  # push its tokens there; None: they wait for `poll`
 
 
 @dataclass(frozen=True)
 class TokenBatch:
-    """New tokens of one request since the previous poll."""
+    """New tokens of one request since its previous delta (`pool_api.token_stream`)."""
 
     request_id: str
     token_ids: tuple[int, ...]

@@ -31,6 +31,18 @@ from pool_api.messages import IndexUpdate, Role, WorkerStats
 
 # How long `stats` waits for fresh stats before answering with the last ones taken.
 _FRESH_STATS_WAIT_S = 0.25
+# Debug check that worker state is touched only by its owning thread (the module docstrings
+# of the workers name each owner); the tests switch it on.
+CHECK_OWNERS = os.environ.get("PDSERVE_CHECK_OWNERS", "") not in ("", "0")
+
+
+class WrongThread(AssertionError):
+    """Worker state was touched outside its owning thread (`PDSERVE_CHECK_OWNERS=1`)."""
+
+
+def check_owner(on_owner: bool, owner: str) -> None:
+    if CHECK_OWNERS and not on_owner:
+        raise WrongThread(f"touched off its owner ({owner}) on {threading.current_thread().name}")
 
 
 class EngineStalled(EngineFailed):

@@ -5,6 +5,17 @@ engine runs on its own thread (`EngineLoop`); while a step computes, the per-lay
 each finished layer of every prompt that completes in this step to its decode worker. After
 the step, a finisher thread waits for each transfer's acknowledgement and only then releases
 the source blocks (they stay in the prefix cache); the lease bounds how long that may take.
+
+Who writes what (one owner per field; other threads hand work to it):
+
+    state                                            owner            others hand work over by
+    engine (its blocks too), jobs,                   engine thread    `self.loop.call` (the
+      num_requests_total, num_transfer_failures,                      finisher threads count
+      num_transfer_bytes, a job's outbound and error                  their transfers so)
+    leases                                           SenderLeases     its lock
+    a job's future                                   set once, by whichever ends it first
+
+With `PDSERVE_CHECK_OWNERS=1` (the tests set it) the engine thread's methods assert it.
 """
 
 from __future__ import annotations
@@ -17,12 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.engine import LLMEngine
+from engine.loop import EngineFailed
 from engine.request import Request, RequestOutput
 from kv_transfer.sender import KVSender, OutboundTransfer, SenderLeases
 from kv_transfer.wire import TransferError, TransferRejected
 from pool_api.config import WorkerConfig
 from pool_api.messages import PrefillResult, PrefillTask, Role
-from pool_api.worker_common import WorkerBase
+from pool_api.worker_common import WorkerBase, check_owner
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -68,6 +80,7 @@ class PrefillWorker(WorkerBase):
         r = task.request
 
         def admit() -> None:
+            self._on_engine_thread()
             req = self.engine.add_request(
                 r.request_id, r.prompt_token_ids, r.params, r.cache_salt, prefill_only=True
             )
@@ -91,6 +104,9 @@ class PrefillWorker(WorkerBase):
         self._finisher.shutdown(wait=False, cancel_futures=True)
 
     # ---- engine thread -------------------------------------------------------------------
+    def _on_engine_thread(self) -> None:
+        check_owner(self.loop.on_its_thread(), "engine thread")
+
     def _on_layer(self, layer: int) -> None:
         step = self.engine.current_step
         if step is None:
@@ -119,6 +135,7 @@ class PrefillWorker(WorkerBase):
                     self.sender.drop_channel(job.ticket.channel_address, channel)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        self._on_engine_thread()
         for out in outputs:
             job = self.jobs.get(out.request_id)
             if job is None or not out.finished:
@@ -130,7 +147,7 @@ class PrefillWorker(WorkerBase):
     def _fail_all(self, error: BaseException) -> None:
         for job in list(self.jobs.values()):
             if not job.future.done():
-                job.future.set_exception(RuntimeError(f"{self.name}: engine died: {error!r}"))
+                job.future.set_exception(EngineFailed(f"{self.name}: engine died: {error!r}"))
 
     def _releaser(self, request_id: str) -> Callable[[], None]:
         """A release callback safe to call from any thread (it runs on the engine thread)."""
@@ -141,10 +158,12 @@ class PrefillWorker(WorkerBase):
         return release
 
     def _release(self, request_id: str) -> None:
+        self._on_engine_thread()
         self.engine.release(request_id)
         self.jobs.pop(request_id, None)
 
     def _abort(self, request_id: str, reason: str) -> bool:
+        self._on_engine_thread()
         job = self.jobs.pop(request_id, None)
         if job is None:
             return False
@@ -167,6 +186,11 @@ class PrefillWorker(WorkerBase):
             "transfer_bytes_total": float(self.num_transfer_bytes),
         }
 
+    def _count_transfer(self, failed: bool, num_bytes: int) -> None:
+        self._on_engine_thread()
+        self.num_transfer_failures += failed
+        self.num_transfer_bytes += num_bytes
+
     # ---- finisher threads ----------------------------------------------------------------
     def _complete(self, job: _Job, out: RequestOutput) -> None:
         """Wait for the decode side's acknowledgement, then release and answer."""
@@ -178,6 +202,7 @@ class PrefillWorker(WorkerBase):
             return
         done_s = time.perf_counter()
         error = ""
+        failed = False
         finished = out.finish_reason is not None
         try:
             if job.error:
@@ -193,15 +218,13 @@ class PrefillWorker(WorkerBase):
             if not isinstance(e, TransferError):
                 log.exception("finishing the transfer of %s failed", req.request_id)
             error = str(e) if isinstance(e, TransferError) else f"{req.request_id}: {e!r}"
-            if not job.aborted:  # an abort while it finished is no transfer failure
-                self.num_transfer_failures += 1
+            failed = not job.aborted  # an abort while it finished is no transfer failure
         finally:
             self.leases.release(req.request_id)
-            if job.outbound is not None:
-                self.num_transfer_bytes += job.outbound.bytes_sent
+            sent = job.outbound.bytes_sent if job.outbound is not None else 0
+            self.loop.call(lambda: self._count_transfer(failed, sent))
         end_s = time.perf_counter()
         transfer_ms = (end_s - done_s) * 1e3
-        sent = job.outbound.bytes_sent if job.outbound is not None else 0
         total_ms = (end_s - job.outbound.started_s) * 1e3 if job.outbound is not None else 0.0
         queue_s = (req.first_token_s or done_s) - job.arrival_s - req.prefill_s
         result = PrefillResult(

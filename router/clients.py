@@ -21,7 +21,6 @@ from pool_api.messages import (
     PrefillTask,
     ReserveResult,
     Role,
-    TokenBatch,
     TokenSink,
     WorkerRequest,
     WorkerStats,
@@ -130,14 +129,14 @@ class DecodeClient(WorkerClient[DecodeApi]):
     async def start(self, start: DecodeStart) -> None:
         await self._call(self._api.start(start))
 
-    async def submit(self, request: WorkerRequest, sink: TokenSink | None = None) -> None:
+    async def submit(self, request: WorkerRequest, sink: TokenSink) -> None:
         await self._call(self._api.submit(request, sink))
 
     async def release_reservation(self, request_id: str, transfer_id: str) -> None:
         await self._call(self._api.release_reservation(request_id, transfer_id))
 
-    async def poll(self, request_id: str, timeout_s: float) -> TokenBatch:
-        return await self._call(self._api.poll(request_id, timeout_s))
+    async def heartbeat(self, request_id: str) -> bool:
+        return await self._call(self._api.heartbeat(request_id))
 
 
 async def quietly(call: Awaitable[object], what: str, worker: str) -> None:

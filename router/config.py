@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 PrefillFailurePolicy = Literal["recompute", "fail"]
-TokenStreamMode = Literal["push", "poll"]
 
 
 @dataclass(frozen=True)
@@ -29,11 +28,9 @@ class RouterConfig:
     # of the decode worker's running streams stalling for that prompt pass. 0: never.
     prefill_overflow_tokens: int = 0
     drain_grace_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
-    poll_timeout_s: float = 1.0  # long-poll wait per decode poll; pushed: heartbeat period
-    # How tokens get from decode workers to the router: "push" (each worker writes every
-    # engine step's tokens to the router's token sink, one TCP connection per worker;
-    # pool_api.token_stream) or "poll" (one Ray long-poll per request per batch).
-    token_stream: TokenStreamMode = "push"
+    # A request whose decode worker pushed nothing for this long gets a heartbeat call
+    # (over Ray) to that worker: a dead worker or a forgotten request ends it.
+    heartbeat_s: float = 1.0
     # Address the token sink binds and gives decode workers; "auto": 127.0.0.1 for a local
     # Ray, this node's IP when joining a cluster (pdserve.launch).
     token_stream_host: str = "auto"
@@ -107,8 +104,8 @@ class RouterConfig:
             raise ValueError("max_queue_len and queue_timeout_s must be positive")
         if self.prefill_failure_policy not in get_args(PrefillFailurePolicy):
             raise ValueError("prefill_failure_policy must be 'recompute' or 'fail'")
-        if self.token_stream not in get_args(TokenStreamMode):
-            raise ValueError("router.token_stream must be 'push' or 'poll'")
+        if self.heartbeat_s <= 0:
+            raise ValueError("router.heartbeat_s must be positive")
         if self.prefill_tokens_per_s <= 0 or self.transfer_gbps <= 0:
             raise ValueError("prefill_tokens_per_s and transfer_gbps must be positive")
         if self.stats_log_interval_s < 0:

@@ -75,9 +75,9 @@ class Router:
         self._stats_logger: asyncio.Task[None] | None = None
         self._index_sync = IndexSync(self.index)
         self.reserver = Reserver(cfg, prefill, decode, model_info.block_size, self._spawn)
-        # Decode workers push tokens here (router.token_sink); "poll": long-polled over Ray.
+        # Decode workers push tokens here (router.token_sink).
         host = "127.0.0.1" if cfg.token_stream_host == "auto" else cfg.token_stream_host
-        self.sinks = TokenSinkServer(host) if cfg.token_stream == "push" else None
+        self.sinks = TokenSinkServer(host)
         self.flow = RequestFlow(
             cfg, prefill, decode, self.index, model_info, self.reserver, self, colocated,
             self.sinks,
@@ -85,8 +85,7 @@ class Router:
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
-        if self.sinks is not None:
-            await self.sinks.start()
+        await self.sinks.start()
         await self.refresh()
         self._refresher = asyncio.create_task(self._refresh_loop())
         if self.stats_log is not None:
@@ -129,8 +128,7 @@ class Router:
             if task is not None:
                 task.cancel()
         self._index_sync.cancel()
-        if self.sinks is not None:
-            await self.sinks.stop()
+        await self.sinks.stop()
         await self.index.close()
 
     # ---- one request ---------------------------------------------------------------------
@@ -228,7 +226,7 @@ class Router:
         if act.finish_reason is None:
             self._count_unfinished(act)
         if not completed:
-            self._spawn(self._release(act, forget=True))
+            self._spawn(self._release(act))
 
     def _count_unfinished(self, act: ActiveRequest) -> None:
         """No completion went out. Unless it failed, its client left (disconnect, deadline,
@@ -240,21 +238,16 @@ class Router:
         act.finish_reason = FinishReason.ABORT
         self.metrics.on_complete(act, FinishReason.ABORT, now)
 
-    async def _release(self, act: ActiveRequest, forget: bool = False) -> None:
-        """Abort the request on both pools. `forget`: nobody relays it any more (client
-        gone, deadline, error), so its token stream on the decode worker is dropped too."""
+    async def _release(self, act: ActiveRequest) -> None:
+        """Abort the request on both pools (client gone, deadline, error, Abort): they free
+        its blocks and end its token stream."""
         rid = act.request_id
         calls = []
         if act.prefill is not None:
             calls.append(quietly(act.prefill.client.abort(rid), "abort", act.prefill.name))
         if act.decode is not None:
-            calls.append(self._abort_decode(act.decode.client, rid, forget))
+            calls.append(quietly(act.decode.client.abort(rid), "abort", act.decode.name))
         await asyncio.gather(*calls)
-
-    async def _abort_decode(self, d: DecodeClient, request_id: str, forget: bool) -> None:
-        await quietly(d.abort(request_id), "abort", d.name)
-        if forget:  # a finished stream is dropped by the poll that returns its end
-            await quietly(d.poll(request_id, 0.0), "poll", d.name)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` in the background, keeping a reference until it is done."""

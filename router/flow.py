@@ -4,9 +4,9 @@ Disaggregated (docs/architecture.md): reserve KV blocks on a decode worker
 (`router.reservation`); run the prompt pass on a prefill worker, which pushes the KV straight
 into the reserved blocks; send the first token at once; start the decode worker on it and
 relay its tokens until a stop: pushed by the worker to the router's token sink
-(`router.token_sink`), with a Ray heartbeat poll about once a second, or long-polled over
-Ray (`router.token_stream: poll`). Local (colocated mode, a short uncached prompt, or no healthy
-prefill worker under the `recompute` policy): the decode worker runs both phases.
+(`router.token_sink`), with a Ray heartbeat about once a second while none come. Local
+(colocated mode, a short uncached prompt, or no healthy prefill worker under the `recompute`
+policy): the decode worker runs both phases.
 
 A prefill worker that dies under a request is marked down; under `recompute` the request
 is placed again (another pair, or locally), under `fail` it ends UNAVAILABLE.
@@ -81,7 +81,7 @@ class RequestFlow:
         reserver: Reserver,
         responder: Responder,
         colocated: bool,
-        sinks: TokenSinkServer | None = None,
+        sinks: TokenSinkServer,
     ) -> None:
         self.cfg = cfg
         self.prefill = prefill
@@ -91,7 +91,7 @@ class RequestFlow:
         self.reserver = reserver
         self.out = responder
         self.colocated = colocated
-        self.sinks = sinks  # None: tokens are long-polled
+        self.sinks = sinks
 
     def block_hashes(self, act: ActiveRequest) -> list[int]:
         """The prompt's chained block hashes that a prefix hit could reuse."""
@@ -142,13 +142,11 @@ class RequestFlow:
             ) from e
         finally:
             act.done = True
-            if self.sinks is not None:
-                self.sinks.close(act.request_id)
+            self.sinks.close(act.request_id)
 
-    def _push_to(self, act: ActiveRequest, d: WorkerLoad[DecodeClient]) -> TokenSink | None:
+    def _push_to(self, act: ActiveRequest, d: WorkerLoad[DecodeClient]) -> TokenSink:
         """Open the request's pushed stream before the worker can send to it."""
-        if self.sinks is None or self.sinks.sink is None:
-            return None
+        assert self.sinks.sink is not None, "the router's token sink is not started"
         act.pushed = self.sinks.open(act.request_id, d.name)
         return self.sinks.sink
 
@@ -318,11 +316,8 @@ class RequestFlow:
         try:
             while True:
                 try:
-                    batch = await (
-                        self._next_pushed(act, d, act.pushed)
-                        if act.pushed is not None
-                        else d.client.poll(rid, self.cfg.poll_timeout_s)
-                    )
+                    assert act.pushed is not None, "its stream is opened before the worker is"
+                    batch = await self._next_pushed(act, d, act.pushed)
                 except WorkerUnavailable as e:  # the decode worker died: its streams end here
                     if act.aborted:
                         yield self.out.complete(act, FinishReason.ABORT)
@@ -347,29 +342,29 @@ class RequestFlow:
     async def _next_pushed(
         self, act: ActiveRequest, d: WorkerLoad[DecodeClient], stream: PushedStream
     ) -> TokenBatch:
-        """The next batch the worker pushed. Every `poll_timeout_s` without one, or when its
-        connection ended, a heartbeat poll asks the worker (over Ray) whether the request
-        still lives there: a dead worker raises, a forgotten request ends in its error."""
+        """The next batch the worker pushed. Every `heartbeat_s` without one, or when its
+        connection ended, a heartbeat asks the worker (over Ray) whether the request still
+        lives there: a dead worker raises, a forgotten request ends in its error."""
         while True:
-            item = await stream.get(self.cfg.poll_timeout_s)
+            item = await stream.get(self.cfg.heartbeat_s)
             if isinstance(item, TokenBatch):
                 return item
             if isinstance(item, StreamLost):
                 # Nearly always its process died (Ray may hold calls to it until a restart):
-                # out of rotation now, as a failed long poll used to put it; a probe brings
-                # it back. A worker that hangs does not get to hold the request either.
+                # out of rotation now; a probe brings it back. A worker that hangs does not
+                # get to hold the request either.
                 d.mark_down(f"its token stream ended ({item.reason})")
-                bound_s = max(2.0, self.cfg.poll_timeout_s)
+                bound_s = max(2.0, self.cfg.heartbeat_s)
                 try:
-                    beat = await asyncio.wait_for(d.client.poll(act.request_id, 0.0), bound_s)
+                    alive = await asyncio.wait_for(d.client.heartbeat(act.request_id), bound_s)
                 except asyncio.TimeoutError as e:
                     raise WorkerUnavailable(
                         f"{d.name}: its stream ended and it did not answer within {bound_s:g} s"
                     ) from e
             else:
-                beat = await d.client.poll(act.request_id, 0.0)
-            if not beat.finished:
-                continue  # alive, nothing new
+                alive = await d.client.heartbeat(act.request_id)
+            if alive:
+                continue  # nothing new
             item = await stream.get(_LAST_DELTA_GRACE_S)
             if isinstance(item, TokenBatch):
                 return item

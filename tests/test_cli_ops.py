@@ -226,6 +226,18 @@ def test_tensor_parallelism_is_refused_clearly(
     assert "not supported yet" in line
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("token_stream", "poll", "router.token_stream was removed"),
+        ("poll_timeout_s", 1.0, "router.poll_timeout_s was renamed router.heartbeat_s"),
+    ],
+)
+def test_a_retired_key_is_refused_with_what_became_of_it(key: str, value: Any, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        ServeConfig.load(None, {"router": {key: value}})
+
+
 def test_table_defaults_are_the_config_trees() -> None:
     tree = ServeConfig()
     for flag in SERVE_TABLE:

@@ -78,6 +78,7 @@ from pool_api.messages import PrefillTask, ReserveResult, Role, WorkerRequest
 from prefill_workers.worker import PrefillWorker
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from router.clients import DecodeClient, PrefillClient
+from router.token_sink import TokenSinkServer
 
 ray = pytest.importorskip("ray")
 
@@ -296,9 +297,9 @@ def test_decode_worker_forgets_lapsed_reservations(tiny_dir: Path) -> None:
 
 
 def test_what_a_dead_router_held_is_freed_by_leases(tiny_dir: Path) -> None:
-    """The router dies mid-request (it stops calling: no start, no poll, no abort). A
-    reservation whose KV landed but was never started is freed a lease after it completed;
-    a stream nobody polls is aborted after `stream_idle_timeout_s`; nothing stays held."""
+    """The router dies mid-request (it stops calling: no start, no heartbeat, no abort, and
+    its token sink goes away). A reservation whose KV landed but was never started is freed a
+    lease after it completed; a stream whose sink went away is aborted; nothing stays held."""
     cfg = in_process_config(tiny_dir, transfer={"transport": "local", "lease_s": 0.5})
 
     async def main() -> None:
@@ -314,11 +315,14 @@ def test_what_a_dead_router_held_is_freed_by_leases(tiny_dir: Path) -> None:
             assert rr.ticket is not None
             res = await prefill.prefill(PrefillTask(landed, rr.ticket))
             assert not res.error  # its KV is COMPLETE on the decode side; no start follows
-            await decode.submit(WorkerRequest("unpolled", tuple(range(4, 40)), params))
+            sinks = TokenSinkServer("127.0.0.1")
+            sink = await sinks.start()
+            sinks.open("streaming", "pdserve-decode-0")
+            await decode.submit(WorkerRequest("streaming", tuple(range(4, 40)), params), sink)
             held = await decode.stats()
             assert held.num_free_blocks < held.num_total_blocks
-            # the lease (0.5 s + reaper), the idle bound (1 s + its check every 0.25 s)
-            stats = await until_all_free(decode)
+            await sinks.stop()  # the router's end of the token stream dies with it
+            stats = await until_all_free(decode)  # the lease (0.5 s + reaper); the stream
             assert stats.num_free_blocks == stats.num_total_blocks, stats
             assert decode.reserved == {} and decode.streams == {}
             assert await decode.check_integrity() == 0

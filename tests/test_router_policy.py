@@ -20,6 +20,7 @@ from router.config import PrefillFailurePolicy, RouterConfig
 from router.flow import RequestFlow
 from router.pools import Pool, WorkerLoad, overflow_worker, rank_pairs
 from router.reservation import Reserver, WaitingLine
+from router.token_sink import TokenSinkServer
 
 BS = 16
 NEVER_CALLED: Any = None  # policy reads loads and stats only
@@ -171,8 +172,9 @@ def flow(
         prefill.workers[0].mark_down("test")
     info = gen.ModelInfo(block_size=BS, model_fingerprint="fp")
     reserver = Reserver(cfg, prefill, decode, BS, lambda coro: None)
+    sinks = TokenSinkServer("127.0.0.1")  # never started: placement only
     return RequestFlow(
-        cfg, prefill, decode, MemoryPrefixIndex(), info, reserver, NEVER_CALLED, colocated
+        cfg, prefill, decode, MemoryPrefixIndex(), info, reserver, NEVER_CALLED, colocated, sinks
     )
 
 

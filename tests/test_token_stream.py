@@ -1,6 +1,6 @@
-"""The token stream (pool_api.token_stream, router.token_sink): decode workers push each
-engine step's tokens to the router over TCP instead of answering one Ray long-poll per
-request per batch. Real sockets on loopback, real workers on the tiny checkpoint."""
+"""The token stream (pool_api.token_stream, router.token_sink), the one token path: decode
+workers push each engine step's tokens to the router over TCP; Ray carries only a heartbeat
+while none come. Real sockets on loopback, real workers on the tiny checkpoint."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from decode_workers.worker import DecodeWorker
+from engine.engine import LLMEngine
 from engine.request import FinishReason
 from engine.sampling import SamplingParams, TokenLogprob
 from pdserve.checkpoint import write_checkpoint
@@ -59,9 +60,9 @@ class CountingDecode(DecodeClient):
         super().__init__(worker.name, worker)
         self.calls: Counter[str] = Counter()
 
-    async def poll(self, request_id: str, timeout_s: float) -> TokenBatch:
-        self.calls["poll"] += 1
-        return await super().poll(request_id, timeout_s)
+    async def heartbeat(self, request_id: str) -> bool:
+        self.calls["heartbeat"] += 1
+        return await super().heartbeat(request_id)
 
 
 def test_delta_round_trip() -> None:
@@ -143,11 +144,17 @@ def test_a_router_that_reads_late_gets_every_byte_in_order() -> None:
 
 
 @pytest.mark.parametrize("colocated", [False, True])
-def test_push_and_poll_give_the_same_tokens_push_without_a_poll_per_token(
+def test_pushed_tokens_are_the_engines_with_a_heartbeat_only_now_and_then(
     tiny_dir: Path, colocated: bool
 ) -> None:
-    async def run(mode: str) -> tuple[list[list[int]], int, int]:
-        cfg = serve_config(tiny_dir, colocated, token_stream=mode)
+    """Three requests one after another through a router: each gets the tokens the engine
+    alone gives its prompt (the same arithmetic: one request at a time), every one of them
+    on the token stream, with no Ray call per token (a heartbeat only after a second with
+    no frame)."""
+    prompts = [[4 + (i * 37 + j * 11) % 500 for j in range(40)] for i in range(3)]
+
+    async def run() -> tuple[list[list[int]], int, int]:
+        cfg = serve_config(tiny_dir, colocated)
         prefill = PrefillWorker(worker_config(cfg, "pdserve-prefill-0", Role.PREFILL))
         role = Role.COLOCATED if colocated else Role.DECODE
         decode = DecodeWorker(worker_config(cfg, "pdserve-decode-0", role))
@@ -157,24 +164,23 @@ def test_push_and_poll_give_the_same_tokens_push_without_a_poll_per_token(
         await router.start()
         outs: list[list[int]] = []
         try:
-            for i in range(3):
-                ids = [4 + (i * 37 + j * 11) % 500 for j in range(40)]
+            for i, ids in enumerate(prompts):
                 req = make_request(ids, f"r{i}", max_tokens=24, ignore_eos=True, temperature=0.0)
                 outs.append((await generate(router, req))[0])
-            frames = router.sinks.num_frames_total if router.sinks else 0
+            frames = router.sinks.num_frames_total
         finally:
             await router.drain(0.0)
             prefill.shutdown()
             decode.shutdown()
-        return outs, handle.calls["poll"], frames
+        return outs, handle.calls["heartbeat"], frames
 
-    pushed, push_polls, frames = asyncio.run(run("push"))
-    polled, poll_polls, _ = asyncio.run(run("poll"))
-    assert pushed == polled and all(len(t) == 24 for t in pushed)
-    assert frames > 0
-    # polled: about one call per decode step; pushed: only a heartbeat now and then
-    assert poll_polls >= 3 * 10
-    assert push_polls <= 3, push_polls
+    pushed, heartbeats, frames = asyncio.run(run())
+    engine = LLMEngine.from_config(engine_config(serve_config(tiny_dir), tiny_dir))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    alone = [engine.generate([ids], params)[0].output_token_ids for ids in prompts]
+    assert pushed == alone and all(len(t) == 24 for t in pushed)
+    assert frames >= 3 * 23  # every decode step's token came on the stream
+    assert heartbeats <= 3, heartbeats
 
 
 def test_a_dead_router_connection_frees_the_workers_streams(tiny_dir: Path) -> None:
@@ -205,9 +211,9 @@ def test_a_dead_router_connection_frees_the_workers_streams(tiny_dir: Path) -> N
 
 
 def test_a_request_the_worker_forgot_fails_by_heartbeat(tiny_dir: Path) -> None:
-    """No more deltas come and the worker no longer knows the request: the heartbeat poll
+    """No more deltas come and the worker no longer knows the request: the heartbeat
     finds out and the request ends UNAVAILABLE, not hanging."""
-    cfg = serve_config(tiny_dir, True, poll_timeout_s=0.2)
+    cfg = serve_config(tiny_dir, True, heartbeat_s=0.2)
 
     async def main() -> None:
         decode = DecodeWorker(worker_config(cfg, "pdserve-decode-0", Role.COLOCATED))

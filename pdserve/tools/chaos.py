@@ -120,7 +120,7 @@ class ChaosConfig:
     baseline_s: float = 20.0  # the 0.8x phase
     lease_s: float = 5.0  # transfer.lease_s (30 s in service): short, so quiescence is quick
     # kill-router: decode workers drop streams nobody polled this long (pdserve.launch sets
-    # max(30 s, 10 x router.poll_timeout_s); the rig lowers it for the scenario)
+    # max(30 s, 10 x router.heartbeat_s); the rig lowers it for the scenario)
     stream_idle_s: float = 3.0
     # kill-router: tokens of the requests sent after the first `kill_after`, so that a stream
     # seen held on a decode worker cannot end in the moment before the kill lands

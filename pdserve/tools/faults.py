@@ -13,7 +13,7 @@ crashed server and started again on the same port. `RouterProcess` is a second r
 Nothing here changes how pdserve behaves; it reads worker state and injects faults from
 outside the production classes. One setting is the exception: `set_stream_idle_timeout`
 lowers the decode workers' `stream_idle_timeout_s`, which `pdserve.launch` derives as
-max(30 s, 10 x router.poll_timeout_s) and the serve config cannot set, so that a dead
+max(30 s, 10 x router.heartbeat_s) and the serve config cannot set, so that a dead
 router's streams are dropped within seconds instead of 30.
 """
 
