@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +209,37 @@ def test_a_dead_router_connection_frees_the_workers_streams(tiny_dir: Path) -> N
             decode.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_stream_whose_frames_flow_outlives_the_idle_bound(tiny_dir: Path) -> None:
+    """A router gets no heartbeat call out while frames keep coming, so the worker's reaper
+    must count a frame the router took as hearing from it: a stream decoding for many
+    times `stream_idle_timeout_s` without a gap runs to its length, not to an abort."""
+    idle_s = 0.3
+    cfg = serve_config(tiny_dir)
+
+    async def main() -> tuple[int, FinishReason | None, float]:
+        wcfg = worker_config(cfg, "pdserve-decode-0", Role.COLOCATED)
+        decode = DecodeWorker(replace(wcfg, stream_idle_timeout_s=idle_s))
+        server, sink = await _sink_and_stream()
+        stream = server.open("long", decode.name)
+        try:
+            t0 = time.monotonic()
+            params = SamplingParams(max_tokens=1900, ignore_eos=True)
+            await decode.submit(WorkerRequest("long", tuple(range(4, 40)), params), sink)
+            n = 0
+            while isinstance(item := await stream.get(10.0), TokenBatch):
+                n += len(item.token_ids)
+                if item.finished:
+                    return n, item.finish_reason, time.monotonic() - t0
+            return n, None, time.monotonic() - t0
+        finally:
+            decode.shutdown()
+            await server.stop()
+
+    n, reason, took_s = asyncio.run(main())
+    assert (n, reason) == (1900, FinishReason.LENGTH), f"ended after {took_s:.2f} s"
+    assert took_s > 3 * idle_s, f"{took_s:.2f} s: too quick to have met the reaper"
 
 
 def test_a_request_the_worker_forgot_fails_by_heartbeat(tiny_dir: Path) -> None:
