@@ -109,7 +109,7 @@ class KVSender:
 
     def start(self, ticket: pb.TransferTicket, src_block_ids: Sequence[int]) -> OutboundTransfer:
         """Check the ticket against this cache and open (or reuse) the pair's channel."""
-        check_layout(ticket.layout, self.cache.spec)
+        check_layout(ticket.layout, self.cache.spec, theirs_is="receiver", mine_is="sender")
         if len(src_block_ids) != len(ticket.dst_block_ids):
             raise TransferRejected(
                 f"ticket has {len(ticket.dst_block_ids)} destination blocks "

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from engine.kv_cache import KVCacheSpec
 from kv_transfer.pages import BlockRun, as_bytes, block_runs, frame_regions
+from protos.pdserve.v1 import WIRE_VERSION
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 
 __all__ = ["BlockRun", "as_bytes", "block_runs", "frame_regions"]
@@ -46,11 +47,24 @@ def layout_to_pb(spec: KVCacheSpec) -> pb.KVCacheLayout:
         block_size=spec.block_size,
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
+        wire_version=WIRE_VERSION,
     )
 
 
-def check_layout(layout: pb.KVCacheLayout, spec: KVCacheSpec) -> None:
-    """Raise TransferRejected naming the first field where `layout` differs from `spec`."""
+def check_layout(
+    layout: pb.KVCacheLayout,
+    spec: KVCacheSpec,
+    theirs_is: str = "sender",
+    mine_is: str = "receiver",
+) -> None:
+    """Raise TransferRejected naming the first field where `layout` (written by the peer,
+    `theirs_is`) differs from `spec` (this side, `mine_is`): the wire version first, since
+    a peer of another version may mean something else by every other field."""
+    if layout.wire_version != WIRE_VERSION:
+        raise TransferRejected(
+            f"pdserve wire version mismatch: {theirs_is} {layout.wire_version}, "
+            f"{mine_is} {WIRE_VERSION} (workers of different versions never pair)"
+        )
     theirs = {
         "model_fingerprint": layout.model_fingerprint,
         "dtype": _PB_TO_DTYPE.get(layout.dtype, f"enum {layout.dtype}"),
@@ -62,7 +76,9 @@ def check_layout(layout: pb.KVCacheLayout, spec: KVCacheSpec) -> None:
     for name, value in theirs.items():
         mine = getattr(spec, name)
         if value != mine:
-            raise TransferRejected(f"layout.{name} mismatch: sender {value!r}, receiver {mine!r}")
+            raise TransferRejected(
+                f"layout.{name} mismatch: {theirs_is} {value!r}, {mine_is} {mine!r}"
+            )
 
 
 def payload_bytes(spec: KVCacheSpec, num_layers: int, num_blocks: int) -> int:

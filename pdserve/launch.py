@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.config import GenerationDefaults, ModelConfig
+from engine.config import ConfigError, GenerationDefaults, ModelConfig
 from engine.engine import EngineConfig, resolve_dtype
 from engine.tokenizer import Tokenizer
 from engine.weights import checkpoint_files, checkpoint_fingerprint
@@ -28,6 +28,7 @@ from pdserve.models import NAMED_MODELS, require_tokenizer, resolve_model
 from pool_api.config import WorkerConfig
 from pool_api.messages import Role
 from pool_api.prefix_index import make_index
+from protos.pdserve.v1 import WIRE_VERSION
 from protos.pdserve.v1 import generation_pb2 as gen
 from router.clients import DecodeClient, PrefillClient
 from router.core import Router
@@ -153,6 +154,39 @@ def router_view(cfg: ServeConfig, summaries: list[StartupSummary]) -> ServeConfi
     return replace(cfg, cache=replace(cfg.cache, num_blocks=num_blocks))
 
 
+def check_workers(
+    summaries: list[StartupSummary], info: gen.ModelInfo, cfg: ServeConfig
+) -> None:
+    """Refuse, in one line naming both sides, a worker this router cannot serve with: it
+    speaks another pdserve wire version, serves another checkpoint, or keeps another KV
+    layout or cache than this config asks for (workers `get_if_exists` attached to, started
+    by an earlier router with other flags). KV then never crosses checkpoints or versions.
+    """
+    mine = served_name(cfg)
+    for s in summaries:
+        theirs = f"worker {s.name} ({s.role})"
+        if s.wire_version != WIRE_VERSION:
+            raise ConfigError(
+                f"{theirs} speaks pdserve wire version {s.wire_version}, this router "
+                f"{WIRE_VERSION}: workers and routers of different versions never pair"
+            )
+        if s.model_fingerprint != info.model_fingerprint:
+            raise ConfigError(
+                f"{theirs} serves {s.model} (checkpoint {s.model_fingerprint[:12]}), this router "
+                f"{mine} (checkpoint {info.model_fingerprint[:12]}): stop those workers (or "
+                "their Ray cluster), or serve their model"
+            )
+        asked = {"dtype": info.dtype, "block_size": info.block_size}
+        if not cfg.cache.sized_from_memory:
+            asked["num_blocks"] = cfg.cache.num_blocks
+        for key, want in asked.items():
+            if getattr(s, key) != want:
+                raise ConfigError(
+                    f"{theirs} keeps {key}={getattr(s, key)}, this router's config asks for "
+                    f"{key}={want}: stop those workers (or their Ray cluster) to apply it"
+                )
+
+
 @dataclass
 class Deployment:
     """Ray plus both pools. `start` blocks until every worker answered `ready`."""
@@ -234,7 +268,7 @@ class Deployment:
             # joined a cluster: decode workers elsewhere reach this node's address
             host = ray.util.get_node_ip_address()
             view = replace(view, router=replace(view.router, token_stream_host=host))
-        return build_router(
+        router = build_router(
             view,
             self.model_path,
             [
@@ -246,6 +280,8 @@ class Deployment:
                 for i, a in enumerate(self.decode_actors)
             ],
         )
+        check_workers(self.summaries, router.model_info, cfg)
+        return router
 
     def _actor(self, ray: Any, cls: type, pool: PoolConfig, wcfg: WorkerConfig) -> Any:
         opts: dict[str, Any] = dict(

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from engine.request import FinishReason
 from engine.sampling import TokenLogprob
 from pool_api.messages import TokenBatch, TokenSink
+from protos.pdserve.v1 import WIRE_VERSION
 from protos.pdserve.v1 import generation_pb2 as gen
 from protos.pdserve.v1 import token_stream_pb2 as tspb
 
@@ -95,7 +96,7 @@ def encode(frame: tspb.TokenStreamFrame) -> bytes:
 
 
 def hello(sink: TokenSink, worker: str) -> bytes:
-    greeting = tspb.TokenStreamHello(secret=sink.secret, worker=worker)
+    greeting = tspb.TokenStreamHello(secret=sink.secret, worker=worker, wire_version=WIRE_VERSION)
     return encode(tspb.TokenStreamFrame(hello=greeting))
 
 

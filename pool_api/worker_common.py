@@ -28,6 +28,7 @@ from pool_api.config import WorkerConfig
 from pool_api.index_feed import IndexFeed
 from pool_api.logs import log_to_stderr
 from pool_api.messages import IndexUpdate, Role, WorkerStats
+from protos.pdserve.v1 import WIRE_VERSION
 
 # How long `stats` waits for fresh stats before answering with the last ones taken.
 _FRESH_STATS_WAIT_S = 0.25
@@ -83,6 +84,8 @@ class StartupSummary:
     kv_bytes: int
     max_model_len: int
     sized_by: str  # num_kv_blocks | kv_cache_memory | gpu_memory_utilization
+    model_fingerprint: str = ""  # the checkpoint's (engine.fingerprint): KV never crosses two
+    wire_version: int = WIRE_VERSION  # protos.pdserve.v1.WIRE_VERSION of this worker
 
     @classmethod
     def of(
@@ -108,6 +111,7 @@ class StartupSummary:
             kv_bytes=spec.page_bytes * spec.num_layers * engine.blocks.num_blocks,
             max_model_len=engine.max_model_len,
             sized_by=sized_by,
+            model_fingerprint=engine.fingerprint,
         )
 
     @property

@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 
 from pool_api.messages import TokenBatch
 from pool_api.token_stream import HEADER, MAX_FRAME_BYTES, TokenSink, batch_of
+from protos.pdserve.v1 import WIRE_VERSION
 from protos.pdserve.v1 import token_stream_pb2 as tspb
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,16 @@ class TokenSinkServer:
             ):
                 self.num_rejected_total += 1
                 log.warning("token stream: a connection without this router's secret, closed")
+                return
+            if first.hello.wire_version != WIRE_VERSION:
+                self.num_rejected_total += 1
+                log.warning(
+                    "token stream from %s refused: pdserve wire version mismatch: worker %d, "
+                    "router %d (workers of different versions never pair)",
+                    first.hello.worker,
+                    first.hello.wire_version,
+                    WIRE_VERSION,
+                )
                 return
             worker = first.hello.worker
             self.num_connections_total += 1

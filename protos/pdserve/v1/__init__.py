@@ -1,0 +1,12 @@
+"""pdserve's wire contracts (proto package `pdserve.v1`, generated modules beside them) and
+the version of the wires pdserve owns between its own processes."""
+
+# The version of every wire between pdserve's processes: the KV transfer (its ticket and
+# frame header carry it in KVCacheLayout), the token stream's hello, and the workers'
+# startup summaries the router pairs them by. Bump it on any change a peer of the previous
+# version would misread. Processes of different versions never pair; the refusal names both.
+#
+# History:
+#   1  first versioned release: the version travels in KVCacheLayout and TokenStreamHello
+#      (a peer from before it sends 0).
+WIRE_VERSION = 1

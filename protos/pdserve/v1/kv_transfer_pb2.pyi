@@ -30,20 +30,22 @@ TRANSFER_STATUS_REJECTED: TransferStatus
 TRANSFER_STATUS_ABORTED: TransferStatus
 
 class KVCacheLayout(_message.Message):
-    __slots__ = ("model_fingerprint", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim")
+    __slots__ = ("model_fingerprint", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "wire_version")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     dtype: KVDType
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
-    def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[KVDType, str]] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+    wire_version: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[KVDType, str]] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., wire_version: _Optional[int] = ...) -> None: ...
 
 class TransferTicket(_message.Message):
     __slots__ = ("request_id", "transfer_id", "dst_block_ids", "transport", "channel_address", "deadline_unix_ms", "layout", "num_tokens", "first_block")

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TokenStreamHello(_message.Message):
-    __slots__ = ("secret", "worker")
+    __slots__ = ("secret", "worker", "wire_version")
     SECRET_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     secret: bytes
     worker: str
-    def __init__(self, secret: _Optional[bytes] = ..., worker: _Optional[str] = ...) -> None: ...
+    wire_version: int
+    def __init__(self, secret: _Optional[bytes] = ..., worker: _Optional[str] = ..., wire_version: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finished", "finish_reason", "num_cached_tokens", "error")
