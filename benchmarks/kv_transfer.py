@@ -59,6 +59,7 @@ import torch  # noqa: E402
 from engine.block_manager import BlockManager  # noqa: E402
 from engine.config import CacheConfig, ModelConfig, ceil_div  # noqa: E402
 from engine.kv_cache import PagedKVCache  # noqa: E402
+from engine.scheduler import SchedulerOutput  # noqa: E402
 from kv_transfer.receiver import KVReceiver  # noqa: E402
 from kv_transfer.sender import KVSender, OutboundTransfer  # noqa: E402
 from kv_transfer.transports.base import Endpoint, get_transport  # noqa: E402
@@ -429,18 +430,10 @@ class TxPeer:
         torch.set_num_threads(threads)
         self.engine = eng
         self._push: Callable[[int], None] | None = None
-        self._completing = False
-        schedule = eng.scheduler.schedule
 
-        def schedule_and_note() -> Any:  # the hook pushes only on the prompt-completing step
-            out = schedule()
-            self._completing = any(c.completes_prompt for c in out.prefill)
-            return out
-
-        eng.scheduler.schedule = schedule_and_note  # type: ignore[method-assign]
-
-        def hook(layer: int) -> None:
-            if self._push is not None and self._completing:
+        def hook(step: SchedulerOutput, layer: int) -> None:
+            # pushes only on the step that completes the prompt
+            if self._push is not None and any(c.completes_prompt for c in step.prefill):
                 self._push(layer)
 
         eng.layer_hook = hook

@@ -341,7 +341,7 @@ ENGINE_SNIPPET = textwrap.dedent(
             stamps = []
             t0 = time.perf_counter()
             while eng.has_unfinished():
-                stamps += [time.perf_counter() for out in eng.step() if out.new_token_ids]
+                stamps += [time.perf_counter() for out in eng.step().outputs if out.new_token_ids]
             rows.append(((stamps[0] - t0) * 1e3,
                          (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3))
     t = threading.Thread(target=work)

@@ -133,7 +133,7 @@ def engine_ttft(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     def ttft(ids: list[int], rid: str) -> tuple[float, int]:
         t0 = time.perf_counter()
         req = engine.add_request(rid, ids, params)
-        while not any(o.request_id == rid for o in engine.step()):
+        while not any(o.request_id == rid for o in engine.step().outputs):
             pass
         return time.perf_counter() - t0, req.num_cached_tokens
 

@@ -1,19 +1,33 @@
 """The engine loop: schedule, prepare, forward, postprocess.
 
 `LLMEngine` is what both worker pools and the colocated baseline run. It knows nothing about
-Ray, gRPC or where K/V comes from: a prefill worker adds requests with ``prefill_only=True``
-(they finish after their first token and keep their blocks for the transfer), a decode worker
-reserves blocks, lets a transport fill them, then calls `add_prefilled`.
+Ray, gRPC or where K/V comes from. `step()` returns what it did (`StepResult`).
+
+Every seam between the engine and KV transfer, in one list (the workers and
+`kv_transfer` use nothing else of it):
+
+- `add_request(..., prefill_only=True)`: a prompt pass that finishes after its first token
+  and keeps its blocks for the transfer; `release(request_id)` lets them go once the decode
+  side acknowledged (they stay in the prefix cache).
+- `layer_hook(step, layer)`: called on the engine thread once layer `layer`'s K/V of every
+  prefill chunk of `step` (a `SchedulerOutput`) is in the cache; the prefill worker pushes
+  each finished layer of each prompt that completes in that step. The one observer a worker
+  registers; decode steps do not call it.
+- `blocks.block_table(request_id)` and `cache` (`PagedKVCache`): the source pages a sender
+  reads and the destination pages a receiver writes, by block id.
+- `make_request` (its prefix hashes let a receiver share cached blocks), then, once a
+  transport filled the reserved blocks, `add_prefilled(request, first_token_id)`: a decode
+  worker's request joins the running batch without recomputing its prompt.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -28,7 +42,7 @@ from engine.config import (
     kv_bytes_per_block,
 )
 from engine.kv_cache import DTYPES, PagedKVCache
-from engine.model import LayerHook, LlamaModel
+from engine.model import LlamaModel
 from engine.prefix_hash import namespace_seed
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from engine.runner import ModelRunner
@@ -113,6 +127,19 @@ def device_kv_budget(device: str, utilization: float, workspace_mib: int) -> int
     return budget
 
 
+StepLayerHook = Callable[[SchedulerOutput, int], None]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one `LLMEngine.step` did."""
+
+    outputs: list[RequestOutput]  # one per request that got a token (or finished)
+    phase: Literal["prefill", "decode"] | None  # None: nothing fit (e.g. waiting on blocks)
+    num_tokens: int  # tokens the forward ran: prompt-chunk tokens, or one per decode row
+    forward_s: float  # forward and postprocess wall time
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """The engine's load, read on the engine thread (`LLMEngine.stats`)."""
@@ -156,11 +183,7 @@ class LLMEngine:
             self.max_model_len,
         )
         self.requests: dict[str, Request] = {}
-        # Called after each layer's K/V is written; `current_step` says what the step holds.
-        self.layer_hook: LayerHook | None = None
-        self.current_step: SchedulerOutput | None = None
-        self.last_step_ran = False
-        self.lock = threading.RLock()
+        self.layer_hook: StepLayerHook | None = None  # the KV seam (module docstring)
         self.eos_token_ids = tokenizer.eos_token_ids if tokenizer else model_config.eos_token_ids
 
     @classmethod
@@ -286,36 +309,31 @@ class LLMEngine:
         )
 
     # ---- the loop ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One step: schedule, prepare + forward, postprocess.
+    def step(self) -> StepResult:
+        """One step: schedule, prepare + forward, postprocess; what it did.
 
-        `lock` is for callers that share one engine between threads without an
-        `EngineLoop` (a receiver used standalone with this engine's blocks): it is held while
-        scheduling and postprocessing, not during the forward, whose block tables belong to
-        scheduled requests that only this thread changes. In a worker, every block-manager
-        call runs on the engine thread (`engine.loop`), so the lock is never contended.
-        """
-        with self.lock:
-            out = self.scheduler.schedule()
-            self.last_step_ran = not out.is_empty
-            if out.is_empty:
-                return []
-            self.current_step = out
+        Not thread-safe: one thread steps the engine and makes every other call on it (a
+        worker's engine thread, `engine.loop`)."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return StepResult([], None, 0, 0.0)
         t0 = time.perf_counter()
-        try:
-            if out.prefill:
-                logits = self.runner.prefill(out.prefill, self.layer_hook)
-                done = [c.request for c in out.prefill if c.completes_prompt]
-            else:
-                logits = self.runner.decode(out.decode)
-                done = list(out.decode)
-            with self.lock:
-                outputs = self._postprocess(out, done, logits, time.perf_counter() - t0)
-                if not self.scheduler.running and self.runner.workspace is not None:
-                    self.runner.workspace.reset()  # every row is stale: give the memory back
-                return outputs
-        finally:
-            self.current_step = None
+        if out.prefill:
+            hook = self.layer_hook
+            logits = self.runner.prefill(
+                out.prefill, (lambda layer: hook(out, layer)) if hook is not None else None
+            )
+            done = [c.request for c in out.prefill if c.completes_prompt]
+            num_tokens = sum(c.end - c.start for c in out.prefill)
+        else:
+            logits = self.runner.decode(out.decode)
+            done = list(out.decode)
+            num_tokens = len(out.decode)
+        step_s = time.perf_counter() - t0
+        outputs = self._postprocess(out, done, logits, step_s)
+        if not self.scheduler.running and self.runner.workspace is not None:
+            self.runner.workspace.reset()  # every row is stale: give the memory back
+        return StepResult(outputs, "prefill" if out.prefill else "decode", num_tokens, step_s)
 
     def _postprocess(
         self, out: SchedulerOutput, sampled: list[Request], logits: torch.Tensor, step_s: float
@@ -372,5 +390,5 @@ class LLMEngine:
             for i, (p, sp) in enumerate(zip(prompts, plist, strict=True))
         ]
         while self.has_unfinished():
-            self.step()
+            self.step()  # the requests above collect their own tokens
         return reqs

@@ -154,7 +154,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if fut.set_running_or_notify_cancel():
-                fut.set_exception(RuntimeError(f"engine died: {error!r}"))
+                fut.set_exception(EngineFailed(f"engine died: {error!r}"))
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -166,10 +166,11 @@ class EngineLoop:
             t0 = time.perf_counter()
             self._busy_since = time.monotonic()
             try:
-                outputs = self.engine.step()
+                result = self.engine.step()
             finally:
                 self._busy_since = None
-            if self.engine.last_step_ran:
+            outputs = result.outputs
+            if result.phase is not None:
                 self.num_steps += 1
                 self.step_s_total += time.perf_counter() - t0
             else:  # work exists but none fits now (e.g. waiting on blocks): do not spin

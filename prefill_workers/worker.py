@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from engine.engine import LLMEngine
 from engine.loop import EngineFailed
 from engine.request import Request, RequestOutput
+from engine.scheduler import SchedulerOutput
 from kv_transfer.sender import KVSender, OutboundTransfer, SenderLeases
 from kv_transfer.wire import TransferError, TransferRejected
 from pool_api.config import WorkerConfig
@@ -107,10 +108,8 @@ class PrefillWorker(WorkerBase):
     def _on_engine_thread(self) -> None:
         check_owner(self.loop.on_its_thread(), "engine thread")
 
-    def _on_layer(self, layer: int) -> None:
-        step = self.engine.current_step
-        if step is None:
-            return
+    def _on_layer(self, step: SchedulerOutput, layer: int) -> None:
+        """The engine's layer hook: push `layer` of each prompt that completes in `step`."""
         for chunk in step.prefill:
             job = self.jobs.get(chunk.request.request_id)
             if job is None or not chunk.completes_prompt or job.error:

@@ -612,7 +612,7 @@ def eng_open(
     e = Engine(engine, base_free=engine.blocks.num_free_blocks)
     tr = get_transport(transport, timeout_s=timeout_s)
     if role == "decode":
-        e.receiver = KVReceiver(engine.cache, engine.blocks, engine.lock, transport=transport)
+        e.receiver = KVReceiver(engine.cache, engine.blocks, transport=transport)
         e.endpoint = tr.listen(e.receiver)
         e.receiver.address = e.endpoint.address
     else:
@@ -655,7 +655,7 @@ def prefill_and_send(
     n_blocks = ceil_div(len(prompt), engine.cache_config.block_size)
     outbound: list[OutboundTransfer] = []
 
-    def on_layer(layer: int) -> None:
+    def on_layer(step: object, layer: int) -> None:
         if not outbound:
             src = engine.blocks.block_table(rid)[:n_blocks]
             outbound.append(sender.start(ticket, src))
@@ -697,12 +697,15 @@ def decode_after_transfer(
 ) -> list[int]:
     """Wait for the KV, take it over and decode to the end; returns every output token."""
     receiver.wait(transfer_id, wait_s)
-    with engine.lock:
+    # The receiver's threads (its reaper, a failing transfer) touch the block manager under
+    # its lock; this thread steps the engine under the same lock.
+    with receiver.lock:
         res = receiver.take(transfer_id)
         assert res.state is ReservationState.COMPLETE
         engine.add_prefilled(req, first)
     while not req.is_finished:
-        engine.step()
+        with receiver.lock:
+            engine.step()
     engine.blocks.check_integrity()
     return list(req.output_token_ids)
 

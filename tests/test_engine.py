@@ -680,7 +680,7 @@ def test_stop_strings_truncate_the_text(make_engine: MakeEngine) -> None:
 def stream(eng: LLMEngine, request_id: str) -> list[RequestOutput]:
     outs: list[RequestOutput] = []
     while eng.has_unfinished():
-        outs.extend(o for o in eng.step() if o.request_id == request_id)
+        outs.extend(o for o in eng.step().outputs if o.request_id == request_id)
     return outs
 
 

@@ -168,7 +168,7 @@ def test_engine_local_transfer_matches_colocated(tiny_checkpoint: str) -> None:
     kv_procs.fragment(decode.blocks, seed=2)
     base = (prefill.blocks.num_free_blocks, decode.blocks.num_free_blocks)
     tr = get_transport("local")
-    receiver = KVReceiver(decode.cache, decode.blocks, decode.lock, transport="local")
+    receiver = KVReceiver(decode.cache, decode.blocks, transport="local")
     endpoint = tr.listen(receiver)
     receiver.address = endpoint.address
     sender = KVSender(prefill.cache, "prefill-0", tr)
