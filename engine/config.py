@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from engine.settings import check_settings, setting
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -248,32 +250,39 @@ def _read_dtype(raw: dict[str, Any]) -> str:
 class CacheConfig:
     """Paged KV cache sizing. A block holds `block_size` tokens of K and V for every layer."""
 
-    block_size: int = 16
-    num_blocks: int = 1024
-    # Cap on the decode workspace, the contiguous copy of the running requests' K/V that
-    # spares decode a per-step gather of every page (engine.decode_workspace); 0 disables it.
-    decode_workspace_mib: int = 1024
-    # Size the cache from memory instead (`num_blocks` is then what the worker computes,
-    # engine.engine.size_kv_cache): bytes of K/V per worker (an int, or "4GiB"/"512MiB" in
-    # YAML), or on CUDA the fraction of device memory to fill after the weights. At most one.
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float | None = None
+    block_size: int = setting(16, "tokens per KV block", ge=1, power_of_two=True)
+    num_blocks: int = setting(
+        1024,
+        "KV blocks per worker; overrides the memory settings below when given",
+        ge=1,
+    )
+    decode_workspace_mib: int = setting(
+        1024,
+        "cap on the decode workspace, the contiguous copy of the running batch's K/V that "
+        "spares each decode step a gather of every page (over the cap a step gathers pages)",
+        ge=0,
+        zero="off",
+    )
+    kv_cache_memory: int | None = setting(
+        None,
+        "size each worker's KV cache to this many bytes instead (an int, or 4GiB / 512MiB; "
+        "vLLM's VLLM_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes)",
+        ge=1,
+    )
+    gpu_memory_utilization: float | None = setting(
+        None,
+        "CUDA: size each worker's KV cache to fill this fraction of the device's memory, "
+        "counting what is in use after the weights (set one of the two memory settings)",
+        gt=0,
+        le=1,
+    )
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ConfigError(f"block_size={self.block_size} must be a positive power of two")
-        if self.num_blocks <= 0:
-            raise ConfigError(f"num_kv_blocks={self.num_blocks} must be positive")
-        if self.decode_workspace_mib < 0:
-            raise ConfigError(f"decode_workspace_mib={self.decode_workspace_mib} must be >= 0")
         memory: object = self.kv_cache_memory
         if isinstance(memory, str):  # YAML may spell it "4GiB"
             object.__setattr__(self, "kv_cache_memory", parse_bytes(memory))
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ConfigError(f"kv_cache_memory={self.kv_cache_memory} must be positive")
+        check_settings(self, "cache.", ConfigError)
         util = self.gpu_memory_utilization
-        if util is not None and not 0 < util <= 1:
-            raise ConfigError(f"gpu_memory_utilization={util} must be in (0, 1]")
         if self.kv_cache_memory is not None and util is not None:
             raise ConfigError("kv_cache_memory and gpu_memory_utilization: set one, not both")
 
@@ -350,16 +359,19 @@ def format_bytes(n: float) -> str:
 class SchedulerConfig:
     """How much work one engine step may take on."""
 
-    max_num_seqs: int = 64  # running requests decoded together
-    max_num_batched_tokens: int = 2048  # prompt tokens in one prefill step (chunk budget)
-    # prompt + output tokens per request; None: the checkpoint's max_position_embeddings
-    max_model_len: int | None = None
+    max_num_seqs: int = setting(64, "running requests decoded together", ge=1)
+    max_num_batched_tokens: int = setting(
+        2048, "prompt tokens in one prefill step (the chunk budget)", ge=1
+    )
+    max_model_len: int | None = setting(
+        None,
+        "prompt + output tokens per request; unset: the checkpoint's "
+        "max_position_embeddings, which also caps it",
+        ge=1,
+    )
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ConfigError(f"{name}={value} must be positive")
+        check_settings(self, "scheduler.", ConfigError)
 
     def context_len(self, model: ModelConfig) -> int:
         """The context limit served: `max_model_len`, at most the checkpoint's positions."""

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from engine.settings import check_settings, setting
 from kv_transfer.auth import SECRET_ENV, check_secret
 from kv_transfer.registry import TRANSPORT_NAMES, TransportName
 
@@ -13,26 +14,38 @@ DEFAULT_MAX_PUSH_STREAMS = 128
 
 @dataclass(frozen=True)
 class TransferConfig:
-    transport: TransportName = "torch_dist"  # torch_dist: gloo on CPU, NCCL on GPU
-    timeout_s: float = 10.0  # a stalled or dead peer fails a transfer after this long
-    lease_s: float = 30.0  # blocks held for a transfer are released after this at the latest
-    max_channels: int = 32  # open (prefill, decode) pair channels per sender, LRU-closed
-    layers_per_frame: int = 1  # layers pushed per frame as the prompt pass proceeds
-    host: str = "127.0.0.1"  # address the decode worker's endpoint binds and advertises
-    # grpc transport: Push streams one decode worker's endpoint serves at once; one more is
-    # refused (RESOURCE_EXHAUSTED), not queued. A stream idle for timeout_s is cancelled.
-    max_push_streams: int = DEFAULT_MAX_PUSH_STREAMS
-    # Channels must prove this secret before any frame lands (kv_transfer/auth.py). None:
-    # env PDSERVE_KV_SECRET in the worker's process, else no authentication. Never logged.
-    shared_secret: str | None = field(default=None, repr=False)
+    transport: TransportName = setting(
+        "torch_dist",
+        "how KV moves between the pools (torch_dist: gloo on CPU, NCCL on GPU)",
+        choices=TRANSPORT_NAMES,
+    )
+    timeout_s: float = setting(
+        10.0, "a stalled or dead peer fails a transfer after this long", gt=0
+    )
+    lease_s: float = setting(
+        30.0, "blocks held for a transfer are released after this at the latest", gt=0
+    )
+    layers_per_frame: int = setting(
+        1, "layers pushed per frame as the prompt pass proceeds", ge=1
+    )
+    host: str = setting(
+        "127.0.0.1", "address the decode worker's endpoint binds and advertises (auto: its node's)"
+    )
+    max_push_streams: int = setting(
+        DEFAULT_MAX_PUSH_STREAMS,
+        "grpc transport: Push streams one decode worker serves at once; one more is refused "
+        "(RESOURCE_EXHAUSTED), not queued",
+        ge=1,
+    )
+    shared_secret: str | None = setting(
+        None,
+        "channels must prove this secret before any frame lands (at least 16 characters); "
+        "unset: env PDSERVE_KV_SECRET of each worker, else none",
+        secret=True,
+    )
 
     def __post_init__(self) -> None:
-        if self.transport not in TRANSPORT_NAMES:
-            raise ValueError(f"transport={self.transport!r}: choose from {TRANSPORT_NAMES}")
-        if self.timeout_s <= 0 or self.lease_s <= 0:
-            raise ValueError("transfer timeout_s and lease_s must be positive")
-        if self.max_push_streams < 1:
-            raise ValueError("transfer max_push_streams must be at least 1")
+        check_settings(self, "transfer.")
         if self.shared_secret is not None:
             check_secret(self.shared_secret, "transfer.shared_secret")
 

@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kv_transfer.registry import SERVE_TRANSPORT_NAMES
 from pdserve.engine_load import load_engine
 from pool_api.logs import log_to_stderr
 from pool_api.version import package_version
@@ -32,42 +31,23 @@ _ON_ARGV = (
     "Ray's job table (ray job list, the dashboard's /api/jobs) show it to others; {instead}"
 )
 
-MODEL_HELP = (
-    "a named model (smollm2-135m-instruct, fetched once from the package index), a preset "
-    "with random weights (tiny, small), a checkpoint directory, a .gguf file or a Hub id "
-    "(org/name)"
-)
-DTYPE_HELP = (
-    "auto: the checkpoint's dtype, but bfloat16 on a CPU only where it has bf16 hardware "
-    "(else float32); float16 computes in float32 on a CPU"
-)
-
-
-REVISION_HELP = (
-    "branch, tag or commit of a Hub --model (a commit pins what is served); default: its "
-    "default branch"
-)
-
-
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    from pdserve.models import DEFAULT_MODEL
+    """`generate` and `trace`: the model section's settings, with their own docs."""
+    from pdserve.config import setting_doc
 
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"{MODEL_HELP}; default %(default)s")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help=DTYPE_HELP,
-    )
-    p.add_argument("--chat-template", default=None, help="Jinja file overriding the model's")
+    model = setting_doc("model.model")
+    p.add_argument("--model", default=model.default, help=f"{model.doc}; default %(default)s")
+    dtype = setting_doc("model.dtype")
+    p.add_argument("--dtype", default=dtype.default, choices=dtype.bounds.choices, help=dtype.doc)
+    p.add_argument("--chat-template", default=None, help=setting_doc("model.chat_template").doc)
     p.add_argument(
         "--seed-weights",
         type=int,
         default=0,
         dest="weights_seed",
-        help="seed of a generated preset checkpoint",
+        help=setting_doc("model.weights_seed").doc,
     )
-    p.add_argument("--revision", default=None, help=REVISION_HELP)
+    p.add_argument("--revision", default=None, help=setting_doc("model.revision").doc)
 
 
 class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
@@ -170,20 +150,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 @dataclass(frozen=True)
 class ServeFlag:
-    """One `pdserve serve` flag that sets one key of the config tree. `default` is the
-    tree's own default, shown in --help (tests/test_cli_ops.py pins it to ServeConfig());
-    the flag's argparse default is None, so that an unset flag leaves the YAML file's value."""
+    """One `pdserve serve` flag that sets one setting of the config tree (`path`). Its help
+    and default are the setting's own (`pdserve.config.setting_doc`: written once, where the
+    setting is declared); `note` adds what only the flag does (an env fallback). The flag's
+    argparse default is None, so that an unset flag leaves the YAML file's value."""
 
     dest: str
-    section: str
-    key: str
-    help: str
-    default: Any = None
+    path: str  # dotted: router.http.port
     type: Callable[[str], Any] = str
     aliases: tuple[str, ...] = ()  # more option strings, listed first (vLLM's spelling)
-    choices: Sequence[str] | None = None
     metavar: str | None = None
-    default_text: str | None = None  # shown instead of `default`
+    note: str = ""
     switch: bool = False  # store_true
 
     @property
@@ -191,20 +168,24 @@ class ServeFlag:
         return "--" + self.dest.replace("_", "-")
 
     def add_to(self, p: argparse.ArgumentParser) -> None:
-        shown = self.default_text if self.default_text is not None else self.default
-        help_text = f"{self.help} (default: {shown})".replace("%", "%%")
+        from pdserve.config import setting_doc
+
+        doc = setting_doc(self.path)
+        help_text = f"{doc.help_text()}{'; ' + self.note if self.note else ''} (default: "
+        help_text = (help_text + f"{doc.default_text()})").replace("%", "%%")
         names = (*self.aliases, self.option)
         if self.switch:
             p.add_argument(
                 *names, dest=self.dest, action="store_true", default=None, help=help_text
             )
             return
+        choices = doc.bounds.choices
         p.add_argument(
             *names,
             dest=self.dest,
             type=self.type,
             default=None,
-            choices=self.choices,
+            choices=list(choices) if choices is not None else None,
             metavar=self.metavar,
             help=help_text,
         )
@@ -234,82 +215,48 @@ def _fraction(text: str) -> float:
 
 
 def _serve_table() -> tuple[ServeFlag, ...]:
-    from pdserve.models import DEFAULT_MODEL
-
     F = ServeFlag
     return (
-        F("model", "model", "model", MODEL_HELP, DEFAULT_MODEL),
-        F("served_model_name", "model", "served_model_name", "the model name the API serves",
-          None, default_text="the --model as given"),
-        F("dtype", "model", "dtype", DTYPE_HELP, "auto", choices=DTYPE_CHOICES),
-        F("revision", "model", "revision", REVISION_HELP, None, default_text="the default branch"),
-        F("chat_template", "model", "chat_template", "Jinja file overriding the model's chat "
-          "template", None, metavar="PATH", default_text="the checkpoint's"),
-        F("max_model_len", "scheduler", "max_model_len", "prompt + output tokens per request; "
-          "capped to the checkpoint's max_position_embeddings", None, int,
-          default_text="the checkpoint's max_position_embeddings"),
-        F("max_num_seqs", "scheduler", "max_num_seqs", "running requests decoded together",
-          64, int),
-        F("max_num_batched_tokens", "scheduler", "max_num_batched_tokens",
-          "prompt tokens in one prefill step (the chunk budget)", 2048, int),
-        F("block_size", "cache", "block_size", "tokens per KV block (a power of two)", 16, int),
-        F("num_kv_blocks", "cache", "num_blocks", "KV blocks per worker; overrides "
-          "--kv-cache-memory and --gpu-memory-utilization", 1024, int,
-          default_text="1024 unless a memory flag sizes the cache"),
-        F("kv_cache_memory", "cache", "kv_cache_memory", "size each worker's KV cache to this "
-          "much memory: BYTES, NMiB, NGiB (binary) or NMB, NGB (decimal); vLLM's "
-          "VLLM_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes", None, _bytes, metavar="SIZE",
-          default_text="off: --num-kv-blocks"),
-        F("gpu_memory_utilization", "cache", "gpu_memory_utilization", "CUDA: size each "
-          "worker's KV cache to fill this fraction of the device's memory, counting what is in "
-          "use after the weights (vLLM's default is 0.9; workers sharing a device: prefer "
-          "--kv-cache-memory)", None, _fraction, metavar="FRACTION",
-          default_text="off: --num-kv-blocks"),
-        F("prefill_workers", "prefill", "num_workers", "prefill workers (Ray actors)", 1, int),
-        F("decode_workers", "decode", "num_workers", "decode workers (Ray actors)", 1, int),
-        F("transport", "transfer", "transport", "KV transport between the pools", "torch_dist",
-          choices=SERVE_TRANSPORT_NAMES),
-        F("host", "router", "host", "bind address of both ports", "127.0.0.1"),
-        F("http_port", "router", "http_port", "OpenAI-compatible HTTP API port; 0 picks one",
-          8000, _port, aliases=("--port",), metavar="PORT"),
-        F("grpc_port", "router", "grpc_port", "gRPC API port; 0 picks one", 50051, _port,
-          metavar="PORT"),
-        F("tls_cert", "router", "tls_cert", "PEM certificate chain: serve gRPC and HTTP over "
-          "TLS", None, metavar="PATH", default_text="no TLS"),
-        F("tls_key", "router", "tls_key", "PEM private key of --tls-cert (unencrypted)", None,
-          metavar="PATH", default_text="none"),
-        F("tls_client_ca", "router", "tls_client_ca", "PEM CA bundle: require client "
-          "certificates it signed on both ports (mTLS)", None, metavar="PATH",
-          default_text="no client certificates"),
-        F("local_prefill_threshold", "router", "local_prefill_threshold", "prompts with at "
-          "most N uncached tokens prefill on the decode worker (0: always disaggregate)", 0,
-          int, metavar="N"),
-        F("prefill_overflow_tokens", "router", "prefill_overflow_tokens", "when every "
-          "prefill worker has N prompt tokens outstanding, prefill on a less busy decode "
-          "worker (0: never)", 0, int, metavar="N"),
-        F("stats_interval_s", "router", "stats_log_interval_s", "log one line of throughput "
-          "and load every this many seconds; 0 turns it off", 10.0, float, metavar="SECONDS",
-          default_text="10"),
-        F("enable_log_requests", "router", "log_requests", "log one line per request (id, "
-          "prompt and output tokens, finish reason, latency; never its text)", False,
-          switch=True),
-        F("ray_address", "ray", "address", "auto or HOST:PORT of a cluster started with `ray "
-          "start --head`", None, default_text="start a local Ray"),
-        F("redis_url", "index", "redis_url", "prefix index on Redis (redis://, rediss://, "
-          f"user@ ACL); env {REDIS_URL_ENV} when unset. Its password: env "
-          f"{REDIS_PASSWORD_ENV} or --redis-password-file (one in this URL is visible to `ps` "
-          "and Ray's job table)", None, metavar="URL", default_text="in the router's memory"),
+        F("model", "model.model"),
+        F("served_model_name", "model.served_model_name"),
+        F("dtype", "model.dtype"),
+        F("revision", "model.revision"),
+        F("chat_template", "model.chat_template", metavar="PATH"),
+        F("max_model_len", "scheduler.max_model_len", int),
+        F("max_num_seqs", "scheduler.max_num_seqs", int),
+        F("max_num_batched_tokens", "scheduler.max_num_batched_tokens", int),
+        F("block_size", "cache.block_size", int),
+        F("num_kv_blocks", "cache.num_blocks", int),
+        F("kv_cache_memory", "cache.kv_cache_memory", _bytes, metavar="SIZE"),
+        F("gpu_memory_utilization", "cache.gpu_memory_utilization", _fraction,
+          metavar="FRACTION"),
+        F("prefill_workers", "prefill.num_workers", int),
+        F("decode_workers", "decode.num_workers", int),
+        F("transport", "transfer.transport"),
+        F("host", "router.host"),
+        F("http_port", "router.http.port", _port, aliases=("--port",), metavar="PORT"),
+        F("grpc_port", "router.grpc.port", _port, metavar="PORT"),
+        F("tls_cert", "router.tls.cert", metavar="PATH"),
+        F("tls_key", "router.tls.key", metavar="PATH"),
+        F("tls_client_ca", "router.tls.client_ca", metavar="PATH"),
+        F("local_prefill_threshold", "router.policy.local_prefill_threshold", int, metavar="N"),
+        F("prefill_overflow_tokens", "router.policy.prefill_overflow_tokens", int, metavar="N"),
+        F("stats_interval_s", "router.stats_log_interval_s", float, metavar="SECONDS"),
+        F("enable_log_requests", "router.log_requests", switch=True),
+        F("ray_address", "ray.address"),
+        F("redis_url", "index.redis_url", metavar="URL",
+          note=f"env {REDIS_URL_ENV} when unset (a password in the URL is visible to `ps` and "
+          "Ray's job table)"),
     )  # fmt: skip
 
 
-DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_LEVEL_ENV = "PDSERVE_LOG_LEVEL"
 SERVE_TABLE = _serve_table()
-# flag -> (config section, key); the only place flags meet the config tree
-SERVE_FLAGS: dict[str, tuple[str, str]] = {
-    **{f.dest: (f.section, f.key) for f in SERVE_TABLE},
-    "api_key": ("router", "api_key"),  # its own flag group: --api-key or --api-key-file
+# flag -> dotted config path; the only place flags meet the config tree
+SERVE_FLAGS: dict[str, str] = {
+    **{f.dest: f.path for f in SERVE_TABLE},
+    "api_key": "router.api_key",  # its own flag group: --api-key or --api-key-file
 }
 
 
@@ -393,15 +340,23 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
         if args.model is not None and args.model != args.model_positional:
             raise ValueError(f"MODEL {args.model_positional!r} and --model {args.model!r} differ")
         args.model = args.model_positional
-    for flag, (section, key) in SERVE_FLAGS.items():
+    for flag, path in SERVE_FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
-            overrides.setdefault(section, {})[key] = value
+            set_path(overrides, path, value)
     if args.colocated:
         overrides["colocated"] = True
     if args.no_http:
-        overrides.setdefault("router", {})["http_enabled"] = False
+        set_path(overrides, "router.http.enabled", False)
     return overrides
+
+
+def set_path(tree: dict[str, Any], path: str, value: Any) -> None:
+    """tree[a][b][c] = value for the dotted path a.b.c, making the sections on the way."""
+    *sections, key = path.split(".")
+    for name in sections:
+        tree = tree.setdefault(name, {})
+    tree[key] = value
 
 
 def serve_config(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> ServeConfig:
@@ -473,10 +428,11 @@ def _read_secret(path: str, flag: str) -> str:
 
 def probe_ports(config_path: str | None, overrides: dict[str, Any]) -> None:
     """Fail in one line, within a second, when a port is taken: before torch is imported
-    (ServeConfig's tree imports it) and long before any worker starts. Only the router
+    and long before any worker starts. Only the router
     section is read here; `pdserve.serve.run` checks again and keeps the HTTP socket."""
     import yaml
 
+    from pdserve.config import from_dict, merge
     from router.config import RouterConfig
     from router.ports import check_ports
 
@@ -488,9 +444,9 @@ def probe_ports(config_path: str | None, overrides: dict[str, Any]) -> None:
             data = dict(loaded.get("router") or {}) if isinstance(loaded, dict) else {}
         except (OSError, yaml.YAMLError, AttributeError, TypeError, ValueError):
             return  # ServeConfig.load reports it
-    data.update(overrides.get("router", {}))
+    merge(data, overrides.get("router", {}))
     try:
-        cfg = RouterConfig(**data)
+        cfg = from_dict(RouterConfig, data, "router.")
     except (TypeError, ValueError):
         return  # ServeConfig.load names the bad key
     check_ports(cfg, keep_http=False)

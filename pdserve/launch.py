@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from pool_api.worker_common import StartupSummary
 
 log = logging.getLogger(__name__)
+# Calls a worker actor runs at once (Ray async actors; an internal, not a setting).
+ACTOR_MAX_CONCURRENCY = 1000
 
 
 def engine_config(cfg: ServeConfig, model_path: Path) -> EngineConfig:
@@ -291,7 +293,7 @@ class Deployment:
             num_gpus=pool.num_gpus,
             resources=dict(pool.resources),
             max_restarts=pool.max_restarts,
-            max_concurrency=pool.max_concurrency,
+            max_concurrency=ACTOR_MAX_CONCURRENCY,
             get_if_exists=True,
         )
         if self.cfg.ray.detached:

@@ -46,15 +46,15 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     try:
         RouterMetrics.install(router)
-        server = await start_server(router, cfg.router.host, cfg.router.grpc_port)
+        server = await start_server(router, cfg.router.host, cfg.router.grpc.port)
         await router.start()
         freeze_startup_heap()
         await server.set_serving(router.serviceable())
         router.on_serving_change = server.set_serving  # NOT_SERVING while a pool is down
         print(f"pdserve: gRPC listening on {cfg.router.host}:{server.port}", flush=True)
-        if cfg.router.http_enabled:
+        if cfg.router.http.enabled:
             http = await start_http_server(
-                router, cfg.router.host, cfg.router.http_port, sock=http_sock
+                router, cfg.router.host, cfg.router.http.port, sock=http_sock
             )
             print(f"pdserve: HTTP listening on {cfg.router.host}:{http.port}", flush=True)
         await stop.wait()
@@ -92,9 +92,9 @@ FD_RESERVE = 1024  # descriptors besides the two ports' connections: Ray, torch,
 def raise_fd_limit(cfg: RouterConfig) -> str | None:
     """Raise the soft RLIMIT_NOFILE toward what `max_connections` on both ports needs (as
     vLLM raises it), never above the hard limit; a warning when that is still short."""
-    if not cfg.max_connections:
+    if not cfg.limits.max_connections:
         return None
-    need = 2 * cfg.max_connections + FD_RESERVE
+    need = 2 * cfg.limits.max_connections + FD_RESERVE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= need:
         return None
@@ -108,8 +108,8 @@ def raise_fd_limit(cfg: RouterConfig) -> str | None:
     if soft >= need:
         return None
     return (
-        f"pdserve: warning: the fd limit ({soft}) is below what router.max_connections="
-        f"{cfg.max_connections} on both ports needs ({need}): lower max_connections or "
+        f"pdserve: warning: the fd limit ({soft}) is below what router.limits.max_connections="
+        f"{cfg.limits.max_connections} on both ports needs ({need}): lower max_connections or "
         "raise `ulimit -n`"
     )
 

@@ -7,11 +7,15 @@ launcher, the router (in-memory index) and both worker packages read them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
-from engine.engine import EngineConfig
+from engine.settings import check_settings, setting
 from kv_transfer.config import TransferConfig
-from pool_api.messages import Role
+
+if TYPE_CHECKING:  # torch loads only where an engine is built (`pdserve serve --help` is fast)
+    from engine.engine import EngineConfig
+    from pool_api.messages import Role
 
 REDACTED = "***"
 
@@ -55,18 +59,20 @@ def with_password(url: str, password: str) -> str:
 class IndexConfig:
     """The prefix index: Redis when `redis_url` is set, else in-process (in the router)."""
 
-    # redis://[user:password@]host:port/db or rediss://...; may hold a password: not in repr
-    # (print it with redact_url). `pdserve serve` can merge the password in from env
-    # PDSERVE_REDIS_PASSWORD or --redis-password-file, so it is on no command line.
-    redis_url: str | None = field(default=None, repr=False)
-    ttl_s: float = 120.0  # block entries expire unless a holder refreshes them
-    timeout_s: float = 0.1  # per Redis call; a slower answer counts as a miss
-    publish_interval_s: float = 0.05  # how often workers ship block events
-    refresh_interval_s: float = 10.0  # how often workers re-assert all they hold
+    redis_url: str | None = setting(
+        None,
+        "the prefix index on Redis (redis://[user@]host:port/db, rediss://); unset: in the "
+        "router's memory. Its password: env PDSERVE_REDIS_PASSWORD or --redis-password-file",
+        secret=True,
+    )
+    ttl_s: float = setting(120.0, "block entries expire unless a holder refreshes them", gt=0)
+    timeout_s: float = setting(0.1, "per Redis call; a slower answer counts as a miss", gt=0)
+    refresh_interval_s: float = setting(
+        10.0, "how often workers re-assert every block they hold", gt=0
+    )
 
     def __post_init__(self) -> None:
-        if min(self.ttl_s, self.timeout_s, self.publish_interval_s, self.refresh_interval_s) <= 0:
-            raise ValueError("index intervals, ttl and timeout must be positive")
+        check_settings(self, "index.")
 
 
 @dataclass(frozen=True)

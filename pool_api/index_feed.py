@@ -1,6 +1,6 @@
 """Carries a worker's block events to the prefix index.
 
-With Redis, the worker publishes straight to it (batched every `publish_interval_s`) and
+With Redis, the worker publishes straight to it (batched every `PUBLISH_INTERVAL_S`) and
 re-asserts everything it holds every `refresh_interval_s`, which refreshes TTLs and refills an
 emptied or restarted Redis. Without Redis, the index lives in the router, which pulls the
 block events with `take`.
@@ -23,6 +23,7 @@ from pool_api.messages import IndexUpdate
 from pool_api.prefix_index import PrefixIndex, RedisPrefixIndex
 
 log = logging.getLogger(__name__)
+PUBLISH_INTERVAL_S = 0.05  # how often block events go to Redis (an internal, not a setting)
 
 
 class IndexFeed:
@@ -55,7 +56,7 @@ class IndexFeed:
         await index.register(self.worker, self.epoch)
         next_refresh = time.monotonic() + self.cfg.refresh_interval_s
         while True:
-            await asyncio.sleep(self.cfg.publish_interval_s)
+            await asyncio.sleep(PUBLISH_INTERVAL_S)
             try:
                 events = await self._take_events()
                 await index.publish(self.worker, self.epoch, events)

@@ -31,7 +31,7 @@ from engine.engine import LLMEngine
 from engine.loop import EngineFailed
 from engine.request import Request, RequestOutput
 from engine.scheduler import SchedulerOutput
-from kv_transfer.sender import KVSender, OutboundTransfer, SenderLeases
+from kv_transfer.sender import DEFAULT_MAX_CHANNELS, KVSender, OutboundTransfer, SenderLeases
 from kv_transfer.wire import TransferError, TransferRejected
 from pool_api.config import WorkerConfig
 from pool_api.messages import PrefillResult, PrefillTask, Role
@@ -61,7 +61,7 @@ class PrefillWorker(WorkerBase):
         super().__init__(cfg, engine)
         t = cfg.transfer
         self.sender = KVSender(
-            self.engine.cache, cfg.name, self.transport, t.max_channels, t.layers_per_frame,
+            self.engine.cache, cfg.name, self.transport, DEFAULT_MAX_CHANNELS, t.layers_per_frame,
             t.timeout_s,
         )  # fmt: skip
         self.leases = SenderLeases(t.lease_s)

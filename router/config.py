@@ -1,144 +1,194 @@
-"""The router's own settings; pdserve.config composes them into the serve config tree."""
+"""The router's own settings, by subsystem; pdserve.config composes them into the serve tree.
+
+Each setting is documented once, in its `setting(...)` declaration, with its bounds beside
+it (engine.settings); `--help` and docs/config.md are generated from these. Internals nobody
+tunes are module constants where they are used (`router.http_guard`, `router.service`,
+`router.core`, `router.validation`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal
+
+from engine.settings import check_settings, setting
 
 PrefillFailurePolicy = Literal["recompute", "fail"]
 
 
 @dataclass(frozen=True)
-class RouterConfig:
-    host: str = "127.0.0.1"
-    grpc_port: int = 50051  # 0 picks a free port
-    # Admitted requests that have not sent their first token yet (waiting for KV room,
-    # prefilling, transferring): one more is refused at once with RESOURCE_EXHAUSTED.
-    max_queue_len: int = 256
-    queue_timeout_s: float = (
-        30.0  # how long a request may wait for KV room: then RESOURCE_EXHAUSTED
+class PolicySettings:
+    """Where requests go and how long they may wait (router.flow, router.pools)."""
+
+    max_queue_len: int = setting(
+        256,
+        "admitted requests without a first token yet (waiting for KV room, prefilling, "
+        "transferring); one more is refused at once with RESOURCE_EXHAUSTED (HTTP 429)",
+        ge=1,
     )
-    # Prompts with at most this many uncached tokens are prefilled on the decode worker
-    # (conditional disaggregation). 0: always disaggregate.
-    local_prefill_threshold: int = 0
-    # Prefill overflow (conditional disaggregation by load, as Dynamo's prefill queue limit):
-    # when every healthy prefill worker already has at least this many prompt tokens sent
-    # and not returned, a prompt is prefilled on a decode worker with fewer prompt tokens of
-    # its own outstanding. A busy prefill pool then borrows idle decode compute, at the cost
-    # of the decode worker's running streams stalling for that prompt pass. 0: never.
-    prefill_overflow_tokens: int = 0
-    drain_grace_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
-    # A request whose decode worker pushed nothing for this long gets a heartbeat call
-    # (over Ray) to that worker: a dead worker or a forgotten request ends it.
-    heartbeat_s: float = 1.0
-    # Address the token sink binds and gives decode workers; "auto": 127.0.0.1 for a local
-    # Ray, this node's IP when joining a cluster (pdserve.launch).
-    token_stream_host: str = "auto"
-    stats_interval_s: float = 0.2  # how often worker load is refreshed for routing
-    # A prefill worker dying under a request: "recompute" (prefill it again on another
-    # prefill worker, or on its decode worker when none is healthy) or "fail" (UNAVAILABLE).
-    prefill_failure_policy: PrefillFailurePolicy = "recompute"
-    # The pair-routing cost model (router.pools.rank_pairs): prefill speed and KV transfer
-    # bandwidth, to weigh prompt tokens a prefill worker must compute against KV bytes a
-    # (prefill, decode) pair must move. Only their ratio matters; set them to measured
-    # figures (`make bench`) for your hardware.
-    prefill_tokens_per_s: float = 4000.0
-    transfer_gbps: float = 1.0
-    http_port: int = 8000  # the OpenAI-compatible HTTP server (docs/http.md); 0 picks one
-    http_enabled: bool = True
-    # Bearer key for HTTP /v1/* and gRPC calls; never logged, not in repr. `pdserve serve`
-    # reads it from --api-key-file or env PDSERVE_API_KEY (--api-key puts it in `ps`).
-    api_key: str | None = field(default=None, repr=False)
-    # TLS on both ports (router/tls.py; PEM files): certificate chain and its key, together.
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    # A CA bundle: both ports then require a client certificate it signed (mTLS).
-    tls_client_ca: str | None = None
-    # Limits at the edge (router/validation.py: EdgeLimits), checked before tokenizing so no
-    # request can hold the event loop or the engine thread. 0: derived from max_model_len
-    # (prompt text: 32 characters a token; HTTP body: room for that text, JSON-escaped).
-    max_prompt_chars: int = 0
-    max_body_bytes: int = 0
-    max_stop_strings: int = 16
-    max_stop_chars: int = 256
-    max_stop_token_ids: int = 256
-    max_json_depth: int = 32
-    # Connection hygiene (docs/config.md#connections). HTTP (router/http_guard.py): a request
-    # head must arrive whole within http_header_timeout_s (counted from the connection, or
-    # from its first byte after a keep-alive wait: answered 408, closed); a body that sends
-    # nothing for http_body_timeout_s is dropped; an idle keep-alive connection is closed
-    # after http_keepalive_timeout_s (uvicorn's timeout_keep_alive).
-    http_header_timeout_s: float = 20.0
-    http_body_timeout_s: float = 60.0
-    http_keepalive_timeout_s: float = 5.0
-    http_max_header_bytes: int = 16384  # a larger request head is refused (400): h11's limit
-    http_backlog: int = 2048  # the HTTP socket's listen backlog (uvicorn's)
-    # Open connections on each port (HTTP and gRPC alike): one more is refused at once
-    # (HTTP: 503 and closed; gRPC: closed before its handshake). 0: no cap.
-    max_connections: int = 1024
-    # gRPC (router/service.py: grpc_options). Streams per connection (more wait client-side);
-    # a connection that has not completed its handshake (HTTP/2 preface, TLS) in time is
-    # closed; keepalive pings find dead peers; a connection with no call for
-    # grpc_max_connection_idle_s is closed (GOAWAY: clients reconnect on their next call).
-    grpc_max_concurrent_streams: int = 1024
-    grpc_handshake_timeout_s: float = 20.0
-    grpc_keepalive_time_s: float = 60.0
-    grpc_keepalive_timeout_s: float = 20.0
-    grpc_max_connection_idle_s: float = 300.0  # 0: never
-    # Connection age (GOAWAY after this long, to rebalance behind an L4 load balancer): 0
-    # never. Calls in flight then get grpc_max_connection_age_grace_s to finish (0: as long
-    # as they take, so a long Generate stream is never cut; new calls use a new connection).
-    grpc_max_connection_age_s: float = 0.0
-    grpc_max_connection_age_grace_s: float = 0.0
-    # Operator logging (`pdserve serve --stats-interval-s`, `--enable-log-requests`): how often
-    # the router logs one line of throughput and load (0: never), and one line per request.
-    stats_log_interval_s: float = 10.0
-    log_requests: bool = False
+    queue_timeout_s: float = setting(
+        30.0, "how long a request may wait for KV room before RESOURCE_EXHAUSTED", gt=0
+    )
+    local_prefill_threshold: int = setting(
+        0,
+        "prompts with at most this many uncached tokens prefill on their decode worker "
+        "(conditional disaggregation)",
+        ge=0,
+        zero="always disaggregate",
+    )
+    prefill_overflow_tokens: int = setting(
+        0,
+        "when every healthy prefill worker has this many prompt tokens sent and not returned, "
+        "a prompt prefills on a decode worker with fewer of its own (its running streams "
+        "stall for that pass)",
+        ge=0,
+        zero="never",
+    )
+    prefill_failure_policy: PrefillFailurePolicy = setting(
+        "recompute",
+        "a prefill worker dying under a request: recompute (prefill it again on another "
+        "prefill worker, or on its decode worker when none is left) or fail (UNAVAILABLE)",
+        choices=("recompute", "fail"),
+    )
+    prefill_tokens_per_s: float = setting(
+        4000.0,
+        "the pair-routing cost model's prefill speed, weighed against transfer_gbps (only "
+        "their ratio matters; set both to `make bench` figures for your hardware)",
+        gt=0,
+    )
+    transfer_gbps: float = setting(
+        1.0, "the pair-routing cost model's KV transfer bandwidth (GB/s)", gt=0
+    )
 
     def __post_init__(self) -> None:
-        if not 0 <= self.grpc_port < 65536:
-            raise ValueError(f"grpc_port={self.grpc_port} is not a port")
-        if not 0 <= self.http_port < 65536:
-            raise ValueError(f"http_port={self.http_port} is not a port")
-        if self.max_queue_len < 1 or self.queue_timeout_s <= 0:
-            raise ValueError("max_queue_len and queue_timeout_s must be positive")
-        if self.prefill_failure_policy not in get_args(PrefillFailurePolicy):
-            raise ValueError("prefill_failure_policy must be 'recompute' or 'fail'")
-        if self.heartbeat_s <= 0:
-            raise ValueError("router.heartbeat_s must be positive")
-        if self.prefill_tokens_per_s <= 0 or self.transfer_gbps <= 0:
-            raise ValueError("prefill_tokens_per_s and transfer_gbps must be positive")
-        if self.stats_log_interval_s < 0:
-            raise ValueError("router.stats_log_interval_s must be >= 0 (0: off)")
-        if self.local_prefill_threshold < 0 or self.prefill_overflow_tokens < 0:
-            raise ValueError("local_prefill_threshold and prefill_overflow_tokens must be >= 0")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key go together: set both or neither")
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
-        self._check_connection_limits()
+        check_settings(self, "router.policy.")
 
-    def _check_connection_limits(self) -> None:
-        positive = (
-            "http_header_timeout_s",
-            "http_body_timeout_s",
-            "http_keepalive_timeout_s",
-            "http_max_header_bytes",
-            "http_backlog",
-            "grpc_max_concurrent_streams",
-            "grpc_handshake_timeout_s",
-            "grpc_keepalive_time_s",
-            "grpc_keepalive_timeout_s",
-        )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"router.{name} must be positive")
-        never_or_positive = (
-            "max_connections",
-            "grpc_max_connection_idle_s",
-            "grpc_max_connection_age_s",
-            "grpc_max_connection_age_grace_s",
-        )
-        for name in never_or_positive:
-            if getattr(self, name) < 0:
-                raise ValueError(f"router.{name} must be >= 0 (0: no limit)")
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """The OpenAI-compatible HTTP server (router.http, router.http_guard)."""
+
+    enabled: bool = setting(True, "serve the HTTP API (`--no-http`: gRPC only)")
+    port: int = setting(
+        8000, "the OpenAI-compatible HTTP API's port", ge=0, le=65535, zero="pick a free one"
+    )
+    keepalive_timeout_s: float = setting(
+        5.0, "an idle keep-alive connection is closed after this long (uvicorn's)", gt=0
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self, "router.http.")
+
+
+@dataclass(frozen=True)
+class GrpcSettings:
+    """The gRPC server (router.service: grpc_options)."""
+
+    port: int = setting(50051, "the gRPC API's port", ge=0, le=65535, zero="pick a free one")
+    max_concurrent_streams: int = setting(
+        1024, "streams per connection (more wait client-side)", ge=1
+    )
+    max_connection_idle_s: float = setting(
+        300.0,
+        "a connection with no call for this long is closed (GOAWAY: clients reconnect on "
+        "their next call)",
+        gt=0,
+        zero="never",
+    )
+    max_connection_age_s: float = setting(
+        0.0,
+        "GOAWAY after this long, to rebalance behind an L4 load balancer; new calls then use "
+        "a new connection",
+        gt=0,
+        zero="never",
+    )
+    max_connection_age_grace_s: float = setting(
+        0.0,
+        "calls in flight at that GOAWAY get this long to finish",
+        gt=0,
+        zero="as long as they take (a Generate stream is never cut)",
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self, "router.grpc.")
+
+
+@dataclass(frozen=True)
+class LimitSettings:
+    """What one client may send, checked at the edge before tokenizing (router.validation:
+    EdgeLimits), so that no request can hold the event loop or the engine thread."""
+
+    max_prompt_chars: int = setting(
+        0, "prompt text per request", ge=1, zero="derived: 32 characters a context token"
+    )
+    max_body_bytes: int = setting(
+        0, "HTTP request body", ge=1, zero="derived: room for that text, JSON-escaped"
+    )
+    max_stop_strings: int = setting(16, "stop strings per request", ge=0)
+    max_stop_chars: int = setting(256, "characters of one stop string", ge=1)
+    max_connections: int = setting(
+        1024,
+        "open connections on each port (HTTP and gRPC alike); one more is refused at once "
+        "(HTTP: 503 and closed; gRPC: closed before its handshake)",
+        ge=1,
+        zero="no cap",
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self, "router.limits.")
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    """TLS on both ports (router.tls; PEM files)."""
+
+    cert: str | None = setting(None, "certificate chain; serve gRPC and HTTP over TLS")
+    key: str | None = setting(None, "the private key of tls.cert (unencrypted PEM)")
+    client_ca: str | None = setting(
+        None, "a CA bundle: both ports then require a client certificate it signed (mTLS)"
+    )
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("router.tls.cert and router.tls.key go together: set both or neither")
+        if self.client_ca is not None and self.cert is None:
+            raise ValueError("router.tls.client_ca (mTLS) needs router.tls.cert and key")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = setting("127.0.0.1", "bind address of both ports")
+    api_key: str | None = setting(
+        None,
+        "bearer key for HTTP /v1/* and gRPC calls; `pdserve serve` reads it from "
+        "--api-key-file or env PDSERVE_API_KEY (--api-key puts it in `ps`); never logged",
+        secret=True,
+    )
+    drain_grace_s: float = setting(
+        30.0, "on SIGTERM, in-flight requests get this long to finish", ge=0
+    )
+    heartbeat_s: float = setting(
+        1.0,
+        "a request whose decode worker pushed nothing for this long gets a heartbeat call "
+        "to it: a dead worker or a forgotten request ends it",
+        gt=0,
+    )
+    token_stream_host: str = setting(
+        "auto",
+        "address the token sink binds and gives decode workers; auto: 127.0.0.1 with a "
+        "local Ray, this node's IP when joining a cluster",
+    )
+    stats_log_interval_s: float = setting(
+        10.0, "one log line of throughput and load every this many seconds", ge=0, zero="off"
+    )
+    log_requests: bool = setting(
+        False, "one log line per request (id, tokens, finish reason, latency; never its text)"
+    )
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    http: HttpSettings = field(default_factory=HttpSettings)
+    grpc: GrpcSettings = field(default_factory=GrpcSettings)
+    limits: LimitSettings = field(default_factory=LimitSettings)
+    tls: TlsSettings = field(default_factory=TlsSettings)
+
+    def __post_init__(self) -> None:
+        check_settings(self, "router.")

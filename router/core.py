@@ -36,6 +36,8 @@ from router.token_sink import TokenSinkServer
 from router.validation import ModelLimits, prepare
 
 log = logging.getLogger(__name__)
+# How often worker load is pulled for routing (an internal, not a setting).
+STATS_REFRESH_S = 0.2
 
 
 class Router:
@@ -70,6 +72,7 @@ class Router:
         self.on_serving_change: Callable[[bool], Awaitable[None]] | None = None
         self._serving = False
         self._last_refresh_s = 0.0
+        self.stats_refresh_s = STATS_REFRESH_S
         self._tasks: set[asyncio.Task[None]] = set()
         self._refresher: asyncio.Task[None] | None = None
         self._stats_logger: asyncio.Task[None] | None = None
@@ -93,7 +96,7 @@ class Router:
 
     async def refresh(self) -> None:
         """Worker stats (load, health), serving state, and the in-memory index."""
-        interval = self.cfg.stats_interval_s
+        interval = self.stats_refresh_s
         timeout = max(2.0, 10 * interval)
         await asyncio.gather(
             self.prefill.refresh(interval, timeout), self.decode.refresh(interval, timeout)
@@ -115,7 +118,7 @@ class Router:
 
     async def _refresh_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.stats_interval_s)
+            await asyncio.sleep(self.stats_refresh_s)
             await self.refresh()
 
     async def drain(self, grace_s: float) -> None:
@@ -163,10 +166,10 @@ class Router:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"request_id: {wr.request_id!r} is already in flight",
             )
-        if self.num_queued >= self.cfg.max_queue_len:
+        if self.num_queued >= self.cfg.policy.max_queue_len:
             raise RequestFailed(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"queue full ({self.cfg.max_queue_len} requests waiting)",
+                f"queue full ({self.cfg.policy.max_queue_len} requests waiting)",
             )
         act = ActiveRequest(wr, time.perf_counter())
         self.active[wr.request_id] = act
@@ -259,7 +262,7 @@ class Router:
     async def server_info(self) -> gen.ServerInfo:
         # From the stats the refresh loop keeps, pulling anew at most once per interval, so
         # a client calling this in a loop cannot turn it into a stats storm on the workers.
-        if time.monotonic() - self._last_refresh_s > self.cfg.stats_interval_s:
+        if time.monotonic() - self._last_refresh_s > self.stats_refresh_s:
             await self.refresh()
         workers = [
             gen.WorkerInfo(

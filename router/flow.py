@@ -162,15 +162,15 @@ class RequestFlow:
         best = self.decode.best_match(matches)
         bs, n = self.model_info.block_size, act.num_prompt_tokens
         cached = best.cached_tokens(matches, bs) if best else 0
-        if self.colocated or n - cached <= self.cfg.local_prefill_threshold:
+        if self.colocated or n - cached <= self.cfg.policy.local_prefill_threshold:
             act.placement = "colocated" if self.colocated else "short_prompt"
             return best or self._pick_decode()
         if prefill := self.prefill.healthy():
-            limit = self.cfg.prefill_overflow_tokens
+            limit = self.cfg.policy.prefill_overflow_tokens
             d = overflow_worker(prefill, self.decode.healthy(), matches, n, bs, limit)
             act.placement = "disaggregated" if d is None else "overflow"
             return d
-        if self.cfg.prefill_failure_policy == "fail":
+        if self.cfg.policy.prefill_failure_policy == "fail":
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
         act.placement = "no_prefill_worker"
         return best or self._pick_decode()
@@ -300,7 +300,7 @@ class RequestFlow:
         )
         d.untrack(act.request_id)
         act.prefill = act.decode = None
-        if not act.aborted and self.cfg.prefill_failure_policy == "fail":
+        if not act.aborted and self.cfg.policy.prefill_failure_policy == "fail":
             raise RequestFailed(
                 grpc.StatusCode.UNAVAILABLE, f"prefill worker {p.name} died: {error}"
             )

@@ -46,6 +46,17 @@ TOO_MANY = _response("503 Service Unavailable", b"Too many open connections.")
 HEAD_TIMEOUT = _response("408 Request Timeout", b"Request head not received in time.")
 
 
+# Internals nobody tunes (once settings; tests lower them). A request head must arrive whole
+# within HEADER_TIMEOUT_S (counted from the connection, or from its first byte after a
+# keep-alive wait: answered 408, closed); a body that sends nothing for BODY_TIMEOUT_S is
+# dropped; a larger head than MAX_HEADER_BYTES is refused (400, h11's limit); BACKLOG is the
+# listen backlog (uvicorn's).
+HEADER_TIMEOUT_S = 20.0
+BODY_TIMEOUT_S = 60.0
+MAX_HEADER_BYTES = 16384
+BACKLOG = 2048
+
+
 @dataclass(frozen=True)
 class HTTPLimits:
     header_timeout_s: float = 20.0
@@ -54,7 +65,7 @@ class HTTPLimits:
 
     @classmethod
     def of(cls, cfg: RouterConfig) -> HTTPLimits:
-        return cls(cfg.http_header_timeout_s, cfg.http_body_timeout_s, cfg.max_connections)
+        return cls(HEADER_TIMEOUT_S, BODY_TIMEOUT_S, cfg.limits.max_connections)
 
 
 class _Warnings:
@@ -164,7 +175,7 @@ def uvicorn_options(cfg: RouterConfig) -> dict[str, Any]:
     """Keyword arguments of `uvicorn.Config` for the router's connection limits."""
     return {
         "http": protocol_for(HTTPLimits.of(cfg)),
-        "timeout_keep_alive": cfg.http_keepalive_timeout_s,
-        "h11_max_incomplete_event_size": cfg.http_max_header_bytes,
-        "backlog": cfg.http_backlog,
+        "timeout_keep_alive": cfg.http.keepalive_timeout_s,
+        "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
+        "backlog": BACKLOG,
     }

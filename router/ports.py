@@ -26,7 +26,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def port_taken(key: str, host: str, port: int, e: OSError) -> str:
-    flag = "--port (--http-port)" if key == "http_port" else "--" + key.replace("_", "-")
+    flag = "--port (--http-port)" if key == "http.port" else "--grpc-port"
     return (
         f"router.{key}: cannot listen on {host}:{port} ({e.strerror or e}); another server "
         f"holds it? Choose another port with {flag} (0 picks a free one)"
@@ -37,9 +37,9 @@ def check_ports(cfg: RouterConfig, keep_http: bool) -> socket.socket | None:
     """Raise ValueError (one line naming the port) when a port is taken; port 0 needs no
     check. `keep_http`: return the bound HTTP socket for the server, so nothing can take the
     port meanwhile; the gRPC port is only probed (grpc binds its own socket)."""
-    ports = [("grpc_port", cfg.grpc_port)]
-    if cfg.http_enabled:
-        ports.append(("http_port", cfg.http_port))
+    ports = [("grpc.port", cfg.grpc.port)]
+    if cfg.http.enabled:
+        ports.append(("http.port", cfg.http.port))
     kept = None
     for key, port in ports:
         if not port:
@@ -50,7 +50,7 @@ def check_ports(cfg: RouterConfig, keep_http: bool) -> socket.socket | None:
             if kept is not None:
                 kept.close()
             raise ValueError(port_taken(key, cfg.host, port, e)) from e
-        if keep_http and key == "http_port":
+        if keep_http and key == "http.port":
             kept = sock
         else:
             sock.close()

@@ -98,7 +98,7 @@ class Reserver:
         got = await self._reserve_once(act, matches)
         if got is not None:
             return got
-        deadline = time.monotonic() + self.cfg.queue_timeout_s
+        deadline = time.monotonic() + self.cfg.policy.queue_timeout_s
 
         def give_up() -> None:
             if act.aborted:
@@ -106,7 +106,7 @@ class Reserver:
             if time.monotonic() > deadline:
                 raise RequestFailed(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"no decode worker had KV room for {self.cfg.queue_timeout_s:.0f} s",
+                    f"no decode worker had KV room for {self.cfg.policy.queue_timeout_s:.0f} s",
                 )
 
         async with self.line.first(give_up):
@@ -127,8 +127,8 @@ class Reserver:
             matches,
             act.num_prompt_tokens,
             self.block_size,
-            self.cfg.prefill_tokens_per_s,
-            self.cfg.transfer_gbps * 1e9,
+            self.cfg.policy.prefill_tokens_per_s,
+            self.cfg.policy.transfer_gbps * 1e9,
         )
         best: dict[str, PairCost] = {}
         for pc in pairs:

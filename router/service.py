@@ -76,6 +76,12 @@ def grpc_options(router: Router) -> list[tuple[str, int]]:
 
 _MAX_MS = (1 << 31) - 1  # gRPC's millisecond arguments are C ints
 MIN_CLIENT_PING_S = 10.0  # clients may ping this often, with or without calls
+# Internals nobody tunes (once settings; tests lower them): a connection that has not
+# completed its handshake (HTTP/2 preface, TLS) in HANDSHAKE_TIMEOUT_S is closed; keepalive
+# pings every KEEPALIVE_TIME_S, answered within KEEPALIVE_TIMEOUT_S, find dead peers.
+HANDSHAKE_TIMEOUT_S = 20.0
+KEEPALIVE_TIME_S = 60.0
+KEEPALIVE_TIMEOUT_S = 20.0
 
 
 def _ms(seconds: float) -> int:
@@ -90,22 +96,22 @@ def connection_options(cfg: RouterConfig) -> list[tuple[str, int]]:
     stream in flight when its connection reaches its age finishes on it (the GOAWAY only
     moves new calls to a new connection), as gRPC's own default grace does."""
     opts = [
-        ("grpc.max_concurrent_streams", cfg.grpc_max_concurrent_streams),
-        ("grpc.server_handshake_timeout_ms", _ms(cfg.grpc_handshake_timeout_s)),
-        ("grpc.keepalive_time_ms", _ms(cfg.grpc_keepalive_time_s)),
-        ("grpc.keepalive_timeout_ms", _ms(cfg.grpc_keepalive_timeout_s)),
+        ("grpc.max_concurrent_streams", cfg.grpc.max_concurrent_streams),
+        ("grpc.server_handshake_timeout_ms", _ms(HANDSHAKE_TIMEOUT_S)),
+        ("grpc.keepalive_time_ms", _ms(KEEPALIVE_TIME_S)),
+        ("grpc.keepalive_timeout_ms", _ms(KEEPALIVE_TIMEOUT_S)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", _ms(MIN_CLIENT_PING_S)),
     ]
-    if cfg.grpc_max_connection_idle_s:
-        opts.append(("grpc.max_connection_idle_ms", _ms(cfg.grpc_max_connection_idle_s)))
-    if cfg.grpc_max_connection_age_s:
-        opts.append(("grpc.max_connection_age_ms", _ms(cfg.grpc_max_connection_age_s)))
-        if cfg.grpc_max_connection_age_grace_s:
-            grace = _ms(cfg.grpc_max_connection_age_grace_s)
+    if cfg.grpc.max_connection_idle_s:
+        opts.append(("grpc.max_connection_idle_ms", _ms(cfg.grpc.max_connection_idle_s)))
+    if cfg.grpc.max_connection_age_s:
+        opts.append(("grpc.max_connection_age_ms", _ms(cfg.grpc.max_connection_age_s)))
+        if cfg.grpc.max_connection_age_grace_s:
+            grace = _ms(cfg.grpc.max_connection_age_grace_s)
             opts.append(("grpc.max_connection_age_grace_ms", grace))
-    if cfg.max_connections:
-        opts.append(("grpc.max_allowed_incoming_connections", cfg.max_connections))
+    if cfg.limits.max_connections:
+        opts.append(("grpc.max_allowed_incoming_connections", cfg.limits.max_connections))
     return opts
 
 

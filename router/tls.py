@@ -1,4 +1,4 @@
-"""TLS on the router's two ports (`router.tls_cert`, `router.tls_key`, `router.tls_client_ca`).
+"""TLS on the router's two ports (`router.tls.cert`, `router.tls.key`, `router.tls.client_ca`).
 
 gRPC and HTTP serve the same certificate. With a client CA both also require a client
 certificate it signed (mTLS): a client without one fails the handshake, before any request or
@@ -29,9 +29,9 @@ class ServerTLS:
     @classmethod
     def of(cls, cfg: RouterConfig) -> ServerTLS | None:
         """The router's TLS settings, or None when it serves plaintext."""
-        if cfg.tls_cert is None or cfg.tls_key is None:
+        if cfg.tls.cert is None or cfg.tls.key is None:
             return None
-        return cls(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+        return cls(cfg.tls.cert, cfg.tls.key, cfg.tls.client_ca)
 
     @property
     def mutual(self) -> bool:
@@ -51,7 +51,7 @@ class ServerTLS:
             ctx.load_cert_chain(self.cert_file, self.key_file, password=_no_password)
         except (ssl.SSLError, OSError, ValueError) as e:
             raise ValueError(
-                f"router.tls_cert / router.tls_key ({self.cert_file}, {self.key_file}): "
+                f"router.tls.cert / router.tls.key ({self.cert_file}, {self.key_file}): "
                 f"cannot load them as a PEM certificate chain and its unencrypted key ({e})"
             ) from e
         if self.client_ca_file is not None:
@@ -59,7 +59,7 @@ class ServerTLS:
                 ctx.load_verify_locations(cafile=self.client_ca_file)
             except (ssl.SSLError, OSError) as e:
                 raise ValueError(
-                    f"router.tls_client_ca: {self.client_ca_file}: not a PEM CA bundle ({e})"
+                    f"router.tls.client_ca: {self.client_ca_file}: not a PEM CA bundle ({e})"
                 ) from e
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
@@ -78,9 +78,9 @@ class ServerTLS:
         return options
 
     def _files(self) -> list[tuple[str, str]]:
-        files = [("tls_cert", self.cert_file), ("tls_key", self.key_file)]
+        files = [("tls.cert", self.cert_file), ("tls.key", self.key_file)]
         if self.client_ca_file is not None:
-            files.append(("tls_client_ca", self.client_ca_file))
+            files.append(("tls.client_ca", self.client_ca_file))
         return files
 
 

@@ -42,6 +42,7 @@ def _float(s: gen.SamplingParams, name: str, default: float) -> float:
 
 _MAX_NAME_CHARS = 256  # request_id, model, cache_salt
 _ECHO_CHARS = 64  # of user input quoted back in an error message
+MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request (an internal bound, not a setting)
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,11 @@ class EdgeLimits:
     @classmethod
     def of(cls, cfg: RouterConfig, max_model_len: int) -> EdgeLimits:
         return cls(
-            max_prompt_chars=cfg.max_prompt_chars or 32 * max_model_len,
+            max_prompt_chars=cfg.limits.max_prompt_chars or 32 * max_model_len,
             max_prompt_tokens=max_model_len,
-            max_stop_strings=cfg.max_stop_strings,
-            max_stop_chars=cfg.max_stop_chars,
-            max_stop_token_ids=cfg.max_stop_token_ids,
+            max_stop_strings=cfg.limits.max_stop_strings,
+            max_stop_chars=cfg.limits.max_stop_chars,
+            max_stop_token_ids=MAX_STOP_TOKEN_IDS,
         )
 
     def check(self, request: gen.GenerateRequest) -> None:

@@ -127,7 +127,7 @@ def test_overflow_prefills_on_the_decode_worker_while_the_prefill_pool_is_busy(
         {
             "model": {"model": str(tiny_dir)},
             "transfer": {"transport": "local"},
-            "router": {"prefill_overflow_tokens": 1},
+            "router": {"policy": {"prefill_overflow_tokens": 1}},
         },
     )
     ids = [4 + (j * 13) % 400 for j in range(48)]

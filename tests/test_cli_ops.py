@@ -189,8 +189,8 @@ def test_format_bytes() -> None:
 
 def test_flags_map_onto_the_tree() -> None:
     cfg = serve_config(parse("--port", "9001", "--host", "0.0.0.0", "--grpc-port", "0"))
-    assert (cfg.router.http_port, cfg.router.host, cfg.router.grpc_port) == (9001, "0.0.0.0", 0)
-    assert serve_config(parse("--http-port", "9002")).router.http_port == 9002
+    assert (cfg.router.http.port, cfg.router.host, cfg.router.grpc.port) == (9001, "0.0.0.0", 0)
+    assert serve_config(parse("--http-port", "9002")).router.http.port == 9002
     router = serve_config(parse("--stats-interval-s", "0", "--enable-log-requests")).router
     assert (router.stats_log_interval_s, router.log_requests) == (0.0, True)
     router = serve_config(parse()).router
@@ -238,10 +238,44 @@ def test_a_retired_key_is_refused_with_what_became_of_it(key: str, value: Any, s
         ServeConfig.load(None, {"router": {key: value}})
 
 
-def test_table_defaults_are_the_config_trees() -> None:
-    tree = ServeConfig()
+def test_docs_config_md_is_generated_from_the_settings() -> None:
+    """docs/config.md's reference is what the settings' declarations generate (run
+    `python -m pdserve.config` after changing one)."""
+    from pdserve.config import GENERATED_BEGIN, GENERATED_END, reference_markdown
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "config.md").read_text()
+    begin, end = text.index(GENERATED_BEGIN), text.index(GENERATED_END) + len(GENERATED_END)
+    assert text[begin:end] == reference_markdown(), "stale: run python -m pdserve.config"
+
+
+def test_serve_help_is_each_settings_own_doc_and_default() -> None:
+    from pdserve.config import setting_doc, settings
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    serve = {a.dest: a for a in sub.choices["serve"]._actions}  # type: ignore[index]
+    paths = {d.path for d in settings()}
     for flag in SERVE_TABLE:
-        assert flag.default == getattr(getattr(tree, flag.section), flag.key), flag.dest
+        assert flag.path in paths, flag.dest
+        doc = setting_doc(flag.path)
+        text = " ".join((serve[flag.dest].help or "").replace("%%", "%").split())
+        assert " ".join(doc.doc.split()) in text, flag.dest
+        assert f"(default: {doc.default_text()})" in text, flag.dest
+
+
+@pytest.mark.parametrize(
+    ("section", "value", "says"),
+    [
+        ({"cache": {"block_size": 12}}, 12, r"cache\.block_size=12 must be a power of two"),
+        ({"router": {"http": {"port": 70000}}}, 70000, r"router\.http\.port=70000 must be <="),
+        ({"router": {"policy": {"max_queue_len": 0}}}, 0, r"max_queue_len=0 must be >= 1"),
+        ({"transfer": {"transport": "ucx"}}, "ucx", r"transport='ucx' choose from"),
+    ],
+)
+def test_a_value_out_of_its_declared_bounds_is_refused_naming_it(
+    section: dict[str, Any], value: Any, says: str
+) -> None:
+    with pytest.raises(ValueError, match=says):
+        ServeConfig.load(None, section)
 
 
 def test_every_serve_flag_has_help_and_its_default() -> None:

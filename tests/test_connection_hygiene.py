@@ -45,7 +45,8 @@ from kv_transfer.transports.grpc_stream import (
 )
 from kv_transfer.wire import TransferError, as_bytes, block_runs, frame_regions, make_header
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
-from router.config import RouterConfig
+from router import http_guard, service
+from router.config import GrpcSettings, HttpSettings, LimitSettings, RouterConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,16 +69,26 @@ def serving(cfg: RouterConfig) -> Iterator[Servers]:
         yield Servers(grpc_port, http_port)
 
 
-def router_cfg(**kw: Any) -> RouterConfig:
-    base: dict[str, Any] = {
-        "grpc_port": 0,
-        "http_port": 0,
-        "http_header_timeout_s": TIMEOUT_S,
-        "http_body_timeout_s": TIMEOUT_S,
-        "http_keepalive_timeout_s": TIMEOUT_S,
-        "grpc_handshake_timeout_s": TIMEOUT_S,
-    }
-    return RouterConfig(**(base | kw))
+# The connection timeouts nobody tunes are module constants; here they are TIMEOUT_S.
+DEFAULT_TIMEOUTS = {
+    (http_guard, "HEADER_TIMEOUT_S"): http_guard.HEADER_TIMEOUT_S,
+    (http_guard, "BODY_TIMEOUT_S"): http_guard.BODY_TIMEOUT_S,
+    (service, "HANDSHAKE_TIMEOUT_S"): service.HANDSHAKE_TIMEOUT_S,
+}
+
+
+@pytest.fixture(autouse=True)
+def short_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    for (module, name) in DEFAULT_TIMEOUTS:
+        monkeypatch.setattr(module, name, TIMEOUT_S)
+
+
+def router_cfg(max_connections: int = 1024, **grpc_settings: Any) -> RouterConfig:
+    return RouterConfig(
+        http=HttpSettings(port=0, keepalive_timeout_s=TIMEOUT_S),
+        grpc=GrpcSettings(port=0, **grpc_settings),
+        limits=LimitSettings(max_connections=max_connections),
+    )
 
 
 def connect(port: int) -> socket.socket:
@@ -193,9 +204,10 @@ def test_stalled_body_and_idle_keepalive_are_closed() -> None:
         assert got_again.startswith(b"HTTP/1.1 408 ")
 
 
-def test_one_connection_over_the_cap_is_refused_at_once() -> None:
+def test_one_connection_over_the_cap_is_refused_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     cap = 4
-    with serving(router_cfg(max_connections=cap, http_header_timeout_s=30.0)) as srv:
+    monkeypatch.setattr(http_guard, "HEADER_TIMEOUT_S", 30.0)
+    with serving(router_cfg(max_connections=cap)) as srv:
         held = [connect(srv.http_port) for _ in range(cap)]
         time.sleep(0.2)  # the server has taken them all
         extra = connect(srv.http_port)
@@ -232,9 +244,11 @@ def _check(channel: grpc.Channel, timeout_s: float = 5.0) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def test_grpc_options_follow_the_config() -> None:
+def test_grpc_options_follow_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     from router.service import connection_options
 
+    for (module, name), default in DEFAULT_TIMEOUTS.items():
+        monkeypatch.setattr(module, name, default)
     defaults = dict(connection_options(RouterConfig()))
     assert defaults["grpc.max_concurrent_streams"] == 1024
     assert defaults["grpc.server_handshake_timeout_ms"] == 20_000
@@ -243,26 +257,31 @@ def test_grpc_options_follow_the_config() -> None:
     assert defaults["grpc.max_connection_idle_ms"] == 300_000
     assert defaults["grpc.max_allowed_incoming_connections"] == 1024
     assert "grpc.max_connection_age_ms" not in defaults  # age off: streams are never cut
-    aged = dict(connection_options(RouterConfig(grpc_max_connection_age_s=1800)))
+    aged = dict(connection_options(RouterConfig(grpc=GrpcSettings(max_connection_age_s=1800))))
     assert aged["grpc.max_connection_age_ms"] == 1_800_000
     assert "grpc.max_connection_age_grace_ms" not in aged  # unlimited grace (gRPC's default)
-    graced = RouterConfig(grpc_max_connection_age_s=1800, grpc_max_connection_age_grace_s=1e9)
+    graced = RouterConfig(
+        grpc=GrpcSettings(max_connection_age_s=1800, max_connection_age_grace_s=1e9)
+    )
     assert dict(connection_options(graced))["grpc.max_connection_age_grace_ms"] == 2**31 - 1
-    off = dict(connection_options(RouterConfig(max_connections=0, grpc_max_connection_idle_s=0)))
+    off = dict(
+        connection_options(
+            RouterConfig(
+                grpc=GrpcSettings(max_connection_idle_s=0),
+                limits=LimitSettings(max_connections=0),
+            )
+        )
+    )
     assert "grpc.max_allowed_incoming_connections" not in off
     assert "grpc.max_connection_idle_ms" not in off
-    bad: list[dict[str, Any]] = [
-        {"http_header_timeout_s": 0},
-        {"max_connections": -1},
-        {"http_backlog": 0},
-    ]
-    for kw in bad:
-        with pytest.raises(ValueError, match=next(iter(kw))):
-            RouterConfig(**kw)
+    with pytest.raises(ValueError, match=r"router\.limits\.max_connections=-1 must be >= 1"):
+        LimitSettings(max_connections=-1)
+    with pytest.raises(ValueError, match=r"router\.http\.keepalive_timeout_s=0 must be > 0"):
+        HttpSettings(keepalive_timeout_s=0)
 
 
 def test_grpc_streams_handshakes_and_idle_connections() -> None:
-    cfg = router_cfg(grpc_max_concurrent_streams=2, grpc_max_connection_idle_s=TIMEOUT_S)
+    cfg = router_cfg(max_concurrent_streams=2, max_connection_idle_s=TIMEOUT_S)
     with serving(cfg) as srv:
         target = f"127.0.0.1:{srv.grpc_port}"
         silent = [connect(srv.grpc_port) for _ in range(5)]  # never send the HTTP/2 preface
@@ -439,9 +458,9 @@ def test_fd_limit_is_raised_toward_the_caps(monkeypatch: pytest.MonkeyPatch) -> 
         limits["soft"] = new[0]
 
     monkeypatch.setattr(resource, "setrlimit", setrlimit)
-    assert serve.raise_fd_limit(RouterConfig(max_connections=1024)) is None
+    assert serve.raise_fd_limit(RouterConfig(limits=LimitSettings(max_connections=1024))) is None
     assert limits["soft"] == 2 * 1024 + serve.FD_RESERVE
     limits["soft"] = 400
-    warning = serve.raise_fd_limit(RouterConfig(max_connections=4096))
+    warning = serve.raise_fd_limit(RouterConfig(limits=LimitSettings(max_connections=4096)))
     assert limits["soft"] == 4096 and warning is not None and "max_connections" in warning
-    assert serve.raise_fd_limit(RouterConfig(max_connections=0)) is None
+    assert serve.raise_fd_limit(RouterConfig(limits=LimitSettings(max_connections=0))) is None

@@ -275,7 +275,8 @@ def test_schema_config_sections_are_the_serve_config_tree(chart: Any) -> None:
     [
         ({"config": {"prefill": {"num_workers": 3}}}, "config.prefill.num_workers"),
         ({"config": {"decode": {"resources": {"x": 1}}}}, "config.decode.resources"),
-        ({"config": {"router": {"grpc_port": 1}}}, "config.router.grpc_port"),
+        ({"config": {"router": {"grpc": {"port": 1}}}}, "config.router.grpc.port"),
+        ({"config": {"router": {"http": {"port": 1}}}}, "config.router.http.port"),
         ({"config": {"index": {"redis_url": "redis://h"}}}, "config.index.redis_url"),
         # a secret in the ConfigMap would be readable by anyone who can read ConfigMaps
         (
@@ -289,7 +290,7 @@ def test_schema_config_sections_are_the_serve_config_tree(chart: Any) -> None:
             "must not hold a password",
         ),
         ({"prefill": {"gpusPerWorker": 1}}, "one device kind"),
-        ({"config": {"router": {"tls_cert": "/c.pem"}}}, "config.router.tls_cert"),
+        ({"config": {"router": {"tls": {"cert": "/c.pem"}}}}, "config.router.tls"),
         ({"tls": {"enabled": True}}, "tls.enabled needs tls.secretName"),
         ({"tls": {"clientCA": "ca"}}, "tls.clientCA .mTLS. needs tls.enabled"),
         (
@@ -458,7 +459,7 @@ def test_configmap_config_loads_as_serve_config(
     cfg = serve_config(rendered[profile], tmp_path)
     assert cfg.ray.address == "auto"
     assert cfg.router.host == "0.0.0.0"
-    assert (cfg.router.grpc_port, cfg.router.http_port) == (50051, 8000)
+    assert (cfg.router.grpc.port, cfg.router.http.port) == (50051, 8000)
     assert cfg.transfer.host == "auto"  # each decode worker advertises its own pod IP
     assert cfg.index.redis_url is None  # the URL (and its password) comes at start, via env
     assert cfg.prefill.max_restarts == cfg.decode.max_restarts == -1
@@ -472,7 +473,7 @@ def test_configmap_config_loads_as_serve_config(
     assert cfg.model.revision == (HF_REVISION if profile == "hf" else None)
     if profile == "gpu":
         assert cfg.model.dtype == "bfloat16"
-    tls = (cfg.router.tls_cert, cfg.router.tls_key, cfg.router.tls_client_ca)
+    tls = (cfg.router.tls.cert, cfg.router.tls.key, cfg.router.tls.client_ca)
     if profile == "tls":
         assert tls == (f"{TLS_DIR}/tls.crt", f"{TLS_DIR}/tls.key", None)
     elif profile == "mtls":

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, suppress
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,6 @@ import pytest
 import yaml
 
 from pdserve.client import Client
-from router.config import RouterConfig
 
 pytest.importorskip("ray")
 
@@ -286,11 +285,9 @@ def serve_config(root: Path) -> Path:
         # Each pool asks for half a unit of its node's custom resource (and a little CPU).
         "prefill": {"num_workers": 1, "num_cpus": 0.25, "resources": {"pdserve_prefill": 0.5}},
         "decode": {"num_workers": 1, "num_cpus": 0.25, "resources": {"pdserve_decode": 0.5}},
-        "router": {"host": "127.0.0.1", "grpc_port": 0},
+        "router": {"host": "127.0.0.1", "grpc": {"port": 0}, "http": {"port": 0}},
         "ray": {"namespace": "pdserve"},
     }
-    if "http_port" in {f.name for f in fields(RouterConfig)}:
-        cfg["router"]["http_port"] = 0  # no fixed port: other tests may run beside this one
     path = root / "serve.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path

@@ -35,6 +35,7 @@ from engine.prefix_hash import (
     extend_block_hashes,
     namespace_seed,
 )
+from pool_api import index_feed
 from pool_api.config import IndexConfig
 from pool_api.index_feed import IndexFeed
 from pool_api.prefix_index import (
@@ -332,14 +333,15 @@ async def wait_for(cond: Callable[[], Awaitable[bool]], timeout_s: float = 10.0)
 
 @pytest.mark.parametrize("backend", ["memory", "redis"])
 def test_restarted_worker_feed_supersedes_old_entries(
-    backend: str, request: pytest.FixtureRequest
+    backend: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(index_feed, "PUBLISH_INTERVAL_S", 0.02)
     url = None
     if backend == "redis":
         server: RedisServer = request.getfixturevalue("redis_server")
         server.client().flushall()
         url = server.url
-    cfg = IndexConfig(redis_url=url, timeout_s=1.0, publish_interval_s=0.02)
+    cfg = IndexConfig(redis_url=url, timeout_s=1.0)
 
     async def main() -> None:
         router_ix: PrefixIndex = (

@@ -183,7 +183,7 @@ def serve_config(model_dir: Path, redis_url: str | None, transport: str = "grpc"
         None,
         {
             "model": {"model": str(model_dir), "served_model_name": SERVED_NAME},
-            "router": {"grpc_port": 0},
+            "router": {"grpc": {"port": 0}},
             "prefill": {"num_workers": 2, "max_restarts": 1},
             "decode": {"num_workers": 1},
             "transfer": {"transport": transport},

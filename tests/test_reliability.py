@@ -159,7 +159,7 @@ def test_overload_is_refused_at_once(chaos: Chaos) -> None:
     router = chaos.rig.router
     assert router is not None
     default = router.cfg
-    router.cfg = replace(default, max_queue_len=2)
+    router.cfg = replace(default, policy=replace(default.policy, max_queue_len=2))
     try:
         d = Driver(chaos.rig.target, 60.0)
         outs = asyncio.run(d.run([Shot(chaos.request("burst")) for _ in range(24)]))

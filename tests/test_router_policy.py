@@ -16,7 +16,7 @@ from pool_api.prefix_index import MemoryPrefixIndex
 from protos.pdserve.v1 import generation_pb2 as gen
 from router.active import ActiveRequest, RequestFailed
 from router.clients import DecodeClient, PrefillClient
-from router.config import PrefillFailurePolicy, RouterConfig
+from router.config import PolicySettings, PrefillFailurePolicy, RouterConfig
 from router.flow import RequestFlow
 from router.pools import Pool, WorkerLoad, overflow_worker, rank_pairs
 from router.reservation import Reserver, WaitingLine
@@ -166,7 +166,9 @@ def test_waiting_line_is_first_come_first_served_and_an_abort_wakes_the_next() -
 def flow(
     threshold: int, policy: PrefillFailurePolicy, prefill_up: bool, colocated: bool = False
 ) -> RequestFlow:
-    cfg = RouterConfig(local_prefill_threshold=threshold, prefill_failure_policy=policy)
+    cfg = RouterConfig(
+        policy=PolicySettings(local_prefill_threshold=threshold, prefill_failure_policy=policy)
+    )
     prefill, decode = prefill_pool(0), decode_pool(40, 40)
     if not prefill_up:
         prefill.workers[0].mark_down("test")
@@ -255,7 +257,7 @@ def test_overflow_is_off_at_zero_and_reaches_the_flow() -> None:
     f = flow(0, "recompute", prefill_up=True)
     f.prefill.workers[0].outstanding_tokens = 4096
     assert f._local_worker(active(512), {}) is None  # RouterConfig() leaves it off
-    f.cfg = RouterConfig(prefill_overflow_tokens=1024)
+    f.cfg = RouterConfig(policy=PolicySettings(prefill_overflow_tokens=1024))
     assert f._local_worker(active(512), {}) is not None
 
 

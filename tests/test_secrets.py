@@ -246,7 +246,7 @@ def test_to_dict_redacts_unless_asked(tmp_path: Path, monkeypatch: pytest.Monkey
     no_secret_in(yaml.safe_dump(data))
     assert data["router"]["api_key"] == data["transfer"]["shared_secret"] == "***"
     assert data["index"]["redis_url"] == "redis://pdserve:***@redis.internal:6379/0"
-    assert data["router"]["grpc_port"] == 0  # the rest is as it was
+    assert data["router"]["grpc"]["port"] == 0  # the rest is as it was
     full = cfg.to_dict(reveal_secrets=True)
     assert full["router"]["api_key"] == API_KEY
     assert full["transfer"]["shared_secret"] == KV_SECRET

@@ -151,8 +151,10 @@ def _router(workers: list[CountingWorker]) -> object:
 
     info = gen.ModelInfo(served_model_name="m", max_context_length=2048, block_size=16)
     pools: list[Any] = [Pool(Role(w.role), [client(w)]) for w in workers]
-    return Router(RouterConfig(stats_interval_s=0.5), ModelLimits("m", 512, 2048), None, info,
-                  pools[0], pools[1], "local")  # fmt: skip
+    router = Router(RouterConfig(), ModelLimits("m", 512, 2048), None, info, pools[0], pools[1],
+                    "local")  # fmt: skip
+    router.stats_refresh_s = 0.5
+    return router
 
 
 def test_server_info_is_served_from_cached_stats() -> None:

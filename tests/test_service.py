@@ -262,7 +262,7 @@ class Served:
 def serve_config(model_dir: Path, **sections: dict[str, Any]) -> ServeConfig:
     overrides: dict[str, Any] = {
         "model": {"model": str(model_dir), "served_model_name": SERVED_NAME},
-        "router": {"grpc_port": 0},
+        "router": {"grpc": {"port": 0}},
     }
     for key, value in sections.items():
         overrides.setdefault(key, {}).update(value)

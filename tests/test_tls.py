@@ -8,7 +8,7 @@ an intruder's client certificate. Then:
   client with the key gets tokens (gRPC, HTTPS, `pdserve client`, `pdserve bench`); a
   plaintext client is refused on both ports; a wrong or missing key is UNAUTHENTICATED / 401;
   HTTP /health and gRPC health answer over TLS without the key;
-- mTLS (`router.tls_client_ca`) in process: `start_server` and `start_http_server` on a
+- mTLS (`router.tls.client_ca`) in process: `start_server` and `start_http_server` on a
   router without workers; no client certificate, or one from another CA, fails the handshake
   on both ports; the CA's client certificate works, and so does the chart's readiness probe
   (k8s/helm/pdserve/files/health-probe.py) with the server's own certificate;
@@ -47,7 +47,7 @@ from pdserve.cli import build_parser, main, serve_config
 from pdserve.client import Client, ClientTLS, open_channel
 from protos.pdserve.v1 import generation_pb2 as gen
 from protos.pdserve.v1 import generation_pb2_grpc as gen_grpc
-from router.config import RouterConfig
+from router.config import GrpcSettings, HttpSettings, RouterConfig, TlsSettings
 from router.tls import ServerTLS
 
 pytestmark = pytest.mark.timeout(420)  # the first server test includes the server's start
@@ -291,11 +291,9 @@ class MtlsServers:
 @pytest.fixture(scope="module")
 def mtls(pki: Pki) -> Iterator[MtlsServers]:
     cfg = RouterConfig(
-        grpc_port=0,
-        http_port=0,
-        tls_cert=str(pki.server_cert),
-        tls_key=str(pki.server_key),
-        tls_client_ca=str(pki.ca),
+        grpc=GrpcSettings(port=0),
+        http=HttpSettings(port=0),
+        tls=TlsSettings(str(pki.server_cert), str(pki.server_key), str(pki.ca)),
     )
     tls = ServerTLS.of(cfg)
     assert tls is not None and tls.mutual
@@ -362,14 +360,14 @@ def test_helm_mtls_readiness_probe(mtls: MtlsServers, pki: Pki) -> None:
 @pytest.mark.parametrize(
     "kw, message",
     [
-        ({"tls_cert": "c.pem"}, "tls_cert and tls_key go together"),
-        ({"tls_key": "k.pem"}, "tls_cert and tls_key go together"),
-        ({"tls_client_ca": "ca.pem"}, "needs tls_cert and tls_key"),
+        ({"cert": "c.pem"}, "tls.cert and router.tls.key go together"),
+        ({"key": "k.pem"}, "tls.cert and router.tls.key go together"),
+        ({"client_ca": "ca.pem"}, "needs router.tls.cert and key"),
     ],
 )
 def test_router_config_refuses_half_a_tls_setting(kw: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        RouterConfig(**kw)
+        TlsSettings(**kw)
 
 
 def test_server_tls_check_names_the_bad_setting(pki: Pki, tmp_path: Path) -> None:
@@ -377,13 +375,13 @@ def test_server_tls_check_names_the_bad_setting(pki: Pki, tmp_path: Path) -> Non
         ServerTLS(str(cert), str(key), str(ca) if ca else None).check()
 
     check(pki.server_cert, pki.server_key, pki.ca)
-    with pytest.raises(ValueError, match=r"router.tls_key: .*missing.key: no such file"):
+    with pytest.raises(ValueError, match=r"router.tls.key: .*missing.key: no such file"):
         check(pki.server_cert, tmp_path / "missing.key")
     with pytest.raises(ValueError, match="cannot load them"):
         check(pki.server_cert, pki.client_key)  # not the certificate's key
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("not a certificate\n")
-    with pytest.raises(ValueError, match=r"router.tls_client_ca: .*not a PEM CA bundle"):
+    with pytest.raises(ValueError, match=r"router.tls.client_ca: .*not a PEM CA bundle"):
         check(pki.server_cert, pki.server_key, garbage)
 
 
@@ -392,7 +390,7 @@ def test_serve_flags_map_onto_the_router_config(pki: Pki) -> None:
         ["serve", "--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem"]
     )
     r = serve_config(args).router
-    assert (r.tls_cert, r.tls_key, r.tls_client_ca) == ("c.pem", "k.pem", "ca.pem")
+    assert (r.tls.cert, r.tls.key, r.tls.client_ca) == ("c.pem", "k.pem", "ca.pem")
 
 
 def test_serve_with_a_missing_certificate_fails_before_starting(
@@ -400,7 +398,7 @@ def test_serve_with_a_missing_certificate_fails_before_starting(
 ) -> None:
     missing = str(tmp_path / "nope.crt")
     assert main(["serve", "--tls-cert", missing, "--tls-key", missing]) == 2
-    assert f"router.tls_cert: {missing}: no such file" in capsys.readouterr().err
+    assert f"router.tls.cert: {missing}: no such file" in capsys.readouterr().err
 
 
 def test_client_tls_flags(pki: Pki) -> None:

@@ -148,7 +148,7 @@ class ChaosConfig:
             None,
             {
                 "model": {"model": self.preset},
-                "router": {"grpc_port": 0, "http_port": 0},
+                "router": {"grpc": {"port": 0}, "http": {"port": 0}},
                 "prefill": {"num_workers": 2, "max_restarts": 5},
                 "decode": {"num_workers": 2, "max_restarts": 5},
                 "transfer": {"transport": self.transport, "lease_s": self.lease_s},
@@ -925,8 +925,8 @@ def scenario_abusive_client(ch: Chaos) -> ScenarioResult:
     kv = tuple(rig.kv_addresses().values()) if cfg.kv_pokes else ()
     targets = AbuseTargets(rig.target, rig.http_port, router.model_info.served_model_name, kv)
     sizes = AbuseSizes(
-        max_stop_strings=router.cfg.max_stop_strings,
-        max_stop_chars=router.cfg.max_stop_chars,
+        max_stop_strings=router.cfg.limits.max_stop_strings,
+        max_stop_chars=router.cfg.limits.max_stop_chars,
         stop_max_tokens=cfg.output_len,
         num_slowloris=cfg.num_slowloris,
         kv_pokes=cfg.kv_pokes,
@@ -1099,7 +1099,7 @@ def scenario_overload(ch: Chaos) -> ScenarioResult:
     base_ttft = [o.ttft_s for o in base if o.status == OK and o.ttft_s is not None]
     queue_len = max(2, math.ceil(capacity * (percentile(base_ttft, 50) or 0.0)))
     default = router.cfg
-    router.cfg = replace(default, max_queue_len=queue_len)
+    router.cfg = replace(default, policy=replace(default.policy, max_queue_len=queue_len))
     t_over = cfg.baseline_s + 1.0  # on the plot, the 2x phase follows the 0.8x one
     try:
         shots = _poisson(ch, 2 * capacity, cfg.overload_s, "2x")

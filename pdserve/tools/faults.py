@@ -133,7 +133,9 @@ class RouterProcess:
     def __init__(self, cfg: ServeConfig, ray_address: str) -> None:
         data = cfg.to_dict(reveal_secrets=True)
         data["ray"] = {**data["ray"], "address": None, "detached": True}
-        data["router"] = {**data["router"], "grpc_port": 0, "http_enabled": False}
+        router = data["router"]
+        data["router"] = {**router, "grpc": {**router["grpc"], "port": 0}}
+        data["router"]["http"] = {**router["http"], "enabled": False}
         self.config = data
         self.ray_address = ray_address
         self.dir = tempfile.TemporaryDirectory(prefix="pdserve-router-")
@@ -285,7 +287,7 @@ class Rig:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.router: Router | None = None
         self.server: RouterServer | None = None
-        self.http: HTTPServer | None = None  # when router.http_enabled
+        self.http: HTTPServer | None = None  # when router.http.enabled
 
     def start(self) -> Rig:
         self.router = self.deployment.start()
@@ -301,7 +303,7 @@ class Rig:
 
     @property
     def http_port(self) -> int:
-        assert self.http is not None, "the rig serves HTTP when router.http_enabled"
+        assert self.http is not None, "the rig serves HTTP when router.http.enabled"
         return self.http.port
 
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
@@ -313,8 +315,8 @@ class Rig:
         server = await start_server(self.router, "127.0.0.1", 0)
         await self.router.start()
         await server.set_serving(True)
-        if self.cfg.router.http_enabled:
-            self.http = await start_http_server(self.router, "127.0.0.1", self.cfg.router.http_port)
+        if self.cfg.router.http.enabled:
+            self.http = await start_http_server(self.router, "127.0.0.1", self.cfg.router.http.port)
         return server
 
     async def _down(self) -> None:

@@ -1,5 +1,5 @@
 """An HTTP request's body as a JSON object, bounded before and while it is parsed: its size
-(`router.max_body_bytes`), its nesting (`router.max_json_depth`), UTF-8 and Unicode text.
+(`router.limits.max_body_bytes`), its nesting (`router.max_json_depth`), UTF-8 and Unicode text.
 Every refusal is a 400 in OpenAI's shape."""
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
+MAX_JSON_DEPTH = 32  # nesting of a request body (an internal bound, not a setting)
+
 @dataclass(frozen=True)
 class BodyLimits:
     """What an HTTP body may be before it is parsed (`router.config`): bytes and nesting."""
@@ -31,7 +33,7 @@ class BodyLimits:
         cfg = router.cfg
         # JSON escapes make a character at most 6 bytes (\uXXXX); leave room for the rest.
         derived = 6 * router.limits.edge_limits().max_prompt_chars + (1 << 20)
-        return cls(cfg.max_body_bytes or derived, cfg.max_json_depth)
+        return cls(cfg.limits.max_body_bytes or derived, MAX_JSON_DEPTH)
 
 
 async def _read_body(request: Request, max_bytes: int) -> bytes:

@@ -181,7 +181,7 @@ group offers exactly one, so every pod runs one actor.
 {{- $owned := dict
   "prefill" (list "num_workers" "num_gpus" "resources")
   "decode" (list "num_workers" "num_gpus" "resources")
-  "router" (list "host" "grpc_port" "http_port" "tls_cert" "tls_key" "tls_client_ca" "api_key")
+  "router" (list "host" "tls" "api_key")
   "ray" (list "address")
   "transfer" (list "shared_secret")
   "index" (list "redis_url")
@@ -223,14 +223,24 @@ group offers exactly one, so every pod runs one actor.
 {{- $_ := set $cfg "model" $model }}
 {{- $router := index $cfg "router" | default dict }}
 {{- $_ := set $router "host" "0.0.0.0" }}
-{{- $_ := set $router "grpc_port" (int .Values.router.grpcPort) }}
-{{- $_ := set $router "http_port" (int .Values.router.httpPort) }}
+{{- range $api, $port := dict "grpc" .Values.router.grpcPort "http" .Values.router.httpPort }}
+{{- $given := index $router $api | default dict }}
+{{- if hasKey $given "port" }}
+{{- fail (printf "config.router.%s.port is set by the chart: use the chart's own values (k8s/README.md)" $api) }}
+{{- end }}
+{{- $_ := set $given "port" (int $port) }}
+{{- $_ := set $router $api $given }}
+{{- end }}
+{{- $tls := dict }}
 {{- with include "pdserve.tlsDir" . }}
-{{- $_ := set $router "tls_cert" (printf "%s/tls.crt" .) }}
-{{- $_ := set $router "tls_key" (printf "%s/tls.key" .) }}
+{{- $_ := set $tls "cert" (printf "%s/tls.crt" .) }}
+{{- $_ := set $tls "key" (printf "%s/tls.key" .) }}
 {{- end }}
 {{- with include "pdserve.clientCADir" . }}
-{{- $_ := set $router "tls_client_ca" (printf "%s/ca.crt" .) }}
+{{- $_ := set $tls "client_ca" (printf "%s/ca.crt" .) }}
+{{- end }}
+{{- if $tls }}
+{{- $_ := set $router "tls" $tls }}
 {{- end }}
 {{- $_ := set $cfg "router" $router }}
 {{- $ray := index $cfg "ray" | default dict }}
