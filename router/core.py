@@ -77,7 +77,7 @@ class Router:
         self._refresher: asyncio.Task[None] | None = None
         self._stats_logger: asyncio.Task[None] | None = None
         self._index_sync = IndexSync(self.index)
-        self.reserver = Reserver(cfg, prefill, decode, model_info.block_size, self._spawn)
+        self.reserver = Reserver(cfg.policy, prefill, decode, model_info.block_size, self._spawn)
         # Decode workers push tokens here (router.token_sink).
         host = "127.0.0.1" if cfg.token_stream_host == "auto" else cfg.token_stream_host
         self.sinks = TokenSinkServer(host)

@@ -23,7 +23,7 @@ from pool_api.messages import ReserveResult
 from protos.pdserve.v1 import kv_transfer_pb2 as kvpb
 from router.active import ActiveRequest, RequestAborted, RequestFailed
 from router.clients import DecodeClient, PrefillClient, WorkerUnavailable, quietly
-from router.config import RouterConfig
+from router.config import PolicySettings
 from router.pools import PairCost, Pool, WorkerLoad, rank_pairs
 
 log = logging.getLogger(__name__)
@@ -79,13 +79,13 @@ class Reserver:
 
     def __init__(
         self,
-        cfg: RouterConfig,
+        policy: PolicySettings,
         prefill: Pool[PrefillClient],
         decode: Pool[DecodeClient],
         block_size: int,
         spawn: Spawn,
     ) -> None:
-        self.cfg = cfg
+        self.policy = policy
         self.prefill = prefill
         self.decode = decode
         self.block_size = block_size
@@ -98,7 +98,7 @@ class Reserver:
         got = await self._reserve_once(act, matches)
         if got is not None:
             return got
-        deadline = time.monotonic() + self.cfg.policy.queue_timeout_s
+        deadline = time.monotonic() + self.policy.queue_timeout_s
 
         def give_up() -> None:
             if act.aborted:
@@ -106,7 +106,7 @@ class Reserver:
             if time.monotonic() > deadline:
                 raise RequestFailed(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"no decode worker had KV room for {self.cfg.policy.queue_timeout_s:.0f} s",
+                    f"no decode worker had KV room for {self.policy.queue_timeout_s:.0f} s",
                 )
 
         async with self.line.first(give_up):
@@ -127,8 +127,8 @@ class Reserver:
             matches,
             act.num_prompt_tokens,
             self.block_size,
-            self.cfg.policy.prefill_tokens_per_s,
-            self.cfg.policy.transfer_gbps * 1e9,
+            self.policy.prefill_tokens_per_s,
+            self.policy.transfer_gbps * 1e9,
         )
         best: dict[str, PairCost] = {}
         for pc in pairs:

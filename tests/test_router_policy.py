@@ -173,7 +173,7 @@ def flow(
     if not prefill_up:
         prefill.workers[0].mark_down("test")
     info = gen.ModelInfo(block_size=BS, model_fingerprint="fp")
-    reserver = Reserver(cfg, prefill, decode, BS, lambda coro: None)
+    reserver = Reserver(cfg.policy, prefill, decode, BS, lambda coro: None)
     sinks = TokenSinkServer("127.0.0.1")  # never started: placement only
     return RequestFlow(
         cfg, prefill, decode, MemoryPrefixIndex(), info, reserver, NEVER_CALLED, colocated, sinks
@@ -310,7 +310,7 @@ def test_a_burst_spreads_over_equally_free_decode_workers() -> None:
     for w in decode.workers:
         w.stats_arrived(stats(w.name, Role.DECODE, 40))
     cfg = RouterConfig()
-    reserver = Reserver(cfg, prefill_pool(0), decode, BS, lambda coro: None)
+    reserver = Reserver(cfg.policy, prefill_pool(0), decode, BS, lambda coro: None)
 
     async def burst() -> None:
         acts = [active(3 * BS) for _ in range(6)]
