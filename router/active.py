@@ -57,6 +57,17 @@ Placement = Literal["disaggregated", "colocated", "short_prompt", "overflow", "n
 
 @dataclass
 class ActiveRequest:
+    """One admitted request as the router tracks it. Each field has one writer:
+
+        request, arrival_s                               set at admission (router.core)
+        queued, num_sent, first_sent_s, last_sent_s,     router.core (its responses and
+          finish_reason, aborted                           books; `abort`)
+        prefill, decode, transfer_id, placement,         router.flow (each from the value
+          pushed, cached_tokens, kv_transfer_bytes,        a stage returns: the Reservation,
+          timings, failure, done                           the PrefillResult, the relay)
+
+    Other modules (metrics, responses, the reserver) only read it."""
+
     request: WorkerRequest
     arrival_s: float  # time.perf_counter() at admission
     prefill: WorkerLoad[PrefillClient] | None = None
@@ -75,7 +86,7 @@ class ActiveRequest:
     # carried (ABORT too when the client left without one), or the status it failed with.
     finish_reason: FinishReason | None = None
     failure: grpc.StatusCode | None = None
-    pushed: PushedStream | None = None  # its tokens come on the token stream, not by poll
+    pushed: PushedStream | None = None  # its token stream (opened before its worker starts)
     placement: Placement | None = None  # None: not placed yet
 
     @property

@@ -234,6 +234,8 @@ class RequestFlow:
         """Reserve, then prefill into the reservation. None: the prefill worker died and the
         request may be placed again (its reservation is released)."""
         rsv = await self.reserver.reserve(act, matches)
+        act.decode, act.transfer_id = rsv.decode, rsv.transfer_id
+        act.timings.queue_ms = rsv.queue_ms
         n, bs = act.num_prompt_tokens, self.model_info.block_size
         p = rsv.prefill if rsv.prefill.healthy else self.prefill.pick_prefill(matches, n, bs)
         act.prefill = p

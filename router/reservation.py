@@ -72,6 +72,8 @@ class Reservation:
     decode: WorkerLoad[DecodeClient]  # holds the blocks
     prefill: WorkerLoad[PrefillClient]  # the other half of the pair that ranked cheapest
     ticket: bytes  # serialized pdserve.v1.TransferTicket
+    transfer_id: str  # the ticket's
+    queue_ms: float  # from the request's arrival until the blocks were reserved
 
 
 class Reserver:
@@ -155,14 +157,13 @@ class Reserver:
             if rr.ticket is None:
                 continue
             ticket = kvpb.TransferTicket.FromString(rr.ticket)
-            act.decode = d
-            act.transfer_id = ticket.transfer_id
             d.reserved(act.request_id, len(ticket.dst_block_ids) + 1)
             if act.aborted:  # Abort came during the call and saw no reservation
+                d.untrack(act.request_id)
                 await quietly(d.client.abort(act.request_id), "abort", d.name)
                 raise RequestAborted()
-            act.timings.queue_ms = (time.perf_counter() - act.arrival_s) * 1e3
-            return Reservation(d, pc.prefill, rr.ticket)
+            queue_ms = (time.perf_counter() - act.arrival_s) * 1e3
+            return Reservation(d, pc.prefill, rr.ticket, ticket.transfer_id, queue_ms)
         if act.aborted:
             raise RequestAborted()
         return None
