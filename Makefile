@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-PACKAGES := engine kv_transfer pool_api prefill_workers decode_workers router pdserve
+PACKAGES := engine kv_transfer pool_api worker_common prefill_workers decode_workers router pdserve
 export PDSERVE_HOME ?= $(CURDIR)/.venv/pdserve-home
 
 .PHONY: install demo test lint bench bench-engine bench-transfer bench-prefix bench-serving bench-peers redis chaos

@@ -9,7 +9,7 @@ import ray
 from decode_workers.worker import DecodeWorker
 from pool_api.config import WorkerConfig
 from pool_api.messages import DecodeStart, ReserveResult, TokenSink, WorkerRequest
-from pool_api.worker_common import ActorBase
+from worker_common import ActorBase
 
 
 class DecodeActor(ActorBase[DecodeWorker]):

@@ -47,7 +47,7 @@ from pool_api.messages import (
     WorkerRequest,
 )
 from pool_api.token_stream import SinkConnection
-from pool_api.worker_common import WorkerBase, check_owner
+from worker_common import WorkerBase, check_owner
 
 log = logging.getLogger(__name__)
 

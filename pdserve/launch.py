@@ -36,7 +36,7 @@ from router.pools import Pool
 from router.validation import EdgeLimits, ModelLimits
 
 if TYPE_CHECKING:
-    from pool_api.worker_common import StartupSummary
+    from worker_common import StartupSummary
 
 log = logging.getLogger(__name__)
 # Calls a worker actor runs at once (Ray async actors; an internal, not a setting).

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pool_api.config import WorkerConfig
 from pool_api.messages import PrefillResult, PrefillTask
-from pool_api.worker_common import ActorBase
 from prefill_workers.worker import PrefillWorker
+from worker_common import ActorBase
 
 
 class PrefillActor(ActorBase[PrefillWorker]):

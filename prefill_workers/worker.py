@@ -35,8 +35,8 @@ from kv_transfer.sender import DEFAULT_MAX_CHANNELS, KVSender, OutboundTransfer,
 from kv_transfer.wire import TransferError, TransferRejected
 from pool_api.config import WorkerConfig
 from pool_api.messages import PrefillResult, PrefillTask, Role
-from pool_api.worker_common import WorkerBase, check_owner
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
+from worker_common import WorkerBase, check_owner
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Switches on the debug checks that worker state is touched only by its owning thread
-(`pool_api.worker_common.check_owner`), for every test and the Ray workers it starts."""
+(`worker_common.check_owner`), for every test and the Ray workers it starts."""
 
 import os
 

@@ -27,9 +27,9 @@ from pdserve.config import ServeConfig
 from pdserve.launch import engine_config
 from pool_api.config import WorkerConfig
 from pool_api.messages import Role
-from pool_api.worker_common import EngineStalled
 from prefill_workers.worker import PrefillWorker
 from tests.in_process import generate, run_with_workers
+from worker_common import EngineStalled
 
 
 @pytest.fixture(scope="module")

@@ -144,7 +144,7 @@ def test_num_kv_blocks_overrides_memory(tmp_path: Path) -> None:
 def test_engine_sizes_its_cache_and_reports_it(tmp_path: Path) -> None:
     from engine.engine import EngineConfig, LLMEngine
     from pdserve.checkpoint import write_checkpoint
-    from pool_api.worker_common import StartupSummary
+    from worker_common import StartupSummary
 
     path = write_checkpoint("tiny", tmp_path / "tiny")
     cache = CacheConfig(kv_cache_memory=4 << 20)
@@ -166,7 +166,7 @@ def test_engine_sizes_its_cache_and_reports_it(tmp_path: Path) -> None:
 
 def test_router_checks_against_the_smallest_worker_cache() -> None:
     from pdserve.launch import router_view
-    from pool_api.worker_common import StartupSummary
+    from worker_common import StartupSummary
 
     def summary(n: int) -> StartupSummary:
         return StartupSummary(

@@ -6,6 +6,8 @@ Rules (docs/architecture.md, "Rooms"):
   shared protocol package or the CLI;
 - `pool_api` (what the router and workers both speak) never imports the router, a worker
   package or the CLI;
+- `worker_common` (what both worker packages share) never imports the router, a worker
+  package or the CLI;
 - the router never imports a worker package, nor the workers' shared code;
 - a worker package never imports the router, the other worker package or the CLI;
 - no import cycle among pdserve's modules (imports under TYPE_CHECKING count too).
@@ -21,15 +23,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = (
-    "engine", "kv_transfer", "pool_api", "prefill_workers", "decode_workers", "router",
-    "pdserve", "protos",
+    "engine", "kv_transfer", "pool_api", "worker_common", "prefill_workers", "decode_workers",
+    "router", "pdserve", "protos",
 )  # fmt: skip
 WORKERS = {"prefill_workers", "decode_workers"}
 FORBIDDEN: dict[str, set[str]] = {
     "engine": set(PACKAGES) - {"engine"},
     "kv_transfer": {"router", "pool_api", "pdserve", *WORKERS},
-    "pool_api": {"router", "pdserve", *WORKERS},
-    "router": {"pdserve", "pool_api.worker_common", *WORKERS},
+    "pool_api": {"router", "pdserve", "worker_common", *WORKERS},
+    "worker_common": {"router", "pdserve", *WORKERS},
+    "router": {"pdserve", "worker_common", *WORKERS},
     "prefill_workers": {"router", "pdserve", "decode_workers"},
     "decode_workers": {"router", "pdserve", "prefill_workers"},
 }
@@ -132,7 +135,7 @@ def test_no_import_cycle() -> None:
         ("engine.model", "router.core", "engine.model imports router.core"),
         ("router.core", "decode_workers.worker", "router.core imports decode_workers.worker"),
         ("kv_transfer.sender", "router.pools", "kv_transfer.sender imports router.pools"),
-        ("router.flow", "pool_api.worker_common", "router.flow imports pool_api.worker_common"),
+        ("router.flow", "worker_common", "router.flow imports worker_common"),
     ],
 )
 def test_the_rules_catch_an_upward_import(module: str, added: str, expected: str) -> None:

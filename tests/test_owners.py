@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+import worker_common
 from decode_workers.worker import DecodeWorker
 from pdserve.checkpoint import write_checkpoint
 from pdserve.config import ServeConfig
 from pdserve.launch import engine_config
-from pool_api import worker_common
 from pool_api.config import WorkerConfig
 from pool_api.messages import Role
 from prefill_workers.worker import PrefillWorker

@@ -24,11 +24,11 @@ from pool_api import token_stream
 from pool_api.config import WorkerConfig
 from pool_api.messages import PrefillTask, Role, WorkerRequest
 from pool_api.token_stream import SinkConnection
-from pool_api.worker_common import StartupSummary
 from prefill_workers.worker import PrefillWorker
 from protos.pdserve.v1 import WIRE_VERSION
 from protos.pdserve.v1 import kv_transfer_pb2 as kvpb
 from router.token_sink import TokenSinkServer
+from worker_common import StartupSummary
 
 
 @pytest.fixture(scope="module")
