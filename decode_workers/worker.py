@@ -42,6 +42,7 @@ from pool_api.messages import (
     DecodeStart,
     ReserveResult,
     Role,
+    StatKey,
     TokenBatch,
     TokenSink,
     WorkerRequest,
@@ -364,6 +365,6 @@ class DecodeWorker(WorkerBase):
 
     def _extra_stats(self) -> dict[str, float]:
         return {
-            "kv_bytes_received_total": float(self.receiver.bytes_received_total),
-            "kv_blocks_shared_total": float(self.receiver.blocks_shared_total),
+            StatKey.KV_BYTES_RECEIVED_TOTAL.value: float(self.receiver.bytes_received_total),
+            StatKey.KV_BLOCKS_SHARED_TOTAL.value: float(self.receiver.blocks_shared_total),
         }

@@ -116,6 +116,19 @@ class TokenBatch:
     first_token_s: float | None = None  # worker clock (perf_counter) of the first token
 
 
+class StatKey(str, enum.Enum):
+    """The keys of `WorkerStats.extra` (the dict carries their `.value`s)."""
+
+    ENGINE_STEPS_TOTAL = "engine_steps_total"  # steps that ran a forward
+    ENGINE_STEP_SECONDS_TOTAL = "engine_step_seconds_total"  # their wall time
+    TRANSFER_FAILURES_TOTAL = "transfer_failures_total"  # prefill: transfers that failed
+    TRANSFER_BYTES_TOTAL = "transfer_bytes_total"  # prefill: KV payload pushed
+    KV_BYTES_RECEIVED_TOTAL = "kv_bytes_received_total"  # decode: KV payload landed
+    KV_BLOCKS_SHARED_TOTAL = "kv_blocks_shared_total"  # decode: prompt blocks found cached
+    DECODE_WORKSPACE_BYTES = "decode_workspace_bytes"  # decode: the workspace's memory
+    DECODE_WORKSPACE_FALLBACKS_TOTAL = "decode_workspace_fallbacks_total"  # page gathers
+
+
 @dataclass(frozen=True)
 class WorkerStats:
     name: str
@@ -128,7 +141,7 @@ class WorkerStats:
     queued_prefill_tokens: int  # prompt tokens not yet computed
     num_requests_total: int
     num_preemptions_total: int
-    extra: dict[str, float] = field(default_factory=dict)  # role-specific gauges and counters
+    extra: dict[str, float] = field(default_factory=dict)  # StatKey values -> gauges, counters
     kv_bytes_per_block: int = 0  # K + V of one block over all layers (what a transfer moves)
 
     @classmethod
@@ -144,8 +157,10 @@ class WorkerStats:
         """A worker's load: its engine's stats plus what only the worker knows."""
         if engine.decode_workspace_bytes is not None:
             extra = {
-                "decode_workspace_bytes": float(engine.decode_workspace_bytes),
-                "decode_workspace_fallbacks_total": float(engine.decode_workspace_fallbacks_total),
+                StatKey.DECODE_WORKSPACE_BYTES.value: float(engine.decode_workspace_bytes),
+                StatKey.DECODE_WORKSPACE_FALLBACKS_TOTAL.value: float(
+                    engine.decode_workspace_fallbacks_total
+                ),
                 **extra,
             }
         return cls(

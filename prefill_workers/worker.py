@@ -34,7 +34,7 @@ from engine.scheduler import SchedulerOutput
 from kv_transfer.sender import DEFAULT_MAX_CHANNELS, KVSender, OutboundTransfer, SenderLeases
 from kv_transfer.wire import TransferError, TransferRejected
 from pool_api.config import WorkerConfig
-from pool_api.messages import PrefillResult, PrefillTask, Role
+from pool_api.messages import PrefillResult, PrefillTask, Role, StatKey
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from worker_common import WorkerBase, check_owner
 
@@ -181,8 +181,8 @@ class PrefillWorker(WorkerBase):
 
     def _extra_stats(self) -> dict[str, float]:
         return {
-            "transfer_failures_total": float(self.num_transfer_failures),
-            "transfer_bytes_total": float(self.num_transfer_bytes),
+            StatKey.TRANSFER_FAILURES_TOTAL.value: float(self.num_transfer_failures),
+            StatKey.TRANSFER_BYTES_TOTAL.value: float(self.num_transfer_bytes),
         }
 
     def _count_transfer(self, failed: bool, num_bytes: int) -> None:

@@ -144,10 +144,10 @@ class RequestFlow:
             act.done = True
             self.sinks.close(act.request_id)
 
-    def _push_to(self, act: ActiveRequest, d: WorkerLoad[DecodeClient]) -> TokenSink:
+    def _push_to(self, act: ActiveRequest, decode_worker: WorkerLoad[DecodeClient]) -> TokenSink:
         """Open the request's pushed stream before the worker can send to it."""
         assert self.sinks.sink is not None, "the router's token sink is not started"
-        act.pushed = self.sinks.open(act.request_id, d.name)
+        act.pushed = self.sinks.open(act.request_id, decode_worker.name)
         return self.sinks.sink
 
     def _local_worker(
@@ -167,27 +167,30 @@ class RequestFlow:
             return best or self._pick_decode()
         if prefill := self.prefill.healthy():
             limit = self.cfg.policy.prefill_overflow_tokens
-            d = overflow_worker(prefill, self.decode.healthy(), matches, n, bs, limit)
-            act.placement = "disaggregated" if d is None else "overflow"
-            return d
+            decode_worker = overflow_worker(prefill, self.decode.healthy(), matches, n, bs, limit)
+            act.placement = "disaggregated" if decode_worker is None else "overflow"
+            return decode_worker
         if self.cfg.policy.prefill_failure_policy == "fail":
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
         act.placement = "no_prefill_worker"
         return best or self._pick_decode()
 
     async def _local(
-        self, act: ActiveRequest, matches: dict[str, int], d: WorkerLoad[DecodeClient]
+        self, act: ActiveRequest, matches: dict[str, int], decode_worker: WorkerLoad[DecodeClient]
     ) -> Responses:
-        """Prefill and decode on `d`; its prompt tokens count as `d`'s outstanding prefill
-        work until the first token comes back (what `overflow_worker` weighs)."""
-        act.decode = d
-        d.track(act.request_id)
-        todo = act.num_prompt_tokens - d.cached_tokens(matches, self.model_info.block_size)
-        passed = d.prompt_pass(todo)
+        """Prefill and decode on `decode_worker`; its prompt tokens count as that worker's
+        outstanding prefill work until the first token comes back (what `overflow_worker`
+        weighs)."""
+        act.decode = decode_worker
+        decode_worker.track(act.request_id)
+        todo = act.num_prompt_tokens - decode_worker.cached_tokens(
+            matches, self.model_info.block_size
+        )
+        passed = decode_worker.prompt_pass(todo)
         try:
-            await d.client.submit(act.request, self._push_to(act, d))
+            await decode_worker.client.submit(act.request, self._push_to(act, decode_worker))
             act.timings.queue_ms = (time.perf_counter() - act.arrival_s) * 1e3
-            async for resp in self._relay(act, d):
+            async for resp in self._relay(act, decode_worker):
                 passed()
                 yield resp
         finally:
@@ -204,12 +207,12 @@ class RequestFlow:
                 async for resp in self._local(act, {}, self._pick_decode()):
                     yield resp
                 return
-        d, res = got
+        decode_worker, res = got
         if res.error or res.finished:
             await quietly(
-                d.client.release_reservation(act.request_id, act.transfer_id),
+                decode_worker.client.release_reservation(act.request_id, act.transfer_id),
                 "release_reservation",
-                d.name,
+                decode_worker.name,
             )
         if res.error:
             if act.aborted:
@@ -221,11 +224,11 @@ class RequestFlow:
         if res.finished:
             yield self.out.complete(act, res.finish_reason or FinishReason.STOP)
             return
-        sink = self._push_to(act, d)
-        await d.client.start(
+        sink = self._push_to(act, decode_worker)
+        await decode_worker.client.start(
             DecodeStart(act.request_id, act.transfer_id, res.first_token_id, sink=sink)
         )
-        async for resp in self._relay(act, d):
+        async for resp in self._relay(act, decode_worker):
             yield resp
 
     async def _prefill_on_pair(
@@ -237,18 +240,20 @@ class RequestFlow:
         act.decode, act.transfer_id = rsv.decode, rsv.transfer_id
         act.timings.queue_ms = rsv.queue_ms
         n, bs = act.num_prompt_tokens, self.model_info.block_size
-        p = rsv.prefill if rsv.prefill.healthy else self.prefill.pick_prefill(matches, n, bs)
-        act.prefill = p
+        prefill_worker = (
+            rsv.prefill if rsv.prefill.healthy else self.prefill.pick_prefill(matches, n, bs)
+        )
+        act.prefill = prefill_worker
         try:
-            with p.prefilling(act.request_id, n):
-                res = await self._prefill(p, act, rsv.ticket)
+            with prefill_worker.prefilling(act.request_id, n):
+                res = await self._prefill(prefill_worker, act, rsv.ticket)
         except TransferError:
-            self._transfer_done(act, p, rsv.decode, ok=False)
+            self._transfer_done(act, prefill_worker, rsv.decode, ok=False)
             raise
         except WorkerUnavailable as e:  # the prefill worker died (or its actor is gone)
-            await self._prefill_failed(act, p, rsv.decode, e)
+            await self._prefill_failed(act, prefill_worker, rsv.decode, e)
             return None
-        self._transfer_done(act, p, rsv.decode, ok=not res.error)
+        self._transfer_done(act, prefill_worker, rsv.decode, ok=not res.error)
         act.cached_tokens = res.num_cached_tokens
         t = act.timings
         t.queue_ms = (t.queue_ms or 0.0) + res.queue_ms
@@ -260,17 +265,17 @@ class RequestFlow:
     @staticmethod
     def _transfer_done(
         act: ActiveRequest,
-        p: WorkerLoad[PrefillClient],
-        d: WorkerLoad[DecodeClient],
+        prefill_worker: WorkerLoad[PrefillClient],
+        decode_worker: WorkerLoad[DecodeClient],
         ok: bool,
     ) -> None:
         """Both ends of the pair learn how the transfer went (an abort says nothing)."""
         if not act.aborted:
-            p.transfer_done(ok)
-            d.transfer_done(ok)
+            prefill_worker.transfer_done(ok)
+            decode_worker.transfer_done(ok)
 
     async def _prefill(
-        self, p: WorkerLoad[PrefillClient], act: ActiveRequest, ticket: bytes
+        self, prefill_worker: WorkerLoad[PrefillClient], act: ActiveRequest, ticket: bytes
     ) -> PrefillResult:
         """The prompt pass and its transfer, waited for no longer than the ticket's lease:
         past it the decode side has let the blocks go, so whatever the prefill worker still
@@ -278,33 +283,37 @@ class RequestFlow:
         lease = kvpb.TransferTicket.FromString(ticket).deadline_unix_ms / 1e3 - time.time()
         try:
             return await asyncio.wait_for(
-                p.client.prefill(PrefillTask(act.request, ticket)),
+                prefill_worker.client.prefill(PrefillTask(act.request, ticket)),
                 max(lease, 0.0) + _LEASE_GRACE_S,
             )
         except asyncio.TimeoutError as e:
-            raise TransferError(f"{p.name} did not finish the transfer within its lease") from e
+            raise TransferError(
+                f"{prefill_worker.name} did not finish the transfer within its lease"
+            ) from e
 
     async def _prefill_failed(
         self,
         act: ActiveRequest,
-        p: WorkerLoad[PrefillClient],
-        d: WorkerLoad[DecodeClient],
+        prefill_worker: WorkerLoad[PrefillClient],
+        decode_worker: WorkerLoad[DecodeClient],
         error: WorkerUnavailable,
     ) -> None:
         """A prefill worker died under this request: release its reservation, then fail it
         (policy `fail`, unless it was aborted meanwhile) or let the caller place it again."""
-        p.mark_down("its prefill failed")
-        log.warning("prefill worker %s failed on %s: %s", p.name, act.request_id, error)
-        await quietly(
-            d.client.release_reservation(act.request_id, act.transfer_id),
-            "release_reservation",
-            d.name,
+        prefill_worker.mark_down("its prefill failed")
+        log.warning(
+            "prefill worker %s failed on %s: %s", prefill_worker.name, act.request_id, error
         )
-        d.untrack(act.request_id)
+        await quietly(
+            decode_worker.client.release_reservation(act.request_id, act.transfer_id),
+            "release_reservation",
+            decode_worker.name,
+        )
+        decode_worker.untrack(act.request_id)
         act.prefill = act.decode = None
         if not act.aborted and self.cfg.policy.prefill_failure_policy == "fail":
             raise RequestFailed(
-                grpc.StatusCode.UNAVAILABLE, f"prefill worker {p.name} died: {error}"
+                grpc.StatusCode.UNAVAILABLE, f"prefill worker {prefill_worker.name} died: {error}"
             )
 
     def _pick_decode(self) -> WorkerLoad[DecodeClient]:
@@ -313,20 +322,22 @@ class RequestFlow:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
         return order[0]
 
-    async def _relay(self, act: ActiveRequest, d: WorkerLoad[DecodeClient]) -> Responses:
+    async def _relay(
+        self, act: ActiveRequest, decode_worker: WorkerLoad[DecodeClient]
+    ) -> Responses:
         rid = act.request_id
         try:
             while True:
                 try:
                     assert act.pushed is not None, "its stream is opened before the worker is"
-                    batch = await self._next_pushed(act, d, act.pushed)
+                    batch = await self._next_pushed(act, decode_worker, act.pushed)
                 except WorkerUnavailable as e:  # the decode worker died: its streams end here
                     if act.aborted:
                         yield self.out.complete(act, FinishReason.ABORT)
                         return
-                    d.mark_down("its stream failed")
+                    decode_worker.mark_down("its stream failed")
                     raise RequestFailed(
-                        grpc.StatusCode.UNAVAILABLE, f"decode worker {d.name} died: {e}"
+                        grpc.StatusCode.UNAVAILABLE, f"decode worker {decode_worker.name} died: {e}"
                     ) from e
                 if batch.error and not act.aborted:
                     raise RequestFailed(grpc.StatusCode.UNAVAILABLE, batch.error)
@@ -339,10 +350,10 @@ class RequestFlow:
                     yield self.out.complete(act, FinishReason.ABORT if act.aborted else reason)
                     return
         finally:
-            d.untrack(rid)
+            decode_worker.untrack(rid)
 
     async def _next_pushed(
-        self, act: ActiveRequest, d: WorkerLoad[DecodeClient], stream: PushedStream
+        self, act: ActiveRequest, decode_worker: WorkerLoad[DecodeClient], stream: PushedStream
     ) -> TokenBatch:
         """The next batch the worker pushed. Every `heartbeat_s` without one, or when its
         connection ended, a heartbeat asks the worker (over Ray) whether the request still
@@ -355,16 +366,19 @@ class RequestFlow:
                 # Nearly always its process died (Ray may hold calls to it until a restart):
                 # out of rotation now; a probe brings it back. A worker that hangs does not
                 # get to hold the request either.
-                d.mark_down(f"its token stream ended ({item.reason})")
+                decode_worker.mark_down(f"its token stream ended ({item.reason})")
                 bound_s = max(2.0, self.cfg.heartbeat_s)
                 try:
-                    alive = await asyncio.wait_for(d.client.heartbeat(act.request_id), bound_s)
+                    alive = await asyncio.wait_for(
+                        decode_worker.client.heartbeat(act.request_id), bound_s
+                    )
                 except asyncio.TimeoutError as e:
                     raise WorkerUnavailable(
-                        f"{d.name}: its stream ended and it did not answer within {bound_s:g} s"
+                        f"{decode_worker.name}: its stream ended and it did not answer within "
+                        f"{bound_s:g} s"
                     ) from e
             else:
-                alive = await d.client.heartbeat(act.request_id)
+                alive = await decode_worker.client.heartbeat(act.request_id)
             if alive:
                 continue  # nothing new
             item = await stream.get(_LAST_DELTA_GRACE_S)
@@ -377,5 +391,5 @@ class RequestFlow:
                 "",
                 finished=True,
                 finish_reason=FinishReason.ABORT,
-                error=f"decode worker {d.name} lost the request's token stream{lost}",
+                error=f"decode worker {decode_worker.name} lost the request's token stream{lost}",
             )

@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.request import FinishReason
+from pool_api.messages import Role, StatKey
 from router.active import ActiveRequest, RequestObserver
 from router.stats_log import StatsLog
 
@@ -420,13 +421,14 @@ class WorkerCollector(Collector):
             f.usage.add_metric(lv, used / s.num_total_blocks if s.num_total_blocks else 0.0)
             f.preempt.add_metric(lv, s.num_preemptions_total)
             f.cache_info.add_metric([*lv, *self._cache_labels(s.num_total_blocks)], 1.0)
-            f.steps.add_metric(lv, s.extra.get("engine_steps_total", 0.0))
-            f.step_seconds.add_metric(lv, s.extra.get("engine_step_seconds_total", 0.0))
-            if s.role == "prefill" or "transfer_bytes_total" in s.extra:
-                f.xbytes.add_metric(lv, s.extra.get("transfer_bytes_total", 0.0))
-            if s.role == "prefill" or "transfer_failures_total" in s.extra:
-                f.xfail.add_metric(lv, s.extra.get("transfer_failures_total", 0.0))
-            if s.role != "prefill" and "decode_workspace_bytes" in s.extra:
-                f.ws_bytes.add_metric(lv, s.extra["decode_workspace_bytes"])
-                f.ws_fallbacks.add_metric(lv, s.extra.get("decode_workspace_fallbacks_total", 0.0))
+            x, k = s.extra, StatKey
+            f.steps.add_metric(lv, x.get(k.ENGINE_STEPS_TOTAL.value, 0.0))
+            f.step_seconds.add_metric(lv, x.get(k.ENGINE_STEP_SECONDS_TOTAL.value, 0.0))
+            if s.role is Role.PREFILL or k.TRANSFER_BYTES_TOTAL.value in x:
+                f.xbytes.add_metric(lv, x.get(k.TRANSFER_BYTES_TOTAL.value, 0.0))
+            if s.role is Role.PREFILL or k.TRANSFER_FAILURES_TOTAL.value in x:
+                f.xfail.add_metric(lv, x.get(k.TRANSFER_FAILURES_TOTAL.value, 0.0))
+            if s.role is not Role.PREFILL and k.DECODE_WORKSPACE_BYTES.value in x:
+                f.ws_bytes.add_metric(lv, x[k.DECODE_WORKSPACE_BYTES.value])
+                f.ws_fallbacks.add_metric(lv, x.get(k.DECODE_WORKSPACE_FALLBACKS_TOTAL.value, 0.0))
         yield from f.all()

@@ -133,8 +133,8 @@ class Reserver:
             self.policy.transfer_gbps * 1e9,
         )
         best: dict[str, PairCost] = {}
-        for pc in pairs:
-            best.setdefault(pc.decode.name, pc)
+        for pair in pairs:
+            best.setdefault(pair.decode.name, pair)
         return list(best.values())
 
     async def _reserve_once(
@@ -146,43 +146,52 @@ class Reserver:
             raise RequestFailed(
                 grpc.StatusCode.UNAVAILABLE, "no healthy prefill and decode worker pair"
             )
-        for pc in order:
-            d = pc.decode
+        for pair in order:
+            decode_worker = pair.decode
             try:
-                rr = await self._reserve_on(d, act)
+                reply = await self._reserve_on(decode_worker, act)
             except WorkerUnavailable as e:  # dead or restarting: try the next pair
-                d.mark_down("its reservation failed")
-                log.warning("reserve on %s failed: %s", d.name, e)
+                decode_worker.mark_down("its reservation failed")
+                log.warning("reserve on %s failed: %s", decode_worker.name, e)
                 continue
-            if rr.ticket is None:
+            if reply.ticket is None:
                 continue
-            ticket = kvpb.TransferTicket.FromString(rr.ticket)
-            d.reserved(act.request_id, len(ticket.dst_block_ids) + 1)
+            ticket = kvpb.TransferTicket.FromString(reply.ticket)
+            decode_worker.reserved(act.request_id, len(ticket.dst_block_ids) + 1)
             if act.aborted:  # Abort came during the call and saw no reservation
-                d.untrack(act.request_id)
-                await quietly(d.client.abort(act.request_id), "abort", d.name)
+                decode_worker.untrack(act.request_id)
+                await quietly(
+                    decode_worker.client.abort(act.request_id), "abort", decode_worker.name
+                )
                 raise RequestAborted()
             queue_ms = (time.perf_counter() - act.arrival_s) * 1e3
-            return Reservation(d, pc.prefill, rr.ticket, ticket.transfer_id, queue_ms)
+            return Reservation(
+                decode_worker, pair.prefill, reply.ticket, ticket.transfer_id, queue_ms
+            )
         if act.aborted:
             raise RequestAborted()
         return None
 
-    async def _reserve_on(self, d: WorkerLoad[DecodeClient], act: ActiveRequest) -> ReserveResult:
+    async def _reserve_on(
+        self, decode_worker: WorkerLoad[DecodeClient], act: ActiveRequest
+    ) -> ReserveResult:
         """One reservation attempt. If the request is cancelled while the call is in flight
         (client gone, deadline), the call still completes on the worker: whatever it reserved
         is released once it answers, instead of waiting out the lease."""
         rid = act.request_id
-        call: asyncio.Future[ReserveResult] = asyncio.ensure_future(d.client.reserve(act.request))
-        d.reserving(call, -(-act.num_prompt_tokens // self.block_size) + 1)
+        call: asyncio.Future[ReserveResult] = asyncio.ensure_future(
+            decode_worker.client.reserve(act.request)
+        )
+        decode_worker.reserving(call, -(-act.num_prompt_tokens // self.block_size) + 1)
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
 
             def release_late(f: asyncio.Future[ReserveResult]) -> None:
                 if not f.cancelled() and f.exception() is None and f.result().ticket is not None:
-                    self._spawn(quietly(d.client.abort(rid), "abort", d.name))
+                    self._spawn(
+                        quietly(decode_worker.client.abort(rid), "abort", decode_worker.name)
+                    )
 
             call.add_done_callback(release_late)
             raise
-

@@ -27,7 +27,7 @@ from kv_transfer.transports.base import Transport, get_transport
 from pool_api.config import WorkerConfig
 from pool_api.index_feed import IndexFeed
 from pool_api.logs import log_to_stderr
-from pool_api.messages import IndexUpdate, Role, WorkerStats
+from pool_api.messages import IndexUpdate, Role, StatKey, WorkerStats
 from protos.pdserve.v1 import WIRE_VERSION
 
 # How long `stats` waits for fresh stats before answering with the last ones taken.
@@ -227,8 +227,8 @@ class WorkerBase(abc.ABC):
             self._num_reserved(),
             self.num_requests_total,
             {
-                "engine_steps_total": float(self.loop.num_steps),
-                "engine_step_seconds_total": self.loop.step_s_total,
+                StatKey.ENGINE_STEPS_TOTAL.value: float(self.loop.num_steps),
+                StatKey.ENGINE_STEP_SECONDS_TOTAL.value: self.loop.step_s_total,
                 **self._extra_stats(),
             },
         )
