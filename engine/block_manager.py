@@ -200,8 +200,8 @@ class BlockManager:
         into the table is not, and ascending ids make consecutive ids neighbours. Why: a
         request's cached blocks enter the LRU tail first (its head stays longest), so they
         come back out in descending order; placed as they come, every page would be a run
-        of its own and a KV transfer would send one message per block per layer (measured
-        in the TTFT benchmark: 71 runs for a 128-block prompt, ~1700 gloo messages).
+        of its own and a KV transfer would send one message per block per layer
+        (docs/benchmarks.md has the figures).
         """
         return sorted(self._pop_free() for _ in range(n))
 

@@ -4,8 +4,8 @@ The engine is best built on that thread too (pass a function that builds it): to
 OpenMP runtime keeps one thread team per thread that ever ran a parallel op, and once a
 process holds more OpenMP threads than cores, libgomp stops spinning between parallel
 regions and every one of a decode step's hundreds of regions pays a futex wake-up. Weights
-loaded on the actor's main thread left such a second team behind and made each decode step
-about 1.5x slower than the same engine built and stepped on one thread (docs/benchmarks.md).
+loaded on the actor's main thread leave such a second team behind (the cost of a decode
+step: docs/benchmarks.md).
 
 Other threads (a Ray actor's asyncio loop, transport threads) hand the loop closures with
 `call`; the loop runs them between steps, in order, on the engine thread. The engine, its

@@ -201,8 +201,8 @@ class WorkerBase(abc.ABC):
         """Fresh from the engine thread when it answers within `_FRESH_STATS_WAIT_S` (between
         steps it does at once; a decode step is tens of ms). During a longer step (a prompt
         pass of seconds on a CPU), the last stats taken, so the router never mistakes a busy
-        worker for a dead one: it used to mark such a worker down after 2 s, route around it
-        and report the service unready. A step or call running past
+        worker for a dead one (it would route around it and report the service unready). A
+        step or call running past
         `cfg.stall_timeout_s` raises `EngineStalled`: that worker is stuck."""
         fresh = asyncio.wrap_future(self.loop.call(self._stats))
         fresh.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen, if late
