@@ -15,8 +15,17 @@ Rules (docs/lifecycle.md):
 * Frames for an unknown, finished or failed transfer id are rejected, so late bytes never
   reach blocks that a new request owns.
 
-Transport threads call into this class; its own state is guarded by `lock`. Blocks belong
-to one owner: with a `release` callback (the decode worker's), the receiver never frees a
+Who writes what:
+
+    state                                         written by
+    _by_transfer (every Reservation in it),       any thread, under `lock` (transport
+      bytes_received_total, blocks_shared_total     threads, the reaper, the decode worker)
+    the block manager                             its owner only: the decode worker's
+                                                    engine thread (see below)
+    the pages a frame lands in                    the transport thread writing that frame,
+                                                    between `begin_frame` and `end_frame`
+
+Blocks belong to one owner: with a `release` callback (the decode worker's), the receiver never frees a
 block itself but hands the request id to `release`, which frees it on the engine thread, as
 vLLM's connectors report finished transfers through `get_finished`. Without one
 (standalone use), blocks are freed at once under `lock`. `reserve` and `take` run where the
