@@ -26,10 +26,10 @@ Who writes what:
                                                     between `begin_frame` and `end_frame`
 
 Blocks belong to one owner: with a `release` callback (the decode worker's), the receiver
-never frees a block itself but hands the request id to `release`, which frees it on the engine thread, as
-vLLM's connectors report finished transfers through `get_finished`. Without one
-(standalone use), blocks are freed at once under `lock`. `reserve` and `take` run where the
-blocks' owner runs (the decode worker calls them on its engine thread).
+never frees a block itself but hands the request id to `release`, which frees it on the
+engine thread, as vLLM's connectors report finished transfers through `get_finished`.
+Without one (standalone use), blocks are freed at once under `lock`. `reserve` and `take`
+run where the blocks' owner runs (the decode worker calls them on its engine thread).
 """
 
 from __future__ import annotations
