@@ -213,16 +213,22 @@ class DecodeWorker(WorkerBase):
         return True
 
     async def abort(self, request_id: str) -> bool:
-        """End a request wherever it is here, free its blocks, and end its stream."""
+        """The router's abort (its client asked, or left): end the request wherever it is
+        here, free its blocks, and end its stream with finish reason abort."""
+        return await self._end_here(request_id, "")
+
+    async def _end_here(self, request_id: str, error: str) -> bool:
+        """Abort a request; `error`: this worker ended it on its own (its router went
+        silent), and its stream ends with that error, never as a normal-looking abort."""
 
         def do() -> bool:
             self._on_engine_thread()
             found = self.engine.abort(request_id)
             entry = self.reserved.pop(request_id, None)
             if entry is not None:
-                self.receiver.fail(entry[1], "aborted")
+                self.receiver.fail(entry[1], error or "aborted")
                 found = True
-            self._emit([_ending(request_id)])
+            self._emit([_ending(request_id)], error)
             return found
 
         return await self.loop.run(do)
@@ -282,7 +288,7 @@ class DecodeWorker(WorkerBase):
                 del self._sinks[sink]
         for rid, stream in list(self.streams.items()):
             if stream.sink == sink:
-                await self.abort(rid)
+                await self._end_here(rid, f"{self.name}: the router's token stream was lost")
                 self.streams.pop(rid, None)
 
     async def _reap_unheard(self) -> None:
@@ -291,15 +297,24 @@ class DecodeWorker(WorkerBase):
         decode to `max_tokens` and keep their blocks for ever. A stream whose frames flow
         needs no heartbeat (a router that stops reading loses its connection instead)."""
         idle_s = self.cfg.stream_idle_timeout_s
+        period_s = min(idle_s / 4, 1.0)
         while True:
-            await asyncio.sleep(min(idle_s / 4, 1.0))
+            slept_from = time.monotonic()
+            await asyncio.sleep(period_s)
+            if time.monotonic() - slept_from > period_s + idle_s / 2:
+                # This process itself was frozen (SIGSTOP, a stalled host): the router's
+                # silence is measured from what it sent, not across our own freeze.
+                for stream in self.streams.values():
+                    stream.last_heard_s = time.monotonic()
+                continue
             sent = await self.loop.run(self._last_sent)
             now = time.monotonic()
             for rid, stream in list(self.streams.items()):
                 heard_s = max(stream.last_heard_s, sent.get(rid, 0.0))
                 if now - heard_s > idle_s and self.streams.get(rid) is stream:
                     log.warning("%s: %s not heard of for %.0f s: aborted", self.name, rid, idle_s)
-                    await self.abort(rid)
+                    why = f"{self.name}: its router was not heard of for {idle_s:.0f} s"
+                    await self._end_here(rid, why)
                     self.streams.pop(rid, None)
 
     # ---- the engine thread's state -------------------------------------------------------

@@ -8,6 +8,7 @@ mypy checks every call the router makes. A client wraps either a plain in-proces
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar, cast
@@ -30,6 +31,13 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 A = TypeVar("A", bound=WorkerApi)
+
+# Deadlines of the calls to a worker. A heartbeat answers at once on the worker's event loop
+# (never behind an engine step), so a short bound tells a frozen worker from a busy one.
+# Every other call also ends when the worker is found silent (`went_silent`: its stats timed
+# out), which bounds a frozen worker's cost to its requests by the stats refresh (2 s), not
+# by how long it stays frozen; `deadline_s` (router.worker_call_timeout_s) caps the rest.
+HEARTBEAT_DEADLINE_S = 2.0
 
 
 class WorkerUnavailable(Exception):
@@ -76,14 +84,40 @@ class WorkerClient(Generic[A]):
         self.role = role
         self._api = api
         self._lost = lost
+        self.deadline_s = 60.0  # the Router sets router.worker_call_timeout_s
+        self._silent: asyncio.Event | None = None  # set when the worker is found silent
 
-    async def _call(self, call: Awaitable[T]) -> T:
+    def went_silent(self) -> None:
+        """The worker stopped answering (its stats timed out, or a call found it gone):
+        every call waiting on it now fails with WorkerUnavailable, not when it wakes up."""
+        if self._silent is not None:
+            self._silent.set()
+            self._silent = None
+
+    async def _call(self, call: Awaitable[T], deadline_s: float | None = None) -> T:
+        """`call`'s answer, or WorkerUnavailable: the worker died, its engine failed, it was
+        found silent meanwhile, or it did not answer within the deadline."""
+        if self._silent is None:
+            self._silent = asyncio.Event()
+        silent = asyncio.ensure_future(self._silent.wait())
+        answer = asyncio.ensure_future(call)
+        limit = self.deadline_s if deadline_s is None else deadline_s
         try:
-            return await call
+            done, _ = await asyncio.wait(
+                {answer, silent}, timeout=limit, return_when=asyncio.FIRST_COMPLETED
+            )
+            if answer in done:
+                return answer.result()
+            why = "was found silent" if silent in done else f"did not answer in {limit:g} s"
+            raise WorkerUnavailable(f"{self.name} {why}")
         except self._lost as e:  # died, or unavailable while Ray restarts it
             raise WorkerUnavailable(f"{self.name}: {e}") from e
         except EngineFailed as e:  # Ray re-raises the worker's own error as a subclass
             raise WorkerUnavailable(f"{self.name}: {e}") from e
+        finally:
+            silent.cancel()
+            if not answer.done():
+                answer.cancel()
 
     async def stats(self) -> WorkerStats:
         return await self._call(self._api.stats())
@@ -136,7 +170,7 @@ class DecodeClient(WorkerClient[DecodeApi]):
         await self._call(self._api.release_reservation(request_id, transfer_id))
 
     async def heartbeat(self, request_id: str) -> bool:
-        return await self._call(self._api.heartbeat(request_id))
+        return await self._call(self._api.heartbeat(request_id), HEARTBEAT_DEADLINE_S)
 
 
 async def quietly(call: Awaitable[object], what: str, worker: str) -> None:

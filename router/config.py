@@ -173,6 +173,12 @@ class RouterConfig:
         "to it: a dead worker or a forgotten request ends it",
         gt=0,
     )
+    worker_call_timeout_s: float = setting(
+        60.0,
+        "a call to a worker that neither answers nor finds that worker silent (its stats "
+        "timed out) within this long fails, and its request ends UNAVAILABLE",
+        gt=0,
+    )
     token_stream_host: str = setting(
         "auto",
         "address the token sink binds and gives decode workers; auto: 127.0.0.1 with a "

@@ -77,6 +77,8 @@ class Router:
         self._refresher: asyncio.Task[None] | None = None
         self._stats_logger: asyncio.Task[None] | None = None
         self._index_sync = IndexSync(self.index)
+        for worker in prefill.workers + decode.workers:
+            worker.client.deadline_s = cfg.worker_call_timeout_s
         self.reserver = Reserver(cfg.policy, prefill, decode, model_info.block_size, self._spawn)
         # Decode workers push tokens here (router.token_sink).
         host = "127.0.0.1" if cfg.token_stream_host == "auto" else cfg.token_stream_host
@@ -104,17 +106,33 @@ class Router:
         self._last_refresh_s = time.monotonic()
         serving = self.serviceable()
         if serving != self._serving and self.on_serving_change is not None:
-            log.warning("router %s", "serving again" if serving else "cannot serve: a pool is down")
+            why = "draining" if self.draining else "a pool is down"
+            log.warning("router %s", "serving again" if serving else f"cannot serve: {why}")
             await self.on_serving_change(serving)
         self._serving = serving
         await self._index_sync.pull(self.prefill.workers + self.decode.workers)
 
     def serviceable(self) -> bool:
         """Requests can succeed: not draining, a decode worker is up, and a prefill worker
-        too unless decode workers run both phases."""
+        too, unless decode workers prefill themselves (colocated, or the `recompute` policy
+        with the prefill pool down: degraded, see `degraded`)."""
         if self.draining or not self.decode.serviceable():
             return False
-        return self.colocated or not self.prefill.workers or self.prefill.serviceable()
+        if self.colocated or not self.prefill.workers or self.prefill.serviceable():
+            return True
+        return self.cfg.policy.prefill_failure_policy == "recompute"
+
+    def degraded(self) -> list[str]:
+        """Why a serving router serves less than its whole deployment (empty: it does not):
+        what a load balancer's health check and an operator see."""
+        out = []
+        for pool, what in ((self.prefill, "prefill"), (self.decode, "decode")):
+            down = [w.name for w in pool.workers if not w.healthy]
+            if down:
+                out.append(f"{len(down)} of {len(pool.workers)} {what} workers down")
+        if self.prefill.workers and not self.colocated and not self.prefill.serviceable():
+            out.append("no prefill worker: decode workers prefill the prompts")
+        return out
 
     async def _refresh_loop(self) -> None:
         while True:

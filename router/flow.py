@@ -300,7 +300,7 @@ class RequestFlow:
     ) -> None:
         """A prefill worker died under this request: release its reservation, then fail it
         (policy `fail`, unless it was aborted meanwhile) or let the caller place it again."""
-        prefill_worker.mark_down("its prefill failed")
+        prefill_worker.mark_silent("its prefill failed")
         log.warning(
             "prefill worker %s failed on %s: %s", prefill_worker.name, act.request_id, error
         )
@@ -335,7 +335,7 @@ class RequestFlow:
                     if act.aborted:
                         yield self.out.complete(act, FinishReason.ABORT)
                         return
-                    decode_worker.mark_down("its stream failed")
+                    decode_worker.mark_silent("its stream failed")
                     raise RequestFailed(
                         grpc.StatusCode.UNAVAILABLE, f"decode worker {decode_worker.name} died: {e}"
                     ) from e
@@ -364,21 +364,11 @@ class RequestFlow:
                 return item
             if isinstance(item, StreamLost):
                 # Nearly always its process died (Ray may hold calls to it until a restart):
-                # out of rotation now; a probe brings it back. A worker that hangs does not
-                # get to hold the request either.
+                # out of rotation now; a probe brings it back.
                 decode_worker.mark_down(f"its token stream ended ({item.reason})")
-                bound_s = max(2.0, self.cfg.heartbeat_s)
-                try:
-                    alive = await asyncio.wait_for(
-                        decode_worker.client.heartbeat(act.request_id), bound_s
-                    )
-                except asyncio.TimeoutError as e:
-                    raise WorkerUnavailable(
-                        f"{decode_worker.name}: its stream ended and it did not answer within "
-                        f"{bound_s:g} s"
-                    ) from e
-            else:
-                alive = await decode_worker.client.heartbeat(act.request_id)
+            # A heartbeat has a short deadline of its own (clients.HEARTBEAT_DEADLINE_S): a
+            # worker that hangs does not get to hold the request.
+            alive = await decode_worker.client.heartbeat(act.request_id)
             if alive:
                 continue  # nothing new
             item = await stream.get(_LAST_DELTA_GRACE_S)

@@ -276,7 +276,12 @@ class OpenAIApp:
     async def health(self) -> Response:
         """GET /health, and GET or POST /ping (vLLM's SageMaker-style probe): the same."""
         if self.ready():
-            return JSONResponse({"status": "ok"})
+            degraded = self.router.degraded()
+            if not degraded:
+                return JSONResponse({"status": "ok"})
+            # Still 200: requests are served (a load balancer keeps this router in rotation).
+            body = {"status": "degraded", "degraded": degraded}
+            return JSONResponse(body, headers={"X-PDServe-Degraded": "; ".join(degraded)})
         status = "draining" if self.router.draining else "not ready"
         return JSONResponse({"status": status}, status_code=503)
 

@@ -323,6 +323,10 @@ class _WorkerFamilies:
             "num_requests_running",
             "Requests in a worker's running batch (role=router: admitted, past the queue).",
         )
+        self.degraded = _gauge(
+            "router_degraded",
+            "1 while the router serves with part of its deployment down (GET /health says why).",
+        )
         self.waiting = _gauge(
             "num_requests_waiting",
             "Requests waiting in a worker's scheduler (role=router: admitted, no token sent yet).",
@@ -365,6 +369,7 @@ class _WorkerFamilies:
         return (
             self.running,
             self.waiting,
+            self.degraded,
             self.usage,
             self.preempt,
             self.xbytes,
@@ -410,6 +415,7 @@ class WorkerCollector(Collector):
         router_lv = [self.model_name, ROUTER_ROLE, ROUTER_ROLE]
         f.running.add_metric(router_lv, max(len(r.active) - queued, 0))
         f.waiting.add_metric(router_lv, queued)
+        f.degraded.add_metric(router_lv, 1.0 if r.serviceable() and r.degraded() else 0.0)
         for w in r.prefill.workers + r.decode.workers:
             s = w.stats
             if s is None:

@@ -59,10 +59,20 @@ class WorkerLoad(Generic[C]):
             self.probe_interval_s = 0.0
         self.healthy = False
 
-    def probe_failed(self, reason: object, min_interval_s: float) -> None:
-        """A stats probe failed: down, and the next probe later (doubling, from
-        `min_interval_s` up to `MAX_PROBE_INTERVAL_S`)."""
+    def mark_silent(self, reason: object) -> None:
+        """Down, and found not answering (its stats timed out, a call found it gone): the
+        calls waiting on it fail now (`WorkerClient.went_silent`), so a frozen worker holds
+        its requests for the time it took to notice, not for as long as it stays frozen."""
         self.mark_down(reason)
+        self.client.went_silent()
+
+    def probe_failed(self, reason: object, min_interval_s: float, silent: bool = True) -> None:
+        """A stats probe failed: down (silent unless the failure was a bug of ours), and the
+        next probe later (doubling, from `min_interval_s` up to `MAX_PROBE_INTERVAL_S`)."""
+        if silent:
+            self.mark_silent(reason)
+        else:
+            self.mark_down(reason)
         self.probe_interval_s = min(
             max(2 * self.probe_interval_s, min_interval_s), MAX_PROBE_INTERVAL_S
         )
@@ -295,6 +305,6 @@ class Pool(Generic[C]):
                 # Boundary of the refresh loop: a worker whose stats raise cannot be routed
                 # to by load, so it is probed again later; the traceback says whose bug it is.
                 log.exception("stats of %s failed", w.name)
-                w.probe_failed(e, interval_s)
+                w.probe_failed(e, interval_s, silent=False)
 
         await asyncio.gather(*(one(w) for w in self.workers))

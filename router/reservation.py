@@ -151,7 +151,7 @@ class Reserver:
             try:
                 reply = await self._reserve_on(decode_worker, act)
             except WorkerUnavailable as e:  # dead or restarting: try the next pair
-                decode_worker.mark_down("its reservation failed")
+                decode_worker.mark_silent("its reservation failed")
                 log.warning("reserve on %s failed: %s", decode_worker.name, e)
                 continue
             if reply.ticket is None:
