@@ -94,12 +94,16 @@ class WorkerClient(Generic[A]):
             self._silent.set()
             self._silent = None
 
+    async def until_silent(self) -> None:
+        """Returns once this worker is found silent (`went_silent`)."""
+        if self._silent is None:
+            self._silent = asyncio.Event()
+        await self._silent.wait()
+
     async def _call(self, call: Awaitable[T], deadline_s: float | None = None) -> T:
         """`call`'s answer, or WorkerUnavailable: the worker died, its engine failed, it was
         found silent meanwhile, or it did not answer within the deadline."""
-        if self._silent is None:
-            self._silent = asyncio.Event()
-        silent = asyncio.ensure_future(self._silent.wait())
+        silent = asyncio.ensure_future(self.until_silent())
         answer = asyncio.ensure_future(call)
         limit = self.deadline_s if deadline_s is None else deadline_s
         try:

@@ -278,28 +278,34 @@ class Router:
 
     # ---- info ----------------------------------------------------------------------------
     async def server_info(self) -> gen.ServerInfo:
-        # From the stats the refresh loop keeps, pulling anew at most once per interval, so
-        # a client calling this in a loop cannot turn it into a stats storm on the workers.
-        if time.monotonic() - self._last_refresh_s > self.stats_refresh_s:
-            await self.refresh()
-        workers = [
-            gen.WorkerInfo(
-                name=w.name,
-                role=w.stats.role.value,
-                num_free_blocks=w.stats.num_free_blocks,
-                num_total_blocks=w.stats.num_total_blocks,
-                num_running=w.stats.num_running,
-                num_waiting=w.stats.num_waiting,
-                num_requests_total=w.stats.num_requests_total,
-                num_preemptions_total=w.stats.num_preemptions_total,
-            )
-            for w in self.prefill.workers + self.decode.workers
-            if w.stats is not None
-        ]
+        """At once, from the stats the refresh loop keeps (never a call to a worker: one
+        that is down would hold the answer), with each worker's health and stats age."""
+        now = time.monotonic()
+        workers = []
+        for w in self.prefill.workers + self.decode.workers:
+            info = gen.WorkerInfo(name=w.name, role=w.client.role.value, healthy=w.healthy)
+            if w.stats is not None:  # none yet: it never answered
+                s = w.stats
+                info.num_free_blocks, info.num_total_blocks = s.num_free_blocks, s.num_total_blocks
+                info.num_running, info.num_waiting = s.num_running, s.num_waiting
+                info.num_requests_total = s.num_requests_total
+                info.num_preemptions_total = s.num_preemptions_total
+                info.stats_age_s = now - w.stats_at_s
+            workers.append(info)
         return gen.ServerInfo(
             version=package_version(),
             mode="colocated" if self.colocated else "disaggregated",
             transport=self.transport,
             index_backend=self.index.backend,
             workers=workers,
+            status=self.status(),
+            degraded=self.degraded() if self.serviceable() else [],
         )
+
+    def status(self) -> str:
+        """What GET /health says: ok, degraded, not ready or draining."""
+        if self.draining:
+            return "draining"
+        if not self.serviceable():
+            return "not ready"
+        return "degraded" if self.degraded() else "ok"

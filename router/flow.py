@@ -48,6 +48,17 @@ log = logging.getLogger(__name__)
 # A prefill result may come this long after its ticket's lease ran out (clocks of two nodes,
 # the decode side's reaper period) before the router stops waiting for it.
 _LEASE_GRACE_S = 2.0
+class DecodeWorkerSilent(WorkerUnavailable):
+    """The decode worker a prompt pass was sending its KV to was found silent (frozen):
+    the request is placed again on another pair; the silent worker's lease frees what it
+    reserved once it wakes."""
+
+
+class PrefillTimedOut(TransferError):
+    """The prompt pass and its transfer outlasted the ticket's lease: the prefill side's
+    fault (stuck or overloaded), never counted against the decode worker."""
+
+
 # A pushed request its worker no longer knows may still have its last delta on the wire
 # (frames and Ray replies travel apart): wait this long for it before failing the request.
 _LAST_DELTA_GRACE_S = 2.0
@@ -246,10 +257,19 @@ class RequestFlow:
         act.prefill = prefill_worker
         try:
             with prefill_worker.prefilling(act.request_id, n):
-                res = await self._prefill(prefill_worker, act, rsv.ticket)
+                res = await self._prefill(prefill_worker, act, rsv.ticket, rsv.decode)
+        except PrefillTimedOut:
+            self._transfer_done(act, prefill_worker, None, ok=False)
+            raise
         except TransferError:
             self._transfer_done(act, prefill_worker, rsv.decode, ok=False)
             raise
+        except DecodeWorkerSilent as e:
+            log.warning("%s: placed again: %s", act.request_id, e)
+            await quietly(prefill_worker.client.abort(act.request_id), "abort", prefill_worker.name)
+            rsv.decode.untrack(act.request_id)
+            act.prefill = act.decode = None
+            return None
         except WorkerUnavailable as e:  # the prefill worker died (or its actor is gone)
             await self._prefill_failed(act, prefill_worker, rsv.decode, e)
             return None
@@ -266,30 +286,47 @@ class RequestFlow:
     def _transfer_done(
         act: ActiveRequest,
         prefill_worker: WorkerLoad[PrefillClient],
-        decode_worker: WorkerLoad[DecodeClient],
+        decode_worker: WorkerLoad[DecodeClient] | None,
         ok: bool,
     ) -> None:
-        """Both ends of the pair learn how the transfer went (an abort says nothing)."""
+        """Both ends of the pair learn how the transfer went (an abort says nothing; None:
+        the decode side is not to blame)."""
         if not act.aborted:
             prefill_worker.transfer_done(ok)
-            decode_worker.transfer_done(ok)
+            if decode_worker is not None:
+                decode_worker.transfer_done(ok)
 
     async def _prefill(
-        self, prefill_worker: WorkerLoad[PrefillClient], act: ActiveRequest, ticket: bytes
+        self,
+        prefill_worker: WorkerLoad[PrefillClient],
+        act: ActiveRequest,
+        ticket: bytes,
+        decode_worker: WorkerLoad[DecodeClient],
     ) -> PrefillResult:
-        """The prompt pass and its transfer, waited for no longer than the ticket's lease:
-        past it the decode side has let the blocks go, so whatever the prefill worker still
-        does (a stalled transfer) cannot land. The caller's cleanup aborts it there."""
+        """The prompt pass and its transfer, waited for no longer than the ticket's lease
+        (past it the decode side has let the blocks go, so whatever the prefill worker still
+        does cannot land; the caller's cleanup aborts it there), nor past the decode worker
+        being found silent (its KV would land in a frozen process)."""
         lease = kvpb.TransferTicket.FromString(ticket).deadline_unix_ms / 1e3 - time.time()
+        call = asyncio.ensure_future(
+            prefill_worker.client.prefill(PrefillTask(act.request, ticket))
+        )
+        silent = asyncio.ensure_future(decode_worker.client.until_silent())
         try:
-            return await asyncio.wait_for(
-                prefill_worker.client.prefill(PrefillTask(act.request, ticket)),
-                max(lease, 0.0) + _LEASE_GRACE_S,
+            done, _ = await asyncio.wait(
+                {call, silent},
+                timeout=max(lease, 0.0) + _LEASE_GRACE_S,
+                return_when=asyncio.FIRST_COMPLETED,
             )
-        except asyncio.TimeoutError as e:
-            raise TransferError(
-                f"{prefill_worker.name} did not finish the transfer within its lease"
-            ) from e
+            if call in done:
+                return call.result()
+        finally:
+            silent.cancel()
+            if not call.done():
+                call.cancel()
+        if silent in done:
+            raise DecodeWorkerSilent(f"{decode_worker.name} was found silent during the transfer")
+        raise PrefillTimedOut(f"{prefill_worker.name} did not finish the transfer within its lease")
 
     async def _prefill_failed(
         self,

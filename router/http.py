@@ -275,14 +275,14 @@ class OpenAIApp:
 
     async def health(self) -> Response:
         """GET /health, and GET or POST /ping (vLLM's SageMaker-style probe): the same."""
-        if self.ready():
-            degraded = self.router.degraded()
-            if not degraded:
-                return JSONResponse({"status": "ok"})
+        status = self.router.status()
+        if status == "ok":
+            return JSONResponse({"status": "ok"})
+        if status == "degraded":
             # Still 200: requests are served (a load balancer keeps this router in rotation).
+            degraded = self.router.degraded()
             body = {"status": "degraded", "degraded": degraded}
             return JSONResponse(body, headers={"X-PDServe-Degraded": "; ".join(degraded)})
-        status = "draining" if self.router.draining else "not ready"
         return JSONResponse({"status": status}, status_code=503)
 
     async def version(self) -> Response:

@@ -45,6 +45,7 @@ class WorkerLoad(Generic[C]):
     next_probe_s: float = 0.0  # monotonic time of the next stats probe while down
     probe_interval_s: float = 0.0  # current backoff between probes while down
     transfer_failures_in_a_row: int = 0
+    stats_at_s: float = 0.0  # monotonic time the last stats arrived
 
     def mark_down(self, reason: object) -> None:
         """Out of rotation until a stats probe answers again (Ray restarts the actor)."""
@@ -157,6 +158,7 @@ class WorkerLoad(Generic[C]):
     def stats_arrived(self, stats: WorkerStats) -> None:
         """Fresh stats already count every reservation made before them."""
         self.stats = stats
+        self.stats_at_s = time.monotonic()
         self.pending_blocks = 0
         self.mark_up()
 

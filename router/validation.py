@@ -35,6 +35,16 @@ class ModelLimits:
     def edge_limits(self) -> EdgeLimits:
         return self.edge or EdgeLimits.of(RouterConfig(), self.max_model_len)
 
+    def room_after(self, num_prompt_tokens: int) -> int:
+        """The most tokens a request of this prompt may generate: the rest of the context,
+        and no more than one request alone can hold in the KV cache (its peak is every
+        token but the last sampled one); at least 1, so an overlong prompt meets the
+        context-length check rather than a max_tokens one."""
+        rest = self.max_model_len - num_prompt_tokens
+        if self.num_kv_blocks:
+            rest = min(rest, self.num_kv_blocks * self.block_size - num_prompt_tokens + 1)
+        return max(rest, 1)
+
 
 def _float(s: gen.SamplingParams, name: str, default: float) -> float:
     return float(getattr(s, name)) if s.HasField(name) else default

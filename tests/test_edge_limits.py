@@ -363,3 +363,19 @@ def _assert_nothing_held(server: ServeProcess) -> None:
         return [(w.name, w.num_total_blocks - w.num_free_blocks) for w in info.workers]
 
     assert server.wait_for(lambda: not any(n for _, n in held()), timeout_s=15.0), held()
+
+
+def test_a_chat_without_max_tokens_gets_the_room_its_kv_cache_has() -> None:
+    """A KV cache smaller than the context: the default max_tokens is what one request can
+    hold there, so a client that sent none never gets a 400 naming max_tokens."""
+    from engine.sampling import SamplingParams
+    from engine.validation import ContextLengthError, check_request
+
+    limits = ModelLimits("m", 512, 8192, block_size=16, num_kv_blocks=64)  # 1024 tokens
+    room = limits.room_after(100)
+    assert room == 925
+    assert ModelLimits("m", 512, 8192).room_after(100) == 8092  # no cache known: the context
+    prompt = [4 + i % 400 for i in range(100)]
+    check_request(prompt, SamplingParams(max_tokens=room), 512, 8192, 16, 64)  # fits
+    with pytest.raises(ContextLengthError, match="max_tokens"):
+        check_request(prompt, SamplingParams(max_tokens=room + 1), 512, 8192, 16, 64)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +96,37 @@ def test_a_dead_engine_is_unavailable_and_its_worker_marked_down(tiny_dir: Path)
         assert router.prefill.workers[0].healthy
 
     run_with_workers(_config(tiny_dir), tiny_dir, body)
+
+
+def test_a_call_to_a_frozen_worker_ends_when_it_is_found_silent_or_at_its_deadline() -> None:
+    """A worker whose calls never answer (frozen): a call ends as soon as the router finds
+    it silent, a heartbeat after its own short deadline, anything else at `deadline_s`."""
+    from engine.sampling import SamplingParams
+    from pool_api.messages import WorkerRequest
+    from router.clients import HEARTBEAT_DEADLINE_S, DecodeClient, WorkerUnavailable
+
+    class Frozen:
+        async def reserve(self, request: object) -> None:
+            await asyncio.Event().wait()
+
+        async def heartbeat(self, request_id: str) -> None:
+            await asyncio.Event().wait()
+
+    client = DecodeClient("pdserve-decode-0", Frozen())  # type: ignore[arg-type]
+    request = WorkerRequest("r", (4, 5, 6), SamplingParams(max_tokens=2))
+
+    async def main() -> None:
+        call = asyncio.ensure_future(client.reserve(request))
+        await asyncio.sleep(0.1)
+        assert not call.done()
+        client.went_silent()
+        with pytest.raises(WorkerUnavailable, match="was found silent"):
+            await asyncio.wait_for(call, 5.0)
+        heartbeat_bound = re.escape(f"did not answer in {HEARTBEAT_DEADLINE_S:g} s")
+        with pytest.raises(WorkerUnavailable, match=heartbeat_bound):
+            await asyncio.wait_for(client.heartbeat("r"), 10.0)
+        client.deadline_s = 0.2
+        with pytest.raises(WorkerUnavailable, match=r"did not answer in 0\.2 s"):
+            await asyncio.wait_for(client.reserve(request), 10.0)
+
+    asyncio.run(main())

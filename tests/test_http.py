@@ -338,6 +338,7 @@ def _asgi(app: Any, method: str, path: str, headers: dict[str, str] | None = Non
 
 
 def test_health_503_when_draining_or_not_ready() -> None:
+    from router.config import PolicySettings
     from router.http import create_app
 
     router = _router()
@@ -350,8 +351,13 @@ def test_health_503_when_draining_or_not_ready() -> None:
     router.decode.workers[0].healthy = False
     assert _asgi(app, "GET", "/health")[0] == 503
     router.decode.workers[0].healthy = True
-    router.prefill.workers[0].stats = None  # never answered yet
-    assert _asgi(app, "GET", "/health")[0] == 503
+    router.prefill.workers[0].stats = None  # never answered yet: prompts prefill on decode
+    status, body = _asgi(app, "GET", "/health")  # workers (`recompute`): serving, degraded
+    assert status == 200 and json.loads(body)["status"] == "degraded", body
+    assert "no prefill worker" in " ".join(json.loads(body)["degraded"])
+    fail = _router(policy=PolicySettings(prefill_failure_policy="fail"))
+    fail.prefill.workers[0].stats = None
+    assert _asgi(create_app(fail), "GET", "/health")[0] == 503  # `fail`: nothing can serve
 
 
 def test_auth_and_metrics_in_process() -> None:

@@ -68,6 +68,7 @@ from pdserve.tools.chaos import (
     Shot,
     scenario_abusive_client,
     scenario_cancel,
+    scenario_freeze,
     scenario_kill,
     scenario_kill_router,
     scenario_stall,
@@ -204,6 +205,19 @@ def test_kill_9_of_a_decode_worker(chaos: Chaos) -> None:
     is served by the restarted worker within 30 s."""
     res = scenario_kill(chaos, "decode")
     assert res.figures["in_flight_at_kill"] >= 1, res.figures
+    assert_passed(res)
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_frozen_worker_costs_its_requests_seconds(chaos: Chaos, role: str) -> None:
+    """SIGSTOP of one of the two `role` workers for 6 s under a load that outlasts it: the
+    requests on it end within 10 s (served elsewhere, or UNAVAILABLE; none ends as an abort
+    nobody asked for), the other worker completes requests meanwhile, and a frozen prefill
+    worker takes no decode worker down with it."""
+    sized = Chaos(replace(SIZES, freeze_s=6.0), chaos.rig, None, chaos.rng, _n=chaos._n)
+    res = scenario_freeze(sized, role)
+    chaos._n = sized._n
+    assert res.figures["on_worker_at_freeze"] >= 1, res.figures
     assert_passed(res)
 
 

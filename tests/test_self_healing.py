@@ -173,6 +173,28 @@ def test_server_info_is_served_from_cached_stats() -> None:
     assert prefill.calls <= 2 and decode.calls <= 2, (prefill.calls, decode.calls)
 
 
+def test_server_info_says_each_workers_health_at_once() -> None:
+    """A prefill worker that never answers: GetServerInfo answers from what the router
+    knows (no call to a worker), listing it as not healthy, and the router as degraded."""
+    import asyncio
+
+    prefill, decode = CountingWorker("p", "prefill", fail=True), CountingWorker("d", "decode")
+    router = _router([prefill, decode])
+
+    async def main() -> object:
+        await router.refresh()  # type: ignore[attr-defined]
+        calls = prefill.calls + decode.calls
+        info = await router.server_info()  # type: ignore[attr-defined]
+        assert prefill.calls + decode.calls == calls  # answered without asking a worker
+        return info
+
+    info: object = asyncio.run(main())
+    workers = {w.name: (w.role, w.healthy) for w in info.workers}  # type: ignore[attr-defined]
+    assert workers == {"p": ("prefill", False), "d": ("decode", True)}
+    assert info.status == "degraded"  # type: ignore[attr-defined]
+    assert "no prefill worker" in " ".join(info.degraded)  # type: ignore[attr-defined]
+
+
 def test_a_down_worker_is_probed_with_backoff() -> None:
     import asyncio
 

@@ -379,3 +379,11 @@ def test_bench_tokenizes_through_the_server(
     rc = main(["bench", *common, *random, "--result-filename", str(result)])
     assert rc == 0, capsys.readouterr().err
     assert json.loads(result.read_text())["completed"] == 2
+
+
+@pytest.mark.parametrize("top", [21, -1])
+def test_top_logprobs_out_of_range_is_a_400_naming_it(top: int) -> None:
+    body = {**BASE["chat"][1], "logprobs": True, "top_logprobs": top}
+    status, _, raw = call(_app(), "POST", "/v1/chat/completions", body)
+    assert status == 400, raw
+    assert _error(status, raw)["param"] == "top_logprobs"

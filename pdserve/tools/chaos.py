@@ -95,6 +95,8 @@ class ChaosConfig:
         "cancel",
         "kill-prefill",
         "kill-decode",
+        "freeze-decode",
+        "freeze-prefill",
         "redis",
         "stall",
         "overload",
@@ -110,6 +112,8 @@ class ChaosConfig:
     num_kill: int = 100  # requests per kill scenario and the redis scenario
     kill_concurrency: int = 16
     kill_after: int = 25  # the fault comes once this many requests ended
+    freeze_s: float = 40.0  # freeze-*: how long the worker stays SIGSTOPped
+    freeze_bound_s: float = 10.0  # freeze-*: its requests end within this of the freeze
     aim_timeout_s: float = 5.0  # after that, a kill waits this long for a request on its worker
     num_stall: int = 24
     num_stalled: int = 4  # transfers held back on each worker of `stall_workers`
@@ -666,6 +670,93 @@ def scenario_kill(ch: Chaos, role: str) -> ScenarioResult:
     return res
 
 
+def scenario_freeze(ch: Chaos, role: str) -> ScenarioResult:
+    """SIGSTOP of a `role` worker (the one the router has the most requests on, once
+    `kill_after` ended) for `freeze_s`, then SIGCONT: a worker alive but not answering.
+    Its requests must end within `freeze_bound_s` (served elsewhere or UNAVAILABLE), never
+    as a normal-looking abort; the rest of the service keeps completing requests while it
+    is frozen; a frozen prefill worker takes no decode worker down with it."""
+    cfg = ch.cfg
+    rig = ch.rig
+    assert rig.router is not None
+    names = [n for n in rig.actors() if f"-{role}-" in n]
+    pids = {n: rig.pid(n) for n in names}
+    d = ch.driver()
+    # A load that outlasts the freeze: requests keep arriving while the worker is stopped.
+    shots = [
+        Shot(ch.request(f"freeze-{role}"), at_s=i * cfg.freeze_s / cfg.num_kill)
+        for i in range(cfg.num_kill)
+    ]
+    fault: dict[str, float] = {}
+    hit: list[str] = []
+    victim: list[str] = []
+    decode_down: set[str] = set()
+
+    async def body() -> list[Outcome]:
+        async def inject() -> None:
+            await d.wait_ended(cfg.kill_after)
+            name, on = await aim(rig, names, cfg.aim_timeout_s)
+            os.kill(pids[name], signal.SIGSTOP)
+            fault["at"] = d.now()
+            victim.append(name)
+            hit.extend(on)
+            try:
+                while d.now() < fault["at"] + cfg.freeze_s:
+                    assert rig.router is not None
+                    decode_down.update(
+                        w.name for w in rig.router.decode.workers if not w.healthy
+                    )
+                    await asyncio.sleep(0.05)
+            finally:
+                os.kill(pids[name], signal.SIGCONT)
+            fault["resumed"] = d.now()
+
+        outs, _ = await asyncio.gather(
+            d.run(shots, cfg.kill_concurrency, f"freeze {role}"), inject()
+        )
+        return outs
+
+    outs = asyncio.run(body())
+    t_freeze, name = fault["at"], victim[0]
+    res = ScenarioResult(
+        f"freeze-{role}",
+        f"SIGSTOP {name} for {cfg.freeze_s:g} s",
+        outs,
+        fault_s=[t_freeze, fault["resumed"]],
+    )
+    res.recover_s = asyncio.run(ch.recover(time.perf_counter()))
+    res.quiescence = ch.quiesce()
+    by_id = {o.request_id: o for o in outs}
+    on_it = [by_id[r] for r in hit if r in by_id]
+    after = [(o.ended_s or math.inf) - t_freeze for o in on_it]
+    during = [
+        o
+        for o in outs
+        if o.status == OK and t_freeze < (o.ended_s or math.inf) < fault["resumed"]
+    ]
+    res.figures = {
+        "on_worker_at_freeze": len(hit),
+        "on_worker_outcomes": dict(Counter(o.status for o in on_it)),
+        "max_end_after_freeze_s": round(max(after, default=0.0), 3),
+        "completed_while_frozen": len(during),
+        "decode_workers_marked_down": sorted(decode_down),
+        "frozen": name,
+    }
+    res.base_checks()
+    res.fault_hit(f"{len(hit)} requests on {name} at the freeze", len(hit) >= 1)
+    res.checks["each completes or ends UNAVAILABLE (none as an abort)"] = set(
+        o.status for o in outs
+    ) <= {OK, grpc.StatusCode.UNAVAILABLE.name}
+    res.checks[f"its requests ended within {cfg.freeze_bound_s:g} s"] = all(
+        t <= cfg.freeze_bound_s for t in after
+    )
+    res.checks["the service completed requests while it was frozen"] = len(during) >= 1
+    if role == "prefill":
+        res.checks["no decode worker was marked down"] = not decode_down
+    res.checks["serves afterwards"] = res.recover_s is not None
+    return res
+
+
 def scenario_redis(ch: Chaos) -> ScenarioResult:
     cfg = ch.cfg
     redis = ch.redis
@@ -1172,6 +1263,8 @@ SCENARIOS: dict[str, Callable[[Chaos], ScenarioResult]] = {
     "cancel": scenario_cancel,
     "kill-prefill": lambda ch: scenario_kill(ch, "prefill"),
     "kill-decode": lambda ch: scenario_kill(ch, "decode"),
+    "freeze-decode": lambda ch: scenario_freeze(ch, "decode"),
+    "freeze-prefill": lambda ch: scenario_freeze(ch, "prefill"),
     "redis": scenario_redis,
     "stall": scenario_stall,
     "overload": scenario_overload,

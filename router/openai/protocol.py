@@ -43,7 +43,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails, PydanticCustomError
 
-from engine.sampling import InvalidParameterError
+from engine.sampling import MAX_LOGPROBS, InvalidParameterError
 from engine.tokenizer import Tokenizer
 from protos.pdserve.v1 import generation_pb2 as gen
 from router.openai.fields import Endpoint, unsupported
@@ -520,15 +520,17 @@ def chat_request(router: ChatRouter, d: dict[str, Any], request_id: str) -> gen.
     refuse_unsupported(d, "chat")
     limits = router.limits
     prompt = ChatPrompt.of(d, max_content_chars=limits.edge_limits().max_prompt_chars)
-    ids = render_chat(router, prompt)
     sampling = ChatSampling.of(d)
+    top = sampling.top_logprobs
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:  # named as the client sent it
+        raise bad_request("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
+    ids = render_chat(router, prompt)
     r = prompt.request(request_id)
     r.token_ids.ids.extend(ids)
     max_tokens = sampling.max_tokens
-    if max_tokens is None:  # as vLLM: the rest of the context, or generation_config's
-        # max_new_tokens if smaller (at least 1, so an overlong prompt meets the
-        # context-length check rather than a max_tokens one)
-        rest = max(limits.max_model_len - len(ids), 1)
+    if max_tokens is None:  # as vLLM: the rest of the context (as far as the KV cache holds
+        # it), or generation_config's max_new_tokens if smaller
+        rest = limits.room_after(len(ids))
         max_tokens = min(rest, limits.sampling_defaults.max_tokens or rest)
     r.sampling.CopyFrom(sampling.proto(max_tokens))
     if sampling.logprobs:

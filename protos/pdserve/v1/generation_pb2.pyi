@@ -189,7 +189,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("name", "role", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_requests_total", "num_preemptions_total")
+    __slots__ = ("name", "role", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_requests_total", "num_preemptions_total", "healthy", "stats_age_s")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,8 @@ class WorkerInfo(_message.Message):
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    STATS_AGE_S_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     num_free_blocks: int
@@ -206,18 +208,24 @@ class WorkerInfo(_message.Message):
     num_waiting: int
     num_requests_total: int
     num_preemptions_total: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ...) -> None: ...
+    healthy: bool
+    stats_age_s: float
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., num_preemptions_total: _Optional[int] = ..., healthy: _Optional[bool] = ..., stats_age_s: _Optional[float] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "mode", "transport", "index_backend", "workers")
+    __slots__ = ("version", "mode", "transport", "index_backend", "workers", "status", "degraded")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     INDEX_BACKEND_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
     version: str
     mode: str
     transport: str
     index_backend: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
-    def __init__(self, version: _Optional[str] = ..., mode: _Optional[str] = ..., transport: _Optional[str] = ..., index_backend: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+    status: str
+    degraded: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[str] = ..., mode: _Optional[str] = ..., transport: _Optional[str] = ..., index_backend: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., status: _Optional[str] = ..., degraded: _Optional[_Iterable[str]] = ...) -> None: ...
