@@ -9,6 +9,7 @@ deadline, worker death) releases the request's blocks on both pools. The gRPC se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
@@ -38,6 +39,8 @@ from router.validation import ModelLimits, prepare
 log = logging.getLogger(__name__)
 # How often worker load is pulled for routing (an internal, not a setting).
 STATS_REFRESH_S = 0.2
+# After a drain ends what is in flight, how long their last responses get to go out.
+_STOP_ANSWER_S = 2.0
 
 
 class Router:
@@ -65,6 +68,7 @@ class Router:
         self.active: dict[str, ActiveRequest] = {}
         self.num_queued = 0  # admitted, no token sent yet (bounded by max_queue_len)
         self.draining = False
+        self.stopping = asyncio.Event()  # the drain's grace ran out: end what is in flight
         # Per-request hooks: RouterMetrics.install adds the metrics, log_requests the log.
         self.metrics = Observers(*([RequestLog()] if cfg.log_requests else []))
         self.stats_log: StatsLog | None = None  # RouterMetrics.install sets it; start runs it
@@ -140,11 +144,19 @@ class Router:
             await self.refresh()
 
     async def drain(self, grace_s: float) -> None:
-        """Refuse new requests; wait up to `grace_s` for in-flight ones to finish."""
+        """Refuse new requests; wait up to `grace_s` for in-flight ones to finish; then end
+        each one still in flight with UNAVAILABLE "server shutting down" (an SSE error event
+        on HTTP), and give their responses a moment to go out before the servers stop."""
         self.draining = True
         deadline = time.monotonic() + grace_s
         while self.active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self.active:
+            log.warning("drain: grace over, ending %d requests in flight", len(self.active))
+            self.stopping.set()
+            deadline = time.monotonic() + _STOP_ANSWER_S
+            while self.active and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
         for task in (self._refresher, self._stats_logger):
             if task is not None:
                 task.cancel()
@@ -195,8 +207,34 @@ class Router:
         return act
 
     def run(self, act: ActiveRequest) -> AsyncIterator[gen.GenerateResponse]:
-        """Drive one admitted request; yields its responses (`router.flow`)."""
-        return self.flow.run(act)
+        """Drive one admitted request; yields its responses (`router.flow`), or ends with
+        UNAVAILABLE "server shutting down" once a drain's grace ran out."""
+        return self._until_stopped(act, self.flow.run(act))
+
+    async def _until_stopped(
+        self, act: ActiveRequest, stream: AsyncIterator[gen.GenerateResponse]
+    ) -> AsyncIterator[gen.GenerateResponse]:
+        stop = asyncio.ensure_future(self.stopping.wait())
+        step: asyncio.Future[gen.GenerateResponse] | None = None
+        try:
+            while True:
+                step = asyncio.ensure_future(stream.__anext__())
+                done, _ = await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+                if step not in done:
+                    act.failure = grpc.StatusCode.UNAVAILABLE
+                    raise RequestFailed(act.failure, "server shutting down")
+                try:
+                    resp = step.result()
+                except StopAsyncIteration:
+                    return
+                yield resp
+        finally:
+            stop.cancel()
+            if step is not None and not step.done():
+                step.cancel()  # the flow's own cleanup (its `finally`) runs as it unwinds
+                with contextlib.suppress(BaseException):
+                    await step
+            await stream.aclose()  # type: ignore[attr-defined]  # an async generator
 
     def _dequeue(self, act: ActiveRequest) -> None:
         """The request left the queue (its first token went out, or it ended)."""

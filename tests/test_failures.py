@@ -130,3 +130,36 @@ def test_a_call_to_a_frozen_worker_ends_when_it_is_found_silent_or_at_its_deadli
             await asyncio.wait_for(client.reserve(request), 10.0)
 
     asyncio.run(main())
+
+
+def test_a_drain_that_runs_out_ends_each_stream_with_a_status(tiny_dir: Path) -> None:
+    """SIGTERM's drain with a grace shorter than a stream: the stream ends UNAVAILABLE
+    "server shutting down" (the HTTP face turns it into an SSE error event), not cut off
+    with no ending, and the router lets go of it."""
+
+    async def body(router: Any, prefill: PrefillWorker, decode: DecodeWorker) -> None:
+        request = make_request(IDS, "long", max_tokens=1900, ignore_eos=True, temperature=0.0)
+        act = await router.admit(request)
+        tokens = 0
+        failed: RequestFailed | None = None
+
+        async def consume() -> None:
+            nonlocal tokens, failed
+            try:
+                async for resp in router.run(act):
+                    tokens += len(resp.chunk.token_ids)
+            except RequestFailed as e:
+                failed = e
+            finally:
+                router.finish(act, False)
+
+        task = asyncio.ensure_future(consume())
+        while tokens < 8:  # it streams
+            await asyncio.sleep(0.01)
+        await router.drain(0.2)
+        await asyncio.wait_for(task, 5.0)
+        assert failed is not None and failed.code == grpc.StatusCode.UNAVAILABLE, failed
+        assert failed.details == "server shutting down" and tokens < 1900
+        assert not router.active
+
+    run_with_workers(_config(tiny_dir), tiny_dir, body)

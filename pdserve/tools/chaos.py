@@ -9,6 +9,9 @@ router's gRPC and HTTP servers) and runs the scenarios in sequence, each a load 
   of four stages (before prefill, prefill, transfer, decode) from a calibration run's timings;
 - kill-prefill / kill-decode: 100 requests; kill -9 of the process of the prefill / decode
   worker the router has the most requests on, once 25 of them ended;
+- freeze-decode / freeze-prefill: 100 requests spread over the freeze; SIGSTOP of the worker
+  the router has the most requests on for 40 s (`--freeze-s`), then SIGCONT: its requests
+  end within 10 s, none as an abort, and the rest of the service serves meanwhile;
 - redis: 100 requests sharing prefixes; kill -9 of redis-server once 15 ended, a fresh one
   after the load;
 - stall: 24 requests; 4 transfers of prefill-0 held back past the KV lease;
@@ -607,6 +610,23 @@ async def aim(rig: Rig, names: Sequence[str], timeout_s: float) -> tuple[str, li
         await asyncio.sleep(0.002)
 
 
+async def _aim_streaming(
+    rig: Rig, names: Sequence[str], timeout_s: float
+) -> tuple[str, list[str]]:
+    """As `aim`, counting only requests that already streamed a token from their worker."""
+    assert rig.router is not None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        on: dict[str, list[str]] = {name: [] for name in names}
+        for rid, act in list(rig.router.active.items()):
+            if act.decode is not None and act.decode.name in on and act.num_sent > 1:
+                on[act.decode.name].append(rid)
+        name = max(names, key=lambda n: len(on[n]))
+        if on[name] or time.monotonic() > deadline:
+            return name, on[name]
+        await asyncio.sleep(0.002)
+
+
 def scenario_kill(ch: Chaos, role: str) -> ScenarioResult:
     """kill -9 of a `role` worker's process once `kill_after` requests ended: of the one
     the router has the most requests on (waiting for one to have any; the requests on it
@@ -695,7 +715,10 @@ def scenario_freeze(ch: Chaos, role: str) -> ScenarioResult:
     async def body() -> list[Outcome]:
         async def inject() -> None:
             await d.wait_ended(cfg.kill_after)
-            name, on = await aim(rig, names, cfg.aim_timeout_s)
+            # A decode worker is frozen under a stream it is decoding (tokens sent already):
+            # the case that used to wait out the freeze.
+            on_role = aim if role == "prefill" else _aim_streaming
+            name, on = await on_role(rig, names, cfg.aim_timeout_s)
             os.kill(pids[name], signal.SIGSTOP)
             fault["at"] = d.now()
             victim.append(name)
@@ -1520,6 +1543,15 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="overload scenario: seconds of arrivals at 2x capacity",
     )
     p.add_argument("--baseline-s", type=float, default=d.baseline_s, help="the 0.8x phase")
+    p.add_argument(
+        "--freeze-s", type=float, default=d.freeze_s, help="freeze-*: how long the SIGSTOP lasts"
+    )
+    p.add_argument(
+        "--kill-concurrency",
+        type=int,
+        default=d.kill_concurrency,
+        help="kill-* and freeze-*: requests in flight at once",
+    )
     p.add_argument("--lease-s", type=float, default=d.lease_s, help="transfer.lease_s")
     p.add_argument(
         "--num-stalled",
@@ -1551,6 +1583,8 @@ def run_chaos(args: argparse.Namespace) -> int:
         output_len=args.output_len,
         num_cancel=args.num_cancel,
         num_kill=args.num_kill,
+        kill_concurrency=args.kill_concurrency,
+        freeze_s=args.freeze_s,
         overload_s=args.overload_s,
         baseline_s=args.baseline_s,
         lease_s=args.lease_s,
