@@ -53,9 +53,10 @@ bench-transfer: $(STAMP)
 bench-serving: $(STAMP)
 	$(BIN)/python benchmarks/serving.py $(BENCH_MODEL_ARGS)
 
-# Load while faults are injected (kill -9 of workers, of a router and of redis-server,
-# cancels, a stalled transfer, 2x overload, an abusive client): per fault, what became of
-# every request, and proof that the fault hit (docs/reliability.md). ~2.5 minutes.
+# Load while faults are injected (kill -9 of workers, of a router and of redis-server, a
+# 40 s SIGSTOP of a prefill and of a decode worker, cancels, a stalled transfer, 2x
+# overload, an abusive client): per fault, what became of every request, and proof that the
+# fault hit (docs/reliability.md). ~4 minutes.
 chaos: $(STAMP) redis
 	$(BIN)/pdserve chaos --out build/chaos
 
