@@ -28,6 +28,15 @@ def start_local_ray() -> None:
     )
 
 
+def local_config(model_dir: Any) -> Any:
+    """The serve config of in-process workers on `model_dir`: the `local` KV transport."""
+    from pdserve.config import ServeConfig
+
+    return ServeConfig.load(
+        None, {"model": {"model": str(model_dir)}, "transfer": {"transport": "local"}}
+    )
+
+
 def router_without_workers(
     cfg: RouterConfig, num_free_blocks: int = 8, num_running: int = 0, num_requests_total: int = 0
 ) -> Any:

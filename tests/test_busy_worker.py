@@ -28,19 +28,13 @@ from pdserve.launch import engine_config
 from pool_api.config import WorkerConfig
 from pool_api.messages import Role
 from prefill_workers.worker import PrefillWorker
-from tests.in_process import generate, run_with_workers
+from tests.in_process import generate, local_config, run_with_workers
 from worker_common import EngineStalled
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny")
-
-
-def _config(tiny_dir: Path) -> ServeConfig:
-    return ServeConfig.load(
-        None, {"model": {"model": str(tiny_dir)}, "transfer": {"transport": "local"}}
-    )
 
 
 def _worker_config(cfg: ServeConfig, name: str, role: Role) -> WorkerConfig:
@@ -66,7 +60,7 @@ def _hold_engine(worker: PrefillWorker) -> tuple[threading.Event, threading.Even
 def test_a_busy_engine_answers_with_its_last_stats_and_a_stuck_one_raises(
     tiny_dir: Path,
 ) -> None:
-    cfg = _config(tiny_dir)
+    cfg = local_config(tiny_dir)
     worker = PrefillWorker(_worker_config(cfg, "pdserve-prefill-0", Role.PREFILL))
     try:
 
@@ -113,7 +107,7 @@ def test_the_router_keeps_a_busy_prefill_worker_in_rotation(tiny_dir: Path) -> N
         finally:
             release.set()
 
-    run_with_workers(_config(tiny_dir), tiny_dir, body)
+    run_with_workers(local_config(tiny_dir), tiny_dir, body)
 
 
 def test_overflow_prefills_on_the_decode_worker_while_the_prefill_pool_is_busy(

@@ -18,11 +18,10 @@ from decode_workers.worker import DecodeWorker
 from engine.loop import EngineFailed
 from pdserve.checkpoint import write_checkpoint
 from pdserve.client import make_request
-from pdserve.config import ServeConfig
 from prefill_workers.worker import PrefillWorker
 from router.active import RequestFailed
 from router.flow import RequestFlow
-from tests.in_process import run_with_workers
+from tests.in_process import local_config, run_with_workers
 
 IDS = [4 + (j * 7) % 400 for j in range(40)]
 
@@ -30,12 +29,6 @@ IDS = [4 + (j * 7) % 400 for j in range(40)]
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny")
-
-
-def _config(tiny_dir: Path) -> ServeConfig:
-    return ServeConfig.load(
-        None, {"model": {"model": str(tiny_dir)}, "transfer": {"transport": "local"}}
-    )
 
 
 async def _drive(router: Any, request_id: str) -> list[int]:
@@ -80,7 +73,7 @@ def test_a_bug_in_router_code_is_internal_and_blames_no_worker(
         assert await _until_no_block_is_used(decode) == 0  # what it reserved was released
 
     with caplog.at_level(logging.ERROR, logger="router.flow"):
-        run_with_workers(_config(tiny_dir), tiny_dir, body)
+        run_with_workers(local_config(tiny_dir), tiny_dir, body)
     logged = [r for r in caplog.records if r.exc_info and "bug-1" in r.getMessage()]
     assert len(logged) == 1, [r.getMessage() for r in caplog.records]
     assert logged[0].exc_info is not None and logged[0].exc_info[0] is ZeroDivisionError
@@ -95,7 +88,7 @@ def test_a_dead_engine_is_unavailable_and_its_worker_marked_down(tiny_dir: Path)
         assert not router.decode.workers[0].healthy  # its reservation raised EngineFailed
         assert router.prefill.workers[0].healthy
 
-    run_with_workers(_config(tiny_dir), tiny_dir, body)
+    run_with_workers(local_config(tiny_dir), tiny_dir, body)
 
 
 def test_a_call_to_a_frozen_worker_ends_when_it_is_found_silent_or_at_its_deadline() -> None:
@@ -162,4 +155,4 @@ def test_a_drain_that_runs_out_ends_each_stream_with_a_status(tiny_dir: Path) ->
         assert failed.details == "server shutting down" and tokens < 1900
         assert not router.active
 
-    run_with_workers(_config(tiny_dir), tiny_dir, body)
+    run_with_workers(local_config(tiny_dir), tiny_dir, body)
