@@ -9,7 +9,7 @@ the source blocks (they stay in the prefix cache); the lease bounds how long tha
 Who writes what (one owner per field; other threads hand work to it):
 
     state                                            owner            others hand work over by
-    engine (its blocks too), jobs,                   engine thread    `self.loop.call` (the
+    engine (its blocks too), jobs, _early_aborts,    engine thread    `self.loop.call` (the
       num_requests_total, num_transfer_failures,                      finisher threads count
       num_transfer_bytes, a job's outbound and error                  their transfers so)
     leases                                           SenderLeases     its lock
@@ -39,6 +39,7 @@ from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from worker_common import WorkerBase, check_owner
 
 log = logging.getLogger(__name__)
+EARLY_ABORT_S = 2.0  # how long an abort that found no job refuses its prompt pass
 
 
 @dataclass
@@ -66,6 +67,10 @@ class PrefillWorker(WorkerBase):
         )  # fmt: skip
         self.leases = SenderLeases(t.lease_s)
         self.jobs: dict[str, _Job] = {}
+        # Aborts that found no job: the router's abort can overtake its own prompt-pass call
+        # (two Ray calls, one waiting for the engine thread); the pass is refused when it
+        # comes within EARLY_ABORT_S. Request id -> monotonic time of the abort.
+        self._early_aborts: dict[str, float] = {}
         self.num_transfer_failures = 0
         self.num_transfer_bytes = 0  # KV payload bytes pushed (all transfers, /metrics)
         self._finisher = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="kv-finish")
@@ -82,6 +87,9 @@ class PrefillWorker(WorkerBase):
 
         def admit() -> None:
             self._on_engine_thread()
+            aborted_at = self._early_aborts.pop(r.request_id, None)
+            if aborted_at is not None and time.monotonic() - aborted_at < EARLY_ABORT_S:
+                raise TransferError(f"{r.request_id}: aborted by router before its prompt pass")
             req = self.engine.add_request(
                 r.request_id, r.prompt_token_ids, r.params, r.cache_salt, prefill_only=True
             )
@@ -165,6 +173,11 @@ class PrefillWorker(WorkerBase):
         self._on_engine_thread()
         job = self.jobs.pop(request_id, None)
         if job is None:
+            now = time.monotonic()
+            self._early_aborts = {
+                rid: t for rid, t in self._early_aborts.items() if now - t < EARLY_ABORT_S
+            }
+            self._early_aborts[request_id] = now
             return False
         job.aborted = True
         if job.outbound is not None:

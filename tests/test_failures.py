@@ -16,8 +16,10 @@ import pytest
 
 from decode_workers.worker import DecodeWorker
 from engine.loop import EngineFailed
+from engine.sampling import SamplingParams
 from pdserve.checkpoint import write_checkpoint
 from pdserve.client import make_request
+from pdserve.launch import engine_config
 from prefill_workers.worker import PrefillWorker
 from router.active import RequestFailed
 from router.flow import RequestFlow
@@ -156,3 +158,29 @@ def test_a_drain_that_runs_out_ends_each_stream_with_a_status(tiny_dir: Path) ->
         assert not router.active
 
     run_with_workers(local_config(tiny_dir), tiny_dir, body)
+
+
+def test_an_abort_that_overtakes_its_prompt_pass_refuses_it(tiny_dir: Path) -> None:
+    """The router's abort can reach the prefill worker before the prompt-pass call it
+    follows: that pass is refused at once (the request ends as aborted), not run to a
+    transfer nobody waits for."""
+    from kv_transfer.wire import TransferError
+    from pool_api.config import WorkerConfig
+    from pool_api.messages import PrefillTask, Role, WorkerRequest
+
+    cfg = local_config(tiny_dir)
+    engine_cfg = engine_config(cfg, tiny_dir)
+    prefill = PrefillWorker(WorkerConfig("pdserve-prefill-0", engine_cfg, cfg.transfer,
+                                         cfg.index, "tiny", role=Role.PREFILL))  # fmt: skip
+
+    async def main() -> None:
+        assert await prefill.abort("early") is False  # no job yet
+        request = WorkerRequest("early", tuple(IDS), SamplingParams(max_tokens=4))
+        with pytest.raises(TransferError, match="aborted by router before its prompt pass"):
+            await asyncio.wait_for(prefill.prefill(PrefillTask(request, b"")), 5.0)
+        assert await prefill.check_integrity() == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        prefill.shutdown()
