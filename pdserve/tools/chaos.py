@@ -14,7 +14,7 @@ router's gRPC and HTTP servers) and runs the scenarios in sequence, each a load 
   end within 10 s, none as an abort, and the rest of the service serves meanwhile;
 - redis: 100 requests sharing prefixes; kill -9 of redis-server once 15 ended, a fresh one
   after the load;
-- stall: 24 requests; 4 transfers of prefill-0 held back past the KV lease;
+- stall: 24 requests; 4 transfers of each prefill worker held back past the KV lease;
 - overload: capacity from a closed loop, then Poisson arrivals at 0.8x (the baseline TTFT)
   and 2x capacity for 30 s, the router's admission bound sized from the 0.8x TTFT;
 - kill-router: a second router (`pdserve serve` in a child process, on the same pools) under
@@ -120,7 +120,8 @@ class ChaosConfig:
     aim_timeout_s: float = 5.0  # after that, a kill waits this long for a request on its worker
     num_stall: int = 24
     num_stalled: int = 4  # transfers held back on each worker of `stall_workers`
-    stall_workers: tuple[str, ...] = ("pdserve-prefill-0",)
+    # every prefill worker: the fault hits whichever one the router picks
+    stall_workers: tuple[str, ...] = ("pdserve-prefill-0", "pdserve-prefill-1")
     stall_past_lease_s: float = 10.0  # held this long past the lease
     overload_s: float = 30.0
     capacity_concurrency: int = 48  # closed loop that measures capacity
@@ -1454,9 +1455,23 @@ def machine() -> dict[str, Any]:
 
 
 # ---- entry points ----------------------------------------------------------------------------
+def settle(ch: Chaos, timeout_s: float = 30.0) -> None:
+    """Wait until the router has every worker in rotation again, so that one scenario's
+    aftermath (a worker still being probed back after a kill or a freeze) is not the next
+    one's starting point."""
+    router = ch.rig.router
+    assert router is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(w.healthy for w in router.prefill.workers + router.decode.workers):
+            return
+        time.sleep(0.1)
+
+
 def run_scenarios(ch: Chaos, names: Sequence[str]) -> list[ScenarioResult]:
     results = []
     for name in names:
+        settle(ch)
         t0 = time.perf_counter()
         print(f"pdserve chaos: {name} ...", file=sys.stderr, flush=True)
         res = SCENARIOS[name](ch)
