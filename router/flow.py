@@ -251,6 +251,19 @@ class RequestFlow:
         act.decode, act.transfer_id = rsv.decode, rsv.transfer_id
         act.timings.queue_ms = rsv.queue_ms
         n, bs = act.num_prompt_tokens, self.model_info.block_size
+        if not rsv.prefill.healthy and not self.prefill.healthy():
+            # The whole prefill pool went down since the pair was ranked: let the blocks go
+            # and place the request again (locally under `recompute`).
+            await quietly(
+                rsv.decode.client.release_reservation(act.request_id, act.transfer_id),
+                "release_reservation",
+                rsv.decode.name,
+            )
+            rsv.decode.untrack(act.request_id)
+            act.decode = None
+            if self.cfg.policy.prefill_failure_policy == "fail":
+                raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+            return None
         prefill_worker = (
             rsv.prefill if rsv.prefill.healthy else self.prefill.pick_prefill(matches, n, bs)
         )

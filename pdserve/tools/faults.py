@@ -250,7 +250,7 @@ def _set_stream_idle(actor: Any, idle_s: float) -> float:
 
         def restart() -> None:
             task.cancel()
-            w._stream_reaper = task.get_loop().create_task(w._reap_unpolled())
+            w._stream_reaper = task.get_loop().create_task(w._reap_unheard())
 
         task.get_loop().call_soon_threadsafe(restart)
     return before
