@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,6 +51,7 @@ from kv_transfer.wire import (
     make_header,
     payload_bytes,
 )
+from protos.pdserve.v1 import WIRE_VERSION
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
@@ -498,6 +499,7 @@ def _valid(
     return (
         h.request_id == "r"
         and h.transfer_id == ticket.transfer_id
+        and lay.wire_version == WIRE_VERSION
         and lay.model_fingerprint == spec.model_fingerprint
         and lay.dtype == pb.KV_DTYPE_FLOAT32
         and (lay.num_layers, lay.block_size) == (spec.num_layers, spec.block_size)
@@ -591,6 +593,7 @@ def test_fuzzed_headers_are_rejected_cleanly(plan: dict[str, Any]) -> None:
     ),
     landed_first=st.booleans(),
 )
+@example(data=[(149, 0)], landed_first=False)  # zeroes the layout's wire_version: refused
 def test_random_bytes_as_headers(data: bytes | list[tuple[int, int]], landed_first: bool) -> None:
     """Random bytes, or a valid header's bytes with a few bytes overwritten."""
     rx, ticket, landed = _fresh(landed_first)
