@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 # A prefill result may come this long after its ticket's lease ran out (clocks of two nodes,
 # the decode side's reaper period) before the router stops waiting for it.
 _LEASE_GRACE_S = 2.0
+
+
 class DecodeWorkerSilent(WorkerUnavailable):
     """The decode worker a prompt pass was sending its KV to was found silent (frozen):
     the request is placed again on another pair; the silent worker's lease frees what it
@@ -254,15 +256,8 @@ class RequestFlow:
         if not rsv.prefill.healthy and not self.prefill.healthy():
             # The whole prefill pool went down since the pair was ranked: let the blocks go
             # and place the request again (locally under `recompute`).
-            await quietly(
-                rsv.decode.client.release_reservation(act.request_id, act.transfer_id),
-                "release_reservation",
-                rsv.decode.name,
-            )
-            rsv.decode.untrack(act.request_id)
-            act.decode = None
-            if self.cfg.policy.prefill_failure_policy == "fail":
-                raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+            await self._release_pair(act, rsv.decode)
+            self._fail_under_policy(act, "no healthy prefill worker")
             return None
         prefill_worker = (
             rsv.prefill if rsv.prefill.healthy else self.prefill.pick_prefill(matches, n, bs)
@@ -354,6 +349,13 @@ class RequestFlow:
         log.warning(
             "prefill worker %s failed on %s: %s", prefill_worker.name, act.request_id, error
         )
+        await self._release_pair(act, decode_worker)
+        self._fail_under_policy(act, f"prefill worker {prefill_worker.name} died: {error}")
+
+    async def _release_pair(
+        self, act: ActiveRequest, decode_worker: WorkerLoad[DecodeClient]
+    ) -> None:
+        """Let the request's reservation go: it will be placed again, or fail."""
         await quietly(
             decode_worker.client.release_reservation(act.request_id, act.transfer_id),
             "release_reservation",
@@ -361,10 +363,12 @@ class RequestFlow:
         )
         decode_worker.untrack(act.request_id)
         act.prefill = act.decode = None
+
+    def _fail_under_policy(self, act: ActiveRequest, why: str) -> None:
+        """Policy `fail` ends a request that lost its prefill side (unless it was aborted
+        meanwhile); `recompute` lets the caller place it again."""
         if not act.aborted and self.cfg.policy.prefill_failure_policy == "fail":
-            raise RequestFailed(
-                grpc.StatusCode.UNAVAILABLE, f"prefill worker {prefill_worker.name} died: {error}"
-            )
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, why)
 
     def _pick_decode(self) -> WorkerLoad[DecodeClient]:
         order = self.decode.decode_order()
