@@ -177,10 +177,12 @@ class DecodeClient(WorkerClient[DecodeApi]):
         return await self._call(self._api.heartbeat(request_id), HEARTBEAT_DEADLINE_S)
 
 
-async def quietly(call: Awaitable[object], what: str, worker: str) -> None:
-    """Best-effort cleanup call: a failure is logged, never raised."""
+async def quietly(call: Callable[[], Awaitable[object]], what: str, worker: str) -> None:
+    """Best-effort cleanup call: a failure is logged, never raised. `call` makes the
+    awaitable only once this runs: a cleanup task cancelled before its first step (at loop
+    shutdown) then leaves no coroutine that was never awaited."""
     try:
-        await call
+        await call()
     except WorkerUnavailable as e:
         log.warning("%s on %s failed: %s", what, worker, e)
     except Exception:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from functools import partial
 from typing import Any
 
 import grpc
@@ -303,9 +304,9 @@ class Router:
         rid = act.request_id
         calls = []
         if act.prefill is not None:
-            calls.append(quietly(act.prefill.client.abort(rid), "abort", act.prefill.name))
+            calls.append(quietly(partial(act.prefill.client.abort, rid), "abort", act.prefill.name))
         if act.decode is not None:
-            calls.append(quietly(act.decode.client.abort(rid), "abort", act.decode.name))
+            calls.append(quietly(partial(act.decode.client.abort, rid), "abort", act.decode.name))
         await asyncio.gather(*calls)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

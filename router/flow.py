@@ -24,6 +24,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from functools import partial
 from typing import Protocol
 
 import grpc
@@ -223,7 +224,9 @@ class RequestFlow:
         decode_worker, res = got
         if res.error or res.finished:
             await quietly(
-                decode_worker.client.release_reservation(act.request_id, act.transfer_id),
+                partial(
+                    decode_worker.client.release_reservation, act.request_id, act.transfer_id
+                ),
                 "release_reservation",
                 decode_worker.name,
             )
@@ -274,7 +277,9 @@ class RequestFlow:
             raise
         except DecodeWorkerSilent as e:
             log.warning("%s: placed again: %s", act.request_id, e)
-            await quietly(prefill_worker.client.abort(act.request_id), "abort", prefill_worker.name)
+            await quietly(
+                partial(prefill_worker.client.abort, act.request_id), "abort", prefill_worker.name
+            )
             rsv.decode.untrack(act.request_id)
             act.prefill = act.decode = None
             return None
@@ -357,7 +362,7 @@ class RequestFlow:
     ) -> None:
         """Let the request's reservation go: it will be placed again, or fail."""
         await quietly(
-            decode_worker.client.release_reservation(act.request_id, act.transfer_id),
+            partial(decode_worker.client.release_reservation, act.request_id, act.transfer_id),
             "release_reservation",
             decode_worker.name,
         )

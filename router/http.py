@@ -89,15 +89,20 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 # ---- errors -------------------------------------------------------------------------------
-def from_failed(e: RequestFailed) -> HTTPError:
+def from_failed(e: RequestFailed, chat: bool = False) -> HTTPError:
     """The router's failure as OpenAI's error. The context-length message loses its
-    `prompt: ` prefix: it is then OpenAI's, verbatim."""
+    `prompt: ` prefix: it is then OpenAI's, verbatim. On a chat request the prompt is what
+    the template made of `messages`, and the error names that field (as OpenAI's does)."""
     status, type_ = _STATUS.get(e.code, (500, "server_error"))
     message, param, code = e.details, None, None
     cause = e.__cause__
     if isinstance(cause, InvalidParameterError):
         param = cause.field
         prefix = f"{cause.field}: "
+        if chat and param == "prompt":
+            param = "messages"
+            message = "messages: " + message.removeprefix(prefix)
+            prefix = "messages: "
         if isinstance(cause, ContextLengthError):  # OpenAI's own wording, which clients match
             code = "context_length_exceeded"
             message = message.removeprefix(prefix)
@@ -299,7 +304,7 @@ class OpenAIApp:
         try:
             act = await router.admit(greq)
         except RequestFailed as e:
-            raise from_failed(e) from e
+            raise from_failed(e, fmt.chat) from e
         run = _Run(router, act, router.run(act))
         handed_off = False
         try:

@@ -101,6 +101,7 @@ class RouterMetrics(RequestObserver):
     req_generation: Histogram
     success: Counter
     rejected: Counter
+    failed: Counter
     placement: Counter
     prefix_queries: Counter
     prefix_hits: Counter
@@ -113,12 +114,12 @@ class RouterMetrics(RequestObserver):
         self.router = router
         self.model_name = router.model_info.served_model_name
         self.registry = CollectorRegistry(auto_describe=True)
+        self._lv = (self.model_name, ROUTER_ROLE)
         self._add_latency_histograms()
         self._add_request_histograms()
         self._add_counters()
         self._add_token_counters()
         self.registry.register(WorkerCollector(router, self.model_name))
-        self._lv = (self.model_name, ROUTER_ROLE)
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(
@@ -206,6 +207,15 @@ class RouterMetrics(RequestObserver):
         self.rejected = self._counter(
             "request_rejected", "Requests refused at admission, by gRPC status code name.", "code"
         )
+        self.failed = self._counter(
+            "request_failure",
+            "Admitted requests that ended with an error status instead of a completion (a "
+            "worker failure, a drain that ran out), by gRPC status code name.",
+            "code",
+        )
+        # exported at 0 from the start, so that a rate over it has a series before the first
+        # failure (the dashboard's)
+        self.failed.labels(*self._lv, grpc.StatusCode.UNAVAILABLE.name)
         self.placement = self._counter(
             "request_prefill_placement",
             "Finished requests by where their prompt pass ran (router.active.Placement): "
@@ -256,6 +266,9 @@ class RouterMetrics(RequestObserver):
     # ---- hooks ---------------------------------------------------------------------------
     def on_reject(self, code: grpc.StatusCode) -> None:
         self.rejected.labels(*self._lv, code.name).inc()
+
+    def on_fail(self, act: ActiveRequest, code: grpc.StatusCode, now: float) -> None:
+        self.failed.labels(*self._lv, code.name).inc()
 
     def on_tokens(self, act: ActiveRequest, num_tokens: int, now: float) -> None:
         if num_tokens <= 0:

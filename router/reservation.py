@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import grpc
@@ -161,7 +162,7 @@ class Reserver:
             if act.aborted:  # Abort came during the call and saw no reservation
                 decode_worker.untrack(act.request_id)
                 await quietly(
-                    decode_worker.client.abort(act.request_id), "abort", decode_worker.name
+                    partial(decode_worker.client.abort, act.request_id), "abort", decode_worker.name
                 )
                 raise RequestAborted()
             queue_ms = (time.perf_counter() - act.arrival_s) * 1e3
@@ -189,9 +190,8 @@ class Reserver:
 
             def release_late(f: asyncio.Future[ReserveResult]) -> None:
                 if not f.cancelled() and f.exception() is None and f.result().ticket is not None:
-                    self._spawn(
-                        quietly(decode_worker.client.abort(rid), "abort", decode_worker.name)
-                    )
+                    abort = partial(decode_worker.client.abort, rid)
+                    self._spawn(quietly(abort, "abort", decode_worker.name))
 
             call.add_done_callback(release_late)
             raise

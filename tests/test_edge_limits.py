@@ -121,6 +121,19 @@ def test_chat_content_over_the_limit_is_refused_before_the_template(server: Serv
     assert (status, error.get("param")) == (400, "messages")
 
 
+@pytest.mark.parametrize("num_messages", [20_000, 300])
+def test_a_chat_too_long_for_the_model_names_messages(
+    server: ServeProcess, num_messages: int
+) -> None:
+    """Many short messages whose rendered prompt is over a limit (the edge's character
+    bound, or the context length once tokenized) are refused naming `messages`, the field
+    the client sent, not `prompt` (which a chat client never sends)."""
+    messages = [{"role": "user", "content": "hi there"}] * num_messages
+    body = {"model": "tiny", "messages": messages}
+    status, error, _ = _post(server, body, "/v1/chat/completions")
+    assert (status, error.get("param")) == (400, "messages"), error
+
+
 def test_health_answers_while_a_huge_prompt_is_half_sent(server: ServeProcess) -> None:
     """A 10 MB body stalled halfway holds no lock and no event-loop turn: /health answers
     while it waits, and the finished body is still a 400. (A timing bound on /health under a

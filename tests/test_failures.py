@@ -130,9 +130,22 @@ def test_a_call_to_a_frozen_worker_ends_when_it_is_found_silent_or_at_its_deadli
 def test_a_drain_that_runs_out_ends_each_stream_with_a_status(tiny_dir: Path) -> None:
     """SIGTERM's drain with a grace shorter than a stream: the stream ends UNAVAILABLE
     "server shutting down" (the HTTP face turns it into an SSE error event), not cut off
-    with no ending, and the router lets go of it."""
+    with no ending; the router lets go of it and counts it in `request_failure_total`."""
 
     async def body(router: Any, prefill: PrefillWorker, decode: DecodeWorker) -> None:
+        from router.metrics import RouterMetrics
+
+        metrics = RouterMetrics.install(router)
+        labels = {
+            "model_name": router.model_info.served_model_name,
+            "role": "router",
+            "code": "UNAVAILABLE",
+        }
+
+        def failures() -> float:
+            value = metrics.registry.get_sample_value("pdserve:request_failure_total", labels)
+            return value or 0.0
+
         request = make_request(IDS, "long", max_tokens=1900, ignore_eos=True, temperature=0.0)
         act = await router.admit(request)
         tokens = 0
@@ -156,6 +169,7 @@ def test_a_drain_that_runs_out_ends_each_stream_with_a_status(tiny_dir: Path) ->
         assert failed is not None and failed.code == grpc.StatusCode.UNAVAILABLE, failed
         assert failed.details == "server shutting down" and tokens < 1900
         assert not router.active
+        assert failures() == 1.0  # counted as a failure, not as a finished request
 
     run_with_workers(local_config(tiny_dir), tiny_dir, body)
 

@@ -68,9 +68,11 @@ from pdserve.tools.chaos import (
     Shot,
     scenario_abusive_client,
     scenario_cancel,
+    scenario_drain_overrun,
     scenario_freeze,
     scenario_kill,
     scenario_kill_router,
+    scenario_router_mismatch,
     scenario_stall,
 )
 from pdserve.tools.faults import Rig
@@ -230,6 +232,26 @@ def test_kill_9_of_the_router(chaos: Chaos) -> None:
     idle-stream bound (2 s here) plus 5 s, and the rig's own router serves afterwards."""
     res = scenario_kill_router(chaos)
     assert res.figures["streams_held_at_kill"] >= 1, res.figures
+    assert_passed(res)
+
+
+def test_a_drain_that_runs_out_tells_every_stream(chaos: Chaos) -> None:
+    """SIGTERM of a second router (HTTP and gRPC, drain grace 0.5 s) under 6 long streams
+    on the rig's pools: each ends with an SSE error event + [DONE] or UNAVAILABLE "server
+    shutting down", within 10 s, the router exits 0 with no traceback and its request log
+    counts each; the workers free all it held and the rig's router serves on."""
+    sizes = replace(SIZES, num_drain=6, drain_grace_s=0.5, drain_output_len=2000)
+    res = scenario_drain_overrun(Chaos(sizes, chaos.rig, None, chaos.rng, _n=chaos._n))
+    assert res.figures["ended_by_the_drain"] == 6, res.figures
+    assert_passed(res)
+
+
+def test_a_router_for_another_model_fails_its_start(chaos: Chaos) -> None:
+    """A second router for `small` started against the rig's (detached) `tiny` workers fails
+    its start in one line naming both models, never listens, and leaves the workers (and
+    the rig's router) as they were."""
+    res = scenario_router_mismatch(chaos)
+    assert "small" in res.figures["last_line"] and "tiny" in res.figures["last_line"]
     assert_passed(res)
 
 

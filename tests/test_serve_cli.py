@@ -407,3 +407,32 @@ def test_a_worker_warning_reaches_the_serve_terminal(tmp_path: Path) -> None:
         assert line.startswith("("), repr(line)  # no colour codes: stderr is not a terminal
     finally:
         proc.stop()
+
+
+def test_a_drain_that_runs_out_ends_every_stream_on_both_faces(tmp_path: Path) -> None:
+    """`router.drain_grace_s: 0.2` and streams that outlast it, on HTTP (SSE) and gRPC: after
+    SIGTERM each stream ends with an error the client is told ("server shutting down": an
+    SSE error event then `[DONE]`, or UNAVAILABLE), none is cut off with no ending; the log
+    has no traceback and one request-log line per failed stream, and the process exits 0."""
+    from pdserve.tools.drain import drain_overrun, log_problems
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("router:\n  drain_grace_s: 0.2\n")
+    # The small preset: its streams outlast the grace *and* the servers' own stop, so that
+    # without the drain's ending they would be cut off, not finish in time by luck.
+    args = ("--config", str(cfg), "--enable-log-requests")
+    server = ServeProcess(tmp_path, args, model="small")
+    n = 6
+    try:
+        run = drain_overrun(server.proc, server.grpc_target, server.base_url, "small", n, 2000)
+    finally:
+        server.stop()
+    log = server.log_path.read_text()
+    assert run.streaming_at_sigterm == n, run.ends
+    assert all(e.told_shutting_down for e in run.ends), run.ends
+    assert all(e.done for e in run.ends if e.face == "http"), run.ends
+    assert {e.face for e in run.ends} == {"http", "grpc"}
+    assert run.exit_code == 0, log[-3000:]
+    assert not log_problems(log), log[-5000:]
+    assert "pdserve: draining" in log and f"ending {n} requests in flight" in log
+    assert log.count("failed: UNAVAILABLE") == n, log[-3000:]

@@ -21,6 +21,14 @@ router's gRPC and HTTP servers) and runs the scenarios in sequence, each a load 
   41 requests (the last 16 long); kill -9 of its process once 25 ended and a decode worker
   holds one of the long streams: the workers must free all it held
   (leases, the idle-stream bound) and the rig's own router serve on;
+- drain-overrun: a second router (HTTP and gRPC, `router.drain_grace_s` 2 s) on the same
+  pools, SIGTERM while 20 long streams (half SSE, half gRPC) are in flight: each must end with
+  an error its client is told (SSE error event then `[DONE]`; UNAVAILABLE "server shutting
+  down"), none cut off; the router exits 0 with no traceback, its request log and
+  `pdserve:request_failure_total` count them;
+- router-restart-mismatch: a second router asking for another model (`small`) started against
+  the rig's detached workers: it must fail its start in one line naming both models, without
+  serving, and leave the workers and the rig's router as they were;
 - abusive-client: a normal load alone, then again while one client sends 10 MB prompts,
   stop-string floods, a slowloris and idle KV connections: its median latency within 2x.
 
@@ -50,7 +58,9 @@ import math
 import multiprocessing
 import os
 import random
+import re
 import signal
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -104,10 +114,13 @@ class ChaosConfig:
         "stall",
         "overload",
         "kill-router",
+        "drain-overrun",
+        "router-restart-mismatch",
         "abusive-client",
     )
     seed: int = 0
     transport: str = "torch_dist"
+    num_prefill: int = 2  # prefill workers (1: freeze-prefill freezes the only one)
     prompt_len: int = 256  # tokens per request (random ids)
     output_len: int = 32  # tokens generated per request (EOS ignored)
     num_cancel: int = 200
@@ -133,6 +146,12 @@ class ChaosConfig:
     # kill-router: tokens of the requests sent after the first `kill_after`, so that a stream
     # seen held on a decode worker cannot end in the moment before the kill lands
     kill_router_output_len: int = 512
+    num_drain: int = 20  # drain-overrun: streams in flight at the SIGTERM (half SSE, half gRPC)
+    drain_grace_s: float = 2.0  # drain-overrun: the second router's router.drain_grace_s
+    drain_output_len: int = 2000  # drain-overrun: tokens per stream, to outlast the grace
+    drain_bound_s: float = 10.0  # drain-overrun: SIGTERM until every stream and the process end
+    mismatch_model: str = "small"  # router-restart-mismatch: the model the new router asks for
+    mismatch_bound_s: float = 60.0  # router-restart-mismatch: it must have failed by then
     num_abuse: int = 48  # abusive-client: the normal load, alone and under abuse
     abuse_concurrency: int = 4
     abuse_ratio_bound: float = 2.0  # its p50 latency under abuse / alone
@@ -157,7 +176,7 @@ class ChaosConfig:
             {
                 "model": {"model": self.preset},
                 "router": {"grpc": {"port": 0}, "http": {"port": 0}},
-                "prefill": {"num_workers": 2, "max_restarts": 5},
+                "prefill": {"num_workers": self.num_prefill, "max_restarts": 5},
                 "decode": {"num_workers": 2, "max_restarts": 5},
                 "transfer": {"transport": self.transport, "lease_s": self.lease_s},
                 "index": index,
@@ -840,16 +859,17 @@ def scenario_stall(ch: Chaos) -> ScenarioResult:
     blocks at the lease, the router stops waiting soon after and the request fails."""
     cfg = ch.cfg
     stall_s = cfg.lease_s + cfg.stall_past_lease_s
-    for name in cfg.stall_workers:
+    workers = [name for name in cfg.stall_workers if name in ch.rig.actors()]
+    for name in workers:
         ch.rig.stall_transfers(name, stall_s, cfg.num_stalled)
     d = ch.driver()
     try:
         outs = asyncio.run(d.run(ch.shots("stall", cfg.num_stall), 8, "stall"))
-        held = {name: ch.rig.num_stalled(name) for name in cfg.stall_workers}
+        held = {name: ch.rig.num_stalled(name) for name in workers}
     finally:
-        for name in cfg.stall_workers:
+        for name in workers:
             ch.rig.stall_transfers(name, 0.0, 0)
-    planned = f"{cfg.num_stalled} transfers on {', '.join(cfg.stall_workers)}"
+    planned = f"{cfg.num_stalled} transfers on {', '.join(workers)}"
     res = ScenarioResult(
         "stall", f"{planned} held {stall_s:g} s (lease {cfg.lease_s:g} s)", outs, fault_s=[0.0]
     )
@@ -984,6 +1004,159 @@ def scenario_kill_router(ch: Chaos) -> ScenarioResult:
         quiescence.clean
     )
     res.checks["the pools stayed up (no worker restarted)"] = not restarted
+    res.checks["the rig's router serves afterwards"] = res.recover_s is not None
+    return res
+
+
+def scenario_drain_overrun(ch: Chaos) -> ScenarioResult:
+    """SIGTERM of a second router whose drain grace (`drain_grace_s`) is shorter than the
+    streams it holds (`pdserve.tools.drain`): every stream ends with an error its client is
+    told, the process exits 0 with no traceback, its request log has one `failed:
+    UNAVAILABLE` line per stream, and the workers free all it held."""
+    from pdserve.tools.drain import ERROR, FINISHED, drain_overrun, log_problems
+    from pdserve.tools.faults import RouterProcess
+
+    cfg, rig = ch.cfg, ch.rig
+    overrides = {"drain_grace_s": cfg.drain_grace_s, "log_requests": True}
+    proc = RouterProcess(rig.cfg, rig.gcs_address(), http=True, router=overrides)
+    try:
+        proc.start()
+        assert proc.proc is not None and proc.http_url is not None
+        assert rig.router is not None
+        model = rig.router.model_info.served_model_name
+        run = drain_overrun(
+            proc.proc,
+            proc.target,
+            proc.http_url,
+            model,
+            cfg.num_drain,
+            cfg.drain_output_len,
+            exit_timeout_s=cfg.hang_bound_s,
+        )
+        log = proc.log_path.read_text()
+    finally:
+        proc.close()
+    outs = []
+    for i, e in enumerate(run.ends):
+        status = LOST
+        if e.ending == FINISHED:
+            status = OK
+        elif e.ending == ERROR:
+            status = e.detail.split(":", 1)[0] if e.face == "grpc" else "SSE_ERROR"
+        outs.append(
+            Outcome(
+                f"chaos-drain-{e.face}-{i}",
+                0.0,
+                status,
+                e.detail[:200],
+                e.ended_s,
+                e.first_token_s,
+                e.tokens,
+            )
+        )
+    res = ScenarioResult(
+        "drain-overrun",
+        f"SIGTERM of a second router (drain grace {cfg.drain_grace_s:g} s) under "
+        f"{cfg.num_drain} streams",
+        outs,
+        fault_s=[run.sigterm_s],
+    )
+    res.quiescence = ch.quiesce()
+    res.recover_s = asyncio.run(ch.recover(time.perf_counter()))
+    after = [(e.ended_s or math.inf) - run.sigterm_s for e in run.ends]
+    grace_over = re.search(r"grace over, ending (\d+) requests in flight", log)
+    ended_by_drain = int(grace_over.group(1)) if grace_over else 0
+    problems = log_problems(log)
+    res.figures = {
+        "streams_at_sigterm": run.streaming_at_sigterm,
+        "ended_by_the_drain": ended_by_drain,
+        "outcomes": dict(Counter(o.status for o in outs)),
+        "sse_done": sum(e.done for e in run.ends if e.face == "http"),
+        "max_end_after_sigterm_s": round(max(after, default=0.0), 3),
+        "exit_code": run.exit_code,
+        "exit_after_sigterm_s": None if run.exit_s is None else round(run.exit_s, 2),
+        "request_log_failed": log.count("failed: UNAVAILABLE"),
+        "log_problems": problems[:5],
+    }
+    res.base_checks()
+    res.fault_hit(
+        f"{ended_by_drain} of {cfg.num_drain} streams still in flight when the grace ran out",
+        run.streaming_at_sigterm == cfg.num_drain and ended_by_drain == cfg.num_drain,
+    )
+    res.checks["every stream was told (SSE error event + [DONE], or UNAVAILABLE)"] = all(
+        e.told_shutting_down and (e.done or e.face == "grpc") for e in run.ends
+    )
+    res.checks[f"streams and process ended within {cfg.drain_bound_s:g} s of SIGTERM"] = (
+        run.exit_s is not None
+        and run.exit_s <= cfg.drain_bound_s
+        and all(t <= cfg.drain_bound_s for t in after)
+    )
+    res.checks["exit 0"] = run.exit_code == 0
+    res.checks["no traceback in its log"] = not problems
+    res.checks["its request log counts each"] = log.count("failed: UNAVAILABLE") == cfg.num_drain
+    res.checks["the rig's router serves afterwards"] = res.recover_s is not None
+    return res
+
+
+def scenario_router_mismatch(ch: Chaos) -> ScenarioResult:
+    """A second router asking for `mismatch_model` started against the rig's detached
+    workers, which serve another model: its start fails (non-zero exit, within
+    `mismatch_bound_s`) in one line naming both models, before it listens; the rig's workers
+    are left as they were (none restarted, none added) and its router serves on."""
+    from dataclasses import replace as dc_replace
+
+    from pdserve.tools.faults import RouterProcess
+
+    cfg, rig = ch.cfg, ch.rig
+    theirs = rig.cfg.model.model
+    pids = {name: rig.pid(name) for name in rig.actors()}
+    other = dc_replace(rig.cfg, model=dc_replace(rig.cfg.model, model=cfg.mismatch_model))
+    proc = RouterProcess(other, rig.gcs_address())
+    t0 = time.perf_counter()
+    refused = ""
+    try:
+        proc.start(timeout_s=cfg.mismatch_bound_s)
+    except RuntimeError:
+        refused = "did not start"
+    assert proc.proc is not None
+    try:
+        code = proc.proc.wait(max(cfg.mismatch_bound_s - (time.perf_counter() - t0), 1.0))
+    except subprocess.TimeoutExpired:
+        code = None
+    failed_s = time.perf_counter() - t0
+    log = proc.log_tail(200)
+    listened = bool(proc.port)
+    proc.close()
+    lines = [ln for ln in log.splitlines() if ln.strip()]
+    last = lines[-1] if lines else ""
+    names_both = cfg.mismatch_model in last and theirs in last
+    after = {name: rig.pid(name) for name in rig.actors()}
+    res = ScenarioResult(
+        "router-restart-mismatch",
+        f"a router for {cfg.mismatch_model} started against detached {theirs} workers",
+        [],
+    )
+    res.recover_s = asyncio.run(ch.recover(time.perf_counter()))
+    res.quiescence = ch.quiesce()
+    res.figures = {
+        "exit_code": code,
+        "failed_after_s": round(failed_s, 2),
+        "last_line": last[:400],
+        "listened": listened,
+        "workers_before": sorted(pids),
+        "workers_after": sorted(after),
+    }
+    res.base_checks()
+    res.fault_hit(
+        f"the router met {len(pids)} workers of {theirs}", bool(refused) and len(pids) >= 1
+    )
+    res.checks[f"its start failed (exit != 0) within {cfg.mismatch_bound_s:g} s"] = code not in (
+        None,
+        0,
+    )
+    res.checks["in one line naming both models"] = names_both
+    res.checks["it never listened (advertised nothing)"] = not listened
+    res.checks["the workers are as they were"] = after == pids
     res.checks["the rig's router serves afterwards"] = res.recover_s is not None
     return res
 
@@ -1293,6 +1466,8 @@ SCENARIOS: dict[str, Callable[[Chaos], ScenarioResult]] = {
     "stall": scenario_stall,
     "overload": scenario_overload,
     "kill-router": scenario_kill_router,
+    "drain-overrun": scenario_drain_overrun,
+    "router-restart-mismatch": scenario_router_mismatch,
     "abusive-client": scenario_abusive_client,
 }
 
@@ -1319,6 +1494,20 @@ def _key_figures(r: ScenarioResult) -> str:
             f"the kill, {f['held_after_kill']} entries after it; "
             f"all freed {f['freed_after_kill_s']} s after the kill (bound {f['free_bound_s']:g})"
         )
+    if r.name.startswith("freeze"):
+        return (
+            f"{f['on_worker_at_freeze']} on {f['frozen']}: {f['on_worker_outcomes']}, last "
+            f"{f['max_end_after_freeze_s']} s after the freeze; {f['completed_while_frozen']} "
+            f"completed while frozen; decode marked down: {f['decode_workers_marked_down']}"
+        )
+    if r.name == "drain-overrun":
+        return (
+            f"{f['ended_by_the_drain']} ended by the drain, last "
+            f"{f['max_end_after_sigterm_s']} s after SIGTERM; exit {f['exit_code']} after "
+            f"{f['exit_after_sigterm_s']} s; {len(f['log_problems'])} tracebacks"
+        )
+    if r.name == "router-restart-mismatch":
+        return f"exit {f['exit_code']} after {f['failed_after_s']} s: {f['last_line'][:90]}"
     if r.name == "abusive-client":
         a = f["abuse"]
         return (
@@ -1406,6 +1595,7 @@ def plot(results: Sequence[ScenarioResult], path: Path) -> None:
         "CANCELLED": "tab:gray",
         ABORTED: "tab:blue",
         "UNAVAILABLE": "tab:orange",
+        "SSE_ERROR": "tab:olive",
         "RESOURCE_EXHAUSTED": "tab:purple",
         HUNG: "tab:red",
         LOST: "black",
@@ -1425,7 +1615,8 @@ def plot(results: Sequence[ScenarioResult], path: Path) -> None:
         ax.set_yscale("log")
         ax.set_ylabel("TTFT / latency (s)" if r.name == "overload" else "latency (s)")
         ax.set_title(f"{r.name}: {r.fault}", fontsize=9)
-        ax.legend(fontsize=7, loc="upper right")
+        if outs:  # router-restart-mismatch sends no request
+            ax.legend(fontsize=7, loc="upper right")
     axes[-1, 0].set_xlabel("send time (s since the load started)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -1540,6 +1731,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=d.seed, help="seed of prompts, cut points and arrivals"
     )
     p.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=d.num_prefill,
+        help="prefill pool size (1: freeze-prefill freezes the only prefill worker)",
+    )
+    p.add_argument(
         "--num-cancel",
         type=int,
         default=d.num_cancel,
@@ -1594,6 +1791,7 @@ def run_chaos(args: argparse.Namespace) -> int:
         scenarios=tuple(s.strip() for s in args.scenarios.split(",") if s.strip()),
         seed=args.seed,
         transport=args.transport,
+        num_prefill=args.prefill_workers,
         prompt_len=args.prompt_len,
         output_len=args.output_len,
         num_cancel=args.num_cancel,

@@ -115,7 +115,7 @@ class RedisProcess:
             client.close()
 
 
-_LISTENING = re.compile(r"^pdserve: gRPC listening on (.+):(\d+)$")
+_LISTENING = re.compile(r"^pdserve: (gRPC|HTTP) listening on (.+):(\d+)$")
 _NOT_INHERITED = ("RAY_ADDRESS", "PDSERVE_API_KEY", "PDSERVE_REDIS_URL", "PDSERVE_REDIS_PASSWORD")
 
 
@@ -130,17 +130,28 @@ class RouterProcess:
     Its config is the rig's (`cfg`) with `ray.detached` set, so that even a graceful stop of
     this router would leave the rig's workers alone (it never kills detached actors)."""
 
-    def __init__(self, cfg: ServeConfig, ray_address: str) -> None:
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        ray_address: str,
+        http: bool = False,
+        router: dict[str, Any] | None = None,
+    ) -> None:
+        """`http`: serve the HTTP API too (port 0); `router`: keys over the rig's `router`
+        section (the drain-overrun row sets `drain_grace_s` and `log_requests`)."""
         data = cfg.to_dict(reveal_secrets=True)
         data["ray"] = {**data["ray"], "address": None, "detached": True}
-        router = data["router"]
-        data["router"] = {**router, "grpc": {**router["grpc"], "port": 0}}
-        data["router"]["http"] = {**router["http"], "enabled": False}
+        section = {**data["router"], **(router or {})}
+        section["grpc"] = {**section["grpc"], "port": 0}
+        section["http"] = {**section["http"], "enabled": http, "port": 0}
+        data["router"] = section
         self.config = data
+        self.http = http
         self.ray_address = ray_address
         self.dir = tempfile.TemporaryDirectory(prefix="pdserve-router-")
         self.proc: subprocess.Popen[str] | None = None
         self.port = 0
+        self.http_port = 0
         self.log_path = Path(self.dir.name) / "serve.stderr"
 
     @property
@@ -148,8 +159,12 @@ class RouterProcess:
         assert self.port, "start the router process first"
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def http_url(self) -> str | None:
+        return f"http://127.0.0.1:{self.http_port}" if self.http_port else None
+
     def start(self, timeout_s: float = 180.0) -> RouterProcess:
-        """Start it and wait for its `gRPC listening` line."""
+        """Start it and wait for its `gRPC listening` line (and the HTTP one with `http`)."""
         path = Path(self.dir.name) / "serve.yaml"  # JSON is YAML; it may hold secrets: 0600
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -157,7 +172,8 @@ class RouterProcess:
         env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
         env["PYTHONUNBUFFERED"] = "1"
         args = [sys.executable, "-m", "pdserve.cli", "serve", "--config", str(path)]
-        args += ["--ray-address", self.ray_address, "--grpc-port", "0", "--no-http"]
+        args += ["--ray-address", self.ray_address, "--grpc-port", "0"]
+        args += ["--http-port", "0"] if self.http else ["--no-http"]
         with open(self.log_path, "w") as err:
             self.proc = subprocess.Popen(
                 args, stdout=subprocess.PIPE, stderr=err, text=True, env=env
@@ -168,14 +184,17 @@ class RouterProcess:
             assert self.proc is not None and self.proc.stdout is not None
             for line in self.proc.stdout:
                 m = _LISTENING.match(line.rstrip("\n"))
-                if m:
-                    self.port = int(m.group(2))
+                if m and m.group(1) == "gRPC":
+                    self.port = int(m.group(3))
+                elif m:
+                    self.http_port = int(m.group(3))
+                if self.port and (self.http_port or not self.http):
                     listening.set()
             listening.set()  # it exited
 
         threading.Thread(target=pump, daemon=True).start()
         listening.wait(timeout_s)
-        if not self.port:
+        if not self.port or (self.http and not self.http_port):
             self.kill9()
             tail = self.log_tail()
             raise RuntimeError(f"pdserve serve (the second router) did not start:\n{tail}")
