@@ -13,7 +13,8 @@ Who writes what (one owner per field; other threads hand work to it):
 
     state                                            owner            others hand work over by
     engine (its blocks too), reserved, _routes,      engine thread    `self.loop.call`
-      num_requests_total
+      num_requests_total, num_first_tokens_checked,
+      num_grammar_rejections
     streams, _sinks, _stream_reaper, _connecting     the actor loop   `call_soon_threadsafe`
                                                                       (`_forget_stream`,
                                                                       `_abort_sink`)
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.block_manager import NoFreeBlocksError
 from engine.engine import LLMEngine
-from engine.request import FinishReason, Request, RequestOutput
+from engine.request import FinishReason, GrammarRejected, Request, RequestOutput
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.wire import TransferError
 from pool_api import token_stream
@@ -114,6 +115,10 @@ class DecodeWorker(WorkerBase):
         self.receiver.address = self.endpoint.address
         self.receiver.start_reaper()
         self.reserved: dict[str, tuple[Request, str]] = {}  # id -> (request, transfer id)
+        # constrained requests whose token #1 (sampled by the prefill worker) this worker's
+        # matcher accepted, and refused: it is checked, never recomputed
+        self.num_first_tokens_checked = 0
+        self.num_grammar_rejections = 0
         self._routes: dict[str, _Route] = {}
         self.streams: dict[str, _Stream] = {}
         self._stream_reaper: asyncio.Task[None] | None = None
@@ -130,15 +135,20 @@ class DecodeWorker(WorkerBase):
         Blocks of the prompt's prefix that this worker still caches (an earlier turn decoded
         here) are shared, so the ticket asks the prefill side for the delta only."""
 
+        grammar = await self.compile_grammar(r.params)
+
         def do() -> ReserveResult:
             self._on_engine_thread()
-            req = self.engine.make_request(r.request_id, r.prompt_token_ids, r.params, r.cache_salt)
+            req = self.engine.make_request(
+                r.request_id, r.prompt_token_ids, r.params, r.cache_salt, grammar=grammar.grammar
+            )
             try:
                 ticket = self.receiver.reserve(
                     r.request_id, len(r.prompt_token_ids), prefix_hashes=req.block_hashes
                 )
             except NoFreeBlocksError as e:
                 return ReserveResult(None, self.engine.blocks.num_free_blocks, str(e))
+            ticket.grammar_fingerprint = grammar.fingerprint
             self.reserved[r.request_id] = (req, ticket.transfer_id)
             return ReserveResult(ticket.SerializeToString(), self.engine.blocks.num_free_blocks)
 
@@ -170,7 +180,14 @@ class DecodeWorker(WorkerBase):
                 return
             req = entry[0]
             self.num_requests_total += 1
-            out = self.engine.add_prefilled(req, s.first_token_id)
+            try:
+                out = self.engine.add_prefilled(req, s.first_token_id)
+            except GrammarRejected as e:
+                self.num_grammar_rejections += 1
+                self._end_unrouted(s.request_id, conn, str(e))
+                return
+            if req.params.structured is not None:
+                self.num_first_tokens_checked += 1  # the prefill side's, by this matcher
             self._routes[req.request_id] = _Route(req, conn)
             if out.finished:  # the first token was already final (the router knows it)
                 self._emit([RequestOutput(out.request_id, (), "", True, out.finish_reason)])
@@ -182,10 +199,14 @@ class DecodeWorker(WorkerBase):
         conn = await self._connect(sink)
         self._open(r.request_id, sink)
 
+        grammar = await self.compile_grammar(r.params)
+
         def add() -> None:
             self._on_engine_thread()
             self.num_requests_total += 1
-            req = self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.cache_salt)
+            req = self.engine.add_request(
+                r.request_id, r.prompt_token_ids, r.params, r.cache_salt, grammar=grammar.grammar
+            )
             # routed before the engine's next step can produce a token for it
             self._routes[req.request_id] = _Route(req, conn)
 
@@ -382,4 +403,8 @@ class DecodeWorker(WorkerBase):
         return {
             StatKey.KV_BYTES_RECEIVED_TOTAL.value: float(self.receiver.bytes_received_total),
             StatKey.KV_BLOCKS_SHARED_TOTAL.value: float(self.receiver.blocks_shared_total),
+            StatKey.GRAMMAR_FIRST_TOKENS_CHECKED_TOTAL.value: float(
+                self.num_first_tokens_checked
+            ),
+            StatKey.GRAMMAR_REJECTIONS_TOTAL.value: float(self.num_grammar_rejections),
         }

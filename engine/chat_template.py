@@ -106,10 +106,23 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise ChatTemplateError(f"chat template does not parse: {e}") from e
 
+    def reads(self, name: str) -> bool:
+        """Whether the template reads the variable `name` at all (a template that never
+        reads `tools` would drop them without a word)."""
+        import jinja2.meta
+
+        ast = self._compiled.environment.parse(self.source)
+        return name in jinja2.meta.find_undeclared_variables(ast)
+
     def render(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        extra: Mapping[str, Any] | None = None,
     ) -> str:
-        """The prompt text; raises ChatTemplateError with the template's own message."""
+        """The prompt text; raises ChatTemplateError with the template's own message.
+        `extra`: more variables, as HF's `apply_chat_template(tools=..., **kwargs)` passes
+        them (`tools`, `chat_template_kwargs` such as Qwen3's `enable_thinking`)."""
         import jinja2
 
         try:
@@ -117,7 +130,7 @@ class ChatTemplate:
                 self._compiled.render(
                     messages=[dict(m) for m in messages],
                     add_generation_prompt=add_generation_prompt,
-                    **self.special_tokens,
+                    **{**self.special_tokens, **(extra or {})},
                 )
             )
         except ChatTemplateError:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -44,10 +44,17 @@ from engine.config import (
 from engine.kv_cache import DTYPES, PagedKVCache
 from engine.model import LlamaModel
 from engine.prefix_hash import namespace_seed
-from engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from engine.request import (
+    FinishReason,
+    GrammarRejected,
+    Request,
+    RequestOutput,
+    RequestStatus,
+)
 from engine.runner import ModelRunner
 from engine.sampling import InvalidParameterError, SamplingParams, sample
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured import GrammarBackend
 from engine.tokenizer import Tokenizer
 from engine.validation import ContextLengthError, check_request
 from engine.weights import load_weights
@@ -185,6 +192,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.layer_hook: StepLayerHook | None = None  # the KV seam (module docstring)
         self.eos_token_ids = tokenizer.eos_token_ids if tokenizer else model_config.eos_token_ids
+        # structured outputs (engine.structured); None: no tokenizer, so no grammar
+        self.grammars: GrammarBackend | None = (
+            tokenizer.grammar_backend(model_config.vocab_size) if tokenizer else None
+        )
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, onednn: bool | None = None) -> LLMEngine:
@@ -230,10 +241,21 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str = "",
         prefill_only: bool = False,
+        grammar: Any = None,
     ) -> Request:
+        """`grammar`: `params.structured` compiled (`self.grammars.compile`, off this
+        thread); when None, a constrained request compiles here, on the engine thread."""
         if request_id in self.requests:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
         self.validate(prompt_token_ids, params, prefill_only)
+        matcher = None
+        if params.structured is not None:
+            if self.grammars is None:
+                raise InvalidParameterError(
+                    params.structured.field, "needs a tokenizer (this model has none)"
+                )
+            compiled = grammar if grammar is not None else self.grammars.compile(params.structured)
+            matcher = self.grammars.matcher(compiled)
         return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -243,6 +265,7 @@ class LLMEngine:
             detokenizer=self.tokenizer.detokenizer() if self.tokenizer else None,
             eos_token_ids=self.eos_token_ids,
             prefill_only=prefill_only,
+            matcher=matcher,
         )
 
     def add_request(
@@ -252,8 +275,11 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str = "",
         prefill_only: bool = False,
+        grammar: Any = None,
     ) -> Request:
-        req = self.make_request(request_id, prompt_token_ids, params, cache_salt, prefill_only)
+        req = self.make_request(
+            request_id, prompt_token_ids, params, cache_salt, prefill_only, grammar
+        )
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -261,9 +287,15 @@ class LLMEngine:
     def add_prefilled(self, req: Request, first_token_id: int) -> RequestOutput:
         """Admit a request whose prompt K/V already fills its blocks (see `reserve`)."""
         assert self.blocks.has(req.request_id), f"{req.request_id}: reserve blocks first"
+        try:
+            # A constrained request's matcher checks the prefill side's token #1 here,
+            # before this engine runs anything for it (never recomputed).
+            req.append_token(first_token_id, None)
+        except GrammarRejected:
+            self.blocks.free(req.request_id)
+            raise
         req.num_computed_tokens = len(req.prompt_token_ids)
         self.blocks.commit(req.request_id, req.computed_hashes())
-        req.append_token(first_token_id, None)
         self.requests[req.request_id] = req
         reason = req.check_stop(self.max_model_len)
         if reason is not None:

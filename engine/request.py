@@ -10,12 +10,18 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from engine.prefix_hash import extend_block_hashes
 from engine.sampling import SamplingParams, SamplingState, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer
+
+
+class GrammarRejected(ValueError):
+    """A token from outside this engine's sampler (a prefill worker's token #1) that the
+    request's grammar does not accept: the two sides' grammars differ."""
 
 
 class RequestStatus(enum.Enum):
@@ -56,6 +62,9 @@ class Request:
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     prefill_s: float = 0.0  # wall time of prefill steps that included this request
+    # xgrammar GrammarMatcher of a constrained request (engine.structured): it has accepted
+    # every output token; None once the request is finished (abort frees it)
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -89,6 +98,7 @@ class Request:
             self.output_token_ids,
             self.generator,
             tuple(banned) + self.params.stop_token_ids,
+            self.matcher,
         )
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None) -> str:
@@ -96,6 +106,10 @@ class Request:
         `take_text_delta`, which also holds back what a stop string may still trim."""
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter()
+        if self.matcher is not None and not self.matcher.accept_token(token_id):
+            # The sampler masks what the grammar forbids: only a token from elsewhere (a
+            # prefill worker's token #1) can get here.
+            raise GrammarRejected(f"{self.request_id}: token {token_id} breaks its grammar")
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
@@ -119,6 +133,8 @@ class Request:
         n_out = len(self.output_token_ids)
         if n_out >= self.params.min_tokens and self._is_stop_token(last):
             return FinishReason.STOP
+        if self.matcher is not None and self.matcher.is_terminated():
+            return FinishReason.STOP  # the grammar is complete: nothing else may follow
         if self.params.stop:
             hit = self._find_stop_string() if n_out >= self.params.min_tokens else None
             # Stop strings completed before min_tokens are ignored, as vLLM does.
@@ -155,6 +171,7 @@ class Request:
         """End this request here; `reason` None marks a prefill-only request handed on."""
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
+        self.matcher = None
 
 
 @dataclass(frozen=True)

@@ -11,25 +11,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.errors import InvalidParameterError as InvalidParameterError  # re-exported
+
+if TYPE_CHECKING:
+    from engine.structured import StructuredOutput
+
 GREEDY_EPS = 1e-5  # temperatures below this are greedy
 MAX_LOGPROBS = 20
-
-
-class InvalidParameterError(ValueError):
-    """Bad user input; `field` names the offending parameter (mapped to INVALID_ARGUMENT)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-    def __reduce__(self) -> tuple[type[InvalidParameterError], tuple[str, str]]:
-        # Raised in a worker, it crosses Ray pickled; the default reduce would call
-        # __init__ with the one formatted string and fail to rebuild it there.
-        return (type(self), (self.field, self.message))
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each logit_bias value
 
 
 @dataclass(frozen=True)
@@ -50,6 +43,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # top-N alternatives per sampled token (0: sampled only)
+    # added to the logits before anything else (OpenAI's logit_bias): (token id, bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None  # the output's grammar (engine.structured)
 
     @property
     def greedy(self) -> bool:
@@ -128,7 +124,25 @@ class SamplingParams:
                 f"must be in [0, 2^63), got {self.seed}",
             ),
         ]
+        checks.append(
+            (
+                "logit_bias",
+                all(
+                    math.isfinite(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                    for _, b in self.logit_bias
+                ),
+                f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            )
+        )
         if vocab_size is not None:
+            bad_bias = [t for t, _ in self.logit_bias if not 0 <= t < vocab_size]
+            checks.append(
+                (
+                    "logit_bias",
+                    not bad_bias,
+                    f"token ids {bad_bias[:8]} are outside the vocabulary [0, {vocab_size})",
+                )
+            )
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             checks.append(
                 (
@@ -156,6 +170,23 @@ class SamplingState:
     output_token_ids: Sequence[int]
     generator: torch.Generator | None
     banned_until_min_tokens: tuple[int, ...] = field(default_factory=tuple)
+    matcher: Any = None  # an xgrammar GrammarMatcher: the row is constrained to its grammar
+
+
+def _process_logits(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
+    """In place, before any row is sampled: each row's logit_bias, then each constrained
+    row's grammar bitmask. Rows with neither are not touched."""
+    for i, s in enumerate(states):
+        if s.params.logit_bias:
+            ids, bias = zip(*s.params.logit_bias, strict=True)
+            with torch.inference_mode():  # the forward's logits are inference tensors
+                logits[i, list(ids)] += torch.tensor(bias, dtype=logits.dtype)
+    constrained = [(i, s.matcher) for i, s in enumerate(states) if s.matcher is not None]
+    if constrained:
+        from engine.structured import apply_bitmask, fill_bitmask
+
+        bitmask, rows = fill_bitmask(constrained, logits.shape[0], logits.shape[1])
+        apply_bitmask(logits, bitmask, rows)
 
 
 def sample(
@@ -165,7 +196,9 @@ def sample(
     assert logits.shape[0] == len(states), "one sampling state per logits row"
     raw_logprobs = None
     if any(s.params.logprobs is not None for s in states):
+        # The model's own distribution (vLLM's default, raw_logprobs): before bias and mask.
         raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+    _process_logits(logits, states)
     tokens: list[int | None] = [None] * len(states)
     simple = [i for i, s in enumerate(states) if _is_plain_greedy(s)]
     if simple:

@@ -18,6 +18,7 @@ from tokenizers.decoders import DecodeStream
 
 from engine.chat_template import ChatTemplate, find_template
 from engine.config import ConfigError, ModelConfig
+from engine.structured import GrammarBackend
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -84,7 +85,10 @@ class Tokenizer:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        extra: Mapping[str, Any] | None = None,
     ) -> str:
         """Render chat messages as HF's `apply_chat_template(tokenize=False)` does.
 
@@ -95,7 +99,11 @@ class Tokenizer:
             raise ValueError(
                 "messages: this model has no chat template (give one with --chat-template FILE)"
             )
-        return self._template.render(messages, add_generation_prompt)
+        return self._template.render(messages, add_generation_prompt, extra)
+
+    def template_reads(self, name: str) -> bool:
+        """Whether the chat template reads the variable `name` (False: no template)."""
+        return self._template is not None and self._template.reads(name)
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
@@ -106,6 +114,15 @@ class Tokenizer:
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._tok)
+
+    def to_str(self) -> str:
+        """tokenizer.json as text (what a grammar backend in another process loads)."""
+        return str(self._tok.to_str())
+
+    def grammar_backend(self, vocab_size: int) -> GrammarBackend:
+        """The structured-output backend for this tokenizer and a model's vocabulary (the
+        model's may be larger than the tokenizer's); EOS ids stop a complete grammar."""
+        return GrammarBackend(self._tok, vocab_size, self.eos_token_ids)
 
 
 class IncrementalDetokenizer:

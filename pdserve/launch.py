@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import ConfigError, GenerationDefaults, ModelConfig
 from engine.engine import EngineConfig, resolve_dtype
+from engine.structured import backend_name
 from engine.tokenizer import Tokenizer
 from engine.weights import checkpoint_files, checkpoint_fingerprint
 from kv_transfer.auth import SECRET_ENV
@@ -160,11 +161,13 @@ def check_workers(
     summaries: list[StartupSummary], info: gen.ModelInfo, cfg: ServeConfig
 ) -> None:
     """Refuse, in one line naming both sides, a worker this router cannot serve with: it
-    speaks another pdserve wire version, serves another checkpoint, or keeps another KV
-    layout or cache than this config asks for (workers `get_if_exists` attached to, started
-    by an earlier router with other flags). KV then never crosses checkpoints or versions.
+    speaks another pdserve wire version, serves another checkpoint, compiles grammars with
+    another backend, or keeps another KV layout or cache than this config asks for (workers
+    `get_if_exists` attached to, started by an earlier router with other flags). KV then
+    never crosses checkpoints or versions.
     """
     mine = served_name(cfg)
+    grammar_backend = backend_name()
     for s in summaries:
         theirs = f"worker {s.name} ({s.role})"
         if s.wire_version != WIRE_VERSION:
@@ -177,6 +180,14 @@ def check_workers(
                 f"{theirs} serves {s.model} (checkpoint {s.model_fingerprint[:12]}), this router "
                 f"{mine} (checkpoint {info.model_fingerprint[:12]}): stop those workers (or "
                 "their Ray cluster), or serve their model"
+            )
+        if "none" not in (s.grammar_backend, grammar_backend) and (
+            s.grammar_backend != grammar_backend
+        ):
+            raise ConfigError(
+                f"{theirs} compiles grammars with {s.grammar_backend}, this router with "
+                f"{grammar_backend}: a constrained request's token #1 would be checked "
+                "against another grammar; run one pdserve install everywhere"
             )
         asked = {"dtype": info.dtype, "block_size": info.block_size}
         if not cfg.cache.sized_from_memory:

@@ -127,6 +127,10 @@ class StatKey(str, enum.Enum):
     KV_BLOCKS_SHARED_TOTAL = "kv_blocks_shared_total"  # decode: prompt blocks found cached
     DECODE_WORKSPACE_BYTES = "decode_workspace_bytes"  # decode: the workspace's memory
     DECODE_WORKSPACE_FALLBACKS_TOTAL = "decode_workspace_fallbacks_total"  # page gathers
+    # decode: constrained requests whose token #1 from the prefill side the matcher accepted
+    # (checked, not recomputed), and refused
+    GRAMMAR_FIRST_TOKENS_CHECKED_TOTAL = "grammar_first_tokens_checked_total"
+    GRAMMAR_REJECTIONS_TOTAL = "grammar_rejections_total"
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,15 @@ class PrefillWorker(WorkerBase):
         fut: concurrent.futures.Future[PrefillResult] = concurrent.futures.Future()
         arrival = time.perf_counter()
         r = task.request
+        grammar = await self.compile_grammar(r.params)
+        if grammar.fingerprint != ticket.grammar_fingerprint:
+            # Token #1 is sampled here under the grammar and only checked there: both sides
+            # must hold the same one (backend, tokenizer and spec), or none.
+            raise TransferError(
+                f"{r.request_id}: grammar mismatch: receiver "
+                f"{ticket.grammar_fingerprint or 'unconstrained'}, sender "
+                f"{grammar.fingerprint or 'unconstrained'}"
+            )
 
         def admit() -> None:
             self._on_engine_thread()
@@ -91,7 +100,12 @@ class PrefillWorker(WorkerBase):
             if aborted_at is not None and time.monotonic() - aborted_at < EARLY_ABORT_S:
                 raise TransferError(f"{r.request_id}: aborted by router before its prompt pass")
             req = self.engine.add_request(
-                r.request_id, r.prompt_token_ids, r.params, r.cache_salt, prefill_only=True
+                r.request_id,
+                r.prompt_token_ids,
+                r.params,
+                r.cache_salt,
+                prefill_only=True,
+                grammar=grammar.grammar,
             )
             self.jobs[r.request_id] = _Job(task, ticket, req, fut, arrival)
             self.num_requests_total += 1

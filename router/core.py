@@ -30,6 +30,7 @@ from router.active import ActiveRequest, Observers, RequestFailed
 from router.clients import DecodeClient, PrefillClient, quietly
 from router.config import RouterConfig
 from router.flow import RequestFlow
+from router.grammar_check import COMPILE_TIMEOUT_S, GrammarChecker, TokenizerSpec
 from router.index_sync import IndexSync
 from router.pools import Pool
 from router.reservation import Reserver
@@ -60,6 +61,15 @@ class Router:
         self.cfg = cfg
         self.limits = limits
         self.tokenizer = tokenizer
+        # structured outputs: each grammar compiles at the edge, within a bound, first
+        self.grammar_check = (
+            GrammarChecker(
+                TokenizerSpec(tokenizer.to_str(), limits.vocab_size, tokenizer.eos_token_ids),
+                COMPILE_TIMEOUT_S,
+            )
+            if tokenizer is not None
+            else None
+        )
         self.model_info = model_info
         self.prefill = prefill
         self.decode = decode
@@ -162,6 +172,8 @@ class Router:
             if task is not None:
                 task.cancel()
         self._index_sync.cancel()
+        if self.grammar_check is not None:
+            self.grammar_check.close()
         await self.sinks.stop()
         await self.index.close()
 
@@ -180,8 +192,15 @@ class Router:
         """Validate and tokenize. Text is tokenized on a worker thread (after the edge
         limits, which run first either way): the event loop keeps serving meanwhile."""
         if request.WhichOneof("prompt") == "text":
-            return await asyncio.to_thread(prepare, request, self.tokenizer, self.limits)
-        return prepare(request, self.tokenizer, self.limits)
+            wr = await asyncio.to_thread(prepare, request, self.tokenizer, self.limits)
+        else:
+            wr = prepare(request, self.tokenizer, self.limits)
+        so = wr.params.structured
+        if so is not None:
+            if self.grammar_check is None:
+                raise InvalidParameterError(so.field, "this model has no tokenizer")
+            await self.grammar_check.check(so)
+        return wr
 
     async def _admit(self, request: gen.GenerateRequest) -> ActiveRequest:
         if self.draining:

@@ -21,7 +21,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -50,10 +50,12 @@ from router.openai.protocol import (
     bad_request,
     chat_request,
     completion_request,
+    structured_field,
 )
 from router.openai.tokenize import detokenize, tokenize
 from router.ports import bind_socket
 from router.tls import ServerTLS
+from router.validation import STRUCTURED_FIELD
 
 log = logging.getLogger(__name__)
 
@@ -89,20 +91,29 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 # ---- errors -------------------------------------------------------------------------------
-def from_failed(e: RequestFailed, chat: bool = False) -> HTTPError:
+def _field_names(body: dict[str, Any], chat: bool) -> dict[str, str]:
+    """The router's field names as this body spells them (`from_failed`)."""
+    names = {"prompt": "messages"} if chat else {}
+    if field := structured_field(body):
+        names[STRUCTURED_FIELD] = field
+    return names
+
+
+def from_failed(e: RequestFailed, names: Mapping[str, str] | None = None) -> HTTPError:
     """The router's failure as OpenAI's error. The context-length message loses its
-    `prompt: ` prefix: it is then OpenAI's, verbatim. On a chat request the prompt is what
-    the template made of `messages`, and the error names that field (as OpenAI's does)."""
+    `prompt: ` prefix: it is then OpenAI's, verbatim. `names` renames the router's field
+    to the one the body used: a chat's prompt is what the template made of `messages`
+    (OpenAI names that field), a constraint came from `response_format`, ..."""
     status, type_ = _STATUS.get(e.code, (500, "server_error"))
     message, param, code = e.details, None, None
     cause = e.__cause__
     if isinstance(cause, InvalidParameterError):
         param = cause.field
         prefix = f"{cause.field}: "
-        if chat and param == "prompt":
-            param = "messages"
-            message = "messages: " + message.removeprefix(prefix)
-            prefix = "messages: "
+        if names and param in names:
+            param = names[param]
+            message = f"{param}: " + message.removeprefix(prefix)
+            prefix = f"{param}: "
         if isinstance(cause, ContextLengthError):  # OpenAI's own wording, which clients match
             code = "context_length_exceeded"
             message = message.removeprefix(prefix)
@@ -228,7 +239,8 @@ class OpenAIApp:
             greq = await asyncio.to_thread(completion_request, body, request_id, self.router)
         else:
             greq = completion_request(body, request_id)
-        return await self.generate(request, greq, self._formatter(False, response_id, opts), opts)
+        fmt = self._formatter(False, response_id, opts)
+        return await self.generate(request, greq, fmt, opts, _field_names(body, chat=False))
 
     async def chat_completions(self, request: Request) -> Response:
         self.authorize(request)
@@ -238,7 +250,8 @@ class OpenAIApp:
         # The template render and tokenization run off the event loop (the tokenizer lets go
         # of the GIL), so a huge chat does not stall every other request and /health.
         greq = await asyncio.to_thread(chat_request, self.router, body, request_id)
-        return await self.generate(request, greq, self._formatter(True, response_id, opts), opts)
+        fmt = self._formatter(True, response_id, opts)
+        return await self.generate(request, greq, fmt, opts, _field_names(body, chat=True))
 
     def _card(self) -> dict[str, Any]:
         return {
@@ -298,13 +311,18 @@ class OpenAIApp:
 
     # ---- generation
     async def generate(
-        self, request: Request, greq: gen.GenerateRequest, fmt: Formatter, opts: StreamOptions
+        self,
+        request: Request,
+        greq: gen.GenerateRequest,
+        fmt: Formatter,
+        opts: StreamOptions,
+        names: Mapping[str, str] | None = None,
     ) -> Response:
         router = self.router
         try:
             act = await router.admit(greq)
         except RequestFailed as e:
-            raise from_failed(e, fmt.chat) from e
+            raise from_failed(e, names) from e
         run = _Run(router, act, router.run(act))
         handed_off = False
         try:

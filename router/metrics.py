@@ -371,6 +371,16 @@ class _WorkerFamilies:
             "Wall time of those steps (schedule, forward, sampling, detokenize); against "
             "the worker's token counts it is the engine's share of the serving time.",
         )
+        self.grammar_checked = _counter_family(
+            "grammar_first_tokens_checked",
+            "Constrained requests whose token #1, sampled under the grammar by a prefill "
+            "worker, a decode worker's matcher accepted (checked, never recomputed).",
+        )
+        self.grammar_rejected = _counter_family(
+            "grammar_rejections",
+            "Constrained requests whose token #1 a decode worker's matcher refused (the two "
+            "sides' grammars differ): they fail instead of decoding.",
+        )
         self.cache_info = GaugeMetricFamily(
             PREFIX + "cache_config_info",
             "A worker's KV cache configuration, in its labels (value 1), as vLLM's.",
@@ -391,6 +401,8 @@ class _WorkerFamilies:
             self.ws_fallbacks,
             self.steps,
             self.step_seconds,
+            self.grammar_checked,
+            self.grammar_rejected,
             self.cache_info,
         )
 
@@ -447,6 +459,10 @@ class WorkerCollector(Collector):
                 f.xbytes.add_metric(lv, x.get(k.TRANSFER_BYTES_TOTAL.value, 0.0))
             if s.role is Role.PREFILL or k.TRANSFER_FAILURES_TOTAL.value in x:
                 f.xfail.add_metric(lv, x.get(k.TRANSFER_FAILURES_TOTAL.value, 0.0))
+            if s.role is not Role.PREFILL:
+                checked = x.get(k.GRAMMAR_FIRST_TOKENS_CHECKED_TOTAL.value, 0.0)
+                f.grammar_checked.add_metric(lv, checked)
+                f.grammar_rejected.add_metric(lv, x.get(k.GRAMMAR_REJECTIONS_TOTAL.value, 0.0))
             if s.role is not Role.PREFILL and k.DECODE_WORKSPACE_BYTES.value in x:
                 f.ws_bytes.add_metric(lv, x[k.DECODE_WORKSPACE_BYTES.value])
                 f.ws_fallbacks.add_metric(lv, x.get(k.DECODE_WORKSPACE_FALLBACKS_TOTAL.value, 0.0))

@@ -6,11 +6,13 @@ and never reaches a worker.
 
 from __future__ import annotations
 
+import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.config import GenerationDefaults
 from engine.sampling import InvalidParameterError, SamplingParams
+from engine.structured import StructuredOutput
 from engine.tokenizer import Tokenizer
 from engine.validation import check_request
 from pool_api.messages import WorkerRequest
@@ -53,6 +55,15 @@ def _float(s: gen.SamplingParams, name: str, default: float) -> float:
 _MAX_NAME_CHARS = 256  # request_id, model, cache_salt
 _ECHO_CHARS = 64  # of user input quoted back in an error message
 MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request (an internal bound, not a setting)
+# Structured outputs, bounded before anything compiles (the compile itself is bounded in
+# time by router.grammar_check): a spec's bytes, a JSON schema's nesting, a regex's length,
+# the choices; and logit_bias's entries (OpenAI's own bound).
+MAX_GRAMMAR_BYTES = 64 << 10
+MAX_SCHEMA_DEPTH = 32
+MAX_REGEX_CHARS = 4096
+MAX_CHOICES = 256
+MAX_LOGIT_BIAS = 300
+STRUCTURED_FIELD = "structured_output"  # the GenerateRequest field (HTTP names its own)
 
 
 @dataclass(frozen=True)
@@ -103,6 +114,8 @@ class EdgeLimits:
             raise InvalidParameterError(
                 "stop_token_ids", f"at most {self.max_stop_token_ids} stop token ids"
             )
+        if len(s.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidParameterError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries")
 
 
 def echo(value: str) -> str:
@@ -146,7 +159,56 @@ def sampling_from_proto(
         stop=tuple(s.stop),
         stop_token_ids=tuple(int(t) for t in s.stop_token_ids),
         logprobs=_int(s, "logprobs"),
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items())),
     )
+
+
+def json_depth(value: object) -> int:
+    """Nesting depth of a parsed JSON value (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+        stack.extend((c, depth + 1) for c in children)
+    return deepest
+
+
+def structured_from_proto(request: gen.GenerateRequest) -> StructuredOutput | None:
+    """The request's output constraint, bounded at the edge; InvalidParameterError names
+    `structured_output` (HTTP maps it to the field its body used)."""
+    if not request.HasField("structured_output"):
+        return None
+    so = request.structured_output
+    kind = so.WhichOneof("kind")
+    f = STRUCTURED_FIELD
+    if kind is None:
+        raise InvalidParameterError(f, "set one of json_schema, json_object, regex, choice, ...")
+    if kind == "json_object":
+        return StructuredOutput("json_object", "", f)
+    if kind == "choice":
+        choices = list(so.choice.choices)
+        if not choices or len(choices) > MAX_CHOICES or not all(choices):
+            raise InvalidParameterError(f, f"choice: 1 to {MAX_CHOICES} non-empty strings")
+        spec = json.dumps(choices)
+    else:
+        spec = getattr(so, kind)
+    if len(spec.encode()) > MAX_GRAMMAR_BYTES:
+        raise InvalidParameterError(f, f"{kind}: at most {MAX_GRAMMAR_BYTES} bytes")
+    if kind == "regex" and len(spec) > MAX_REGEX_CHARS:
+        raise InvalidParameterError(f, f"regex: at most {MAX_REGEX_CHARS} characters")
+    if kind in ("json_schema", "structural_tag"):
+        try:
+            parsed = json.loads(spec)
+        except ValueError as e:
+            raise InvalidParameterError(f, f"{kind}: not valid JSON ({e})") from e
+        if kind == "json_schema" and not isinstance(parsed, dict | bool):
+            raise InvalidParameterError(f, "json_schema: must be a JSON object")
+        if json_depth(parsed) > MAX_SCHEMA_DEPTH:
+            raise InvalidParameterError(f, f"{kind}: nested deeper than {MAX_SCHEMA_DEPTH}")
+    if kind == "json_schema":
+        return StructuredOutput("json", spec, f, strict=not so.lenient)
+    return StructuredOutput(kind, spec, f)
 
 
 def check_model(limits: ModelLimits, model: str) -> None:
@@ -164,6 +226,9 @@ def prepare(
     limits.edge_limits().check(request)  # sizes first: nothing below runs on an oversized request
     check_model(limits, request.model)
     params = sampling_from_proto(request.sampling, limits.sampling_defaults)
+    structured = structured_from_proto(request)
+    if structured is not None:
+        params = replace(params, structured=structured)
     kind = request.WhichOneof("prompt")
     if kind == "text":
         if not request.text:

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -23,6 +23,7 @@ from engine.config import ceil_div, format_bytes
 from engine.engine import LLMEngine
 from engine.loop import EngineFailed, EngineLoop
 from engine.request import RequestOutput
+from engine.sampling import SamplingParams
 from kv_transfer.transports.base import Transport, get_transport
 from pool_api.config import WorkerConfig
 from pool_api.index_feed import IndexFeed
@@ -86,6 +87,7 @@ class StartupSummary:
     sized_by: str  # num_kv_blocks | kv_cache_memory | gpu_memory_utilization
     model_fingerprint: str = ""  # the checkpoint's (engine.fingerprint): KV never crosses two
     wire_version: int = WIRE_VERSION  # protos.pdserve.v1.WIRE_VERSION of this worker
+    grammar_backend: str = ""  # engine.structured.backend_name(): pairs only with its equal
 
     @classmethod
     def of(
@@ -112,6 +114,7 @@ class StartupSummary:
             max_model_len=engine.max_model_len,
             sized_by=sized_by,
             model_fingerprint=engine.fingerprint,
+            grammar_backend=engine.grammars.name if engine.grammars is not None else "none",
         )
 
     @property
@@ -129,6 +132,15 @@ class StartupSummary:
             f"{format_bytes(self.kv_bytes)} (by {self.sized_by}); Maximum concurrency for "
             f"{self.max_model_len} tokens per request: {self.max_concurrency:.2f}x"
         )
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """`WorkerBase.compile_grammar`'s answer: the xgrammar CompiledGrammar (None:
+    unconstrained) and `GrammarBackend.fingerprint` of its spec."""
+
+    grammar: Any
+    fingerprint: str
 
 
 class WorkerBase(abc.ABC):
@@ -162,6 +174,17 @@ class WorkerBase(abc.ABC):
         self.loop.on_outputs = self._on_outputs
         self.loop.on_fatal = self._on_fatal
         self.feed = IndexFeed(self.name, self.cfg.index, self.cfg.model_name, self.loop)
+
+    async def compile_grammar(self, params: SamplingParams) -> CompiledGrammar:
+        """A constrained request's grammar, compiled off the engine thread and the actor's
+        loop (the backend's cache makes a repeat cheap), with its fingerprint; an
+        unconstrained request's is (None, "")."""
+        so = params.structured
+        grammars = self.engine.grammars
+        if so is None or grammars is None:
+            return CompiledGrammar(None, "")
+        compiled = await asyncio.to_thread(grammars.compile, so)
+        return CompiledGrammar(compiled, grammars.fingerprint(so))
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> bool:

@@ -4,7 +4,7 @@ OpenAI's completions and chat completions fields and vLLM's extras, each either 
 (router/openai/protocol.py maps it), accepted and harmless (`HARMLESS`: it cannot change
 the output, so it is read and dropped, as OpenAI drops `user`), or refused here with a 400
 naming it unless its value is one that changes nothing (`REFUSED`: `echo: false`, `n`
-checks aside, `best_of: 1`, an empty `logit_bias`, ...). A field in neither table and not
+checks aside, `best_of: 1`, `tool_choice: none`, ...). A field in neither table and not
 honoured is unknown: ignored, as vLLM does.
 
 `unsupported` runs before the prompt is parsed, in the order of `REFUSED`; a null is the
@@ -67,7 +67,6 @@ REFUSED: tuple[Refused, ...] = (
     Refused("echo", BOTH, _is(False), "echo must be false", True),
     Refused("best_of", BOTH, _is(1), "best_of must be 1", 2),
     Refused("suffix", COMPLETIONS, _empty, "no suffix", "tail"),
-    Refused("logit_bias", BOTH, _empty, "no logit_bias", {"50": 10}),
     Refused("tools", TEMPLATE, _empty, "no tool calling",
             [{"type": "function", "function": {"name": "f"}}]),
     Refused("tool_choice", CHAT, _no_tool_choice, "no tool calling: only none or auto",
@@ -75,9 +74,6 @@ REFUSED: tuple[Refused, ...] = (
     Refused("functions", CHAT, _empty, "no function calling", [{"name": "f"}]),
     Refused("function_call", CHAT, _no_tool_choice, "no function calling: only none or auto",
             {"name": "f"}),
-    Refused("response_format", BOTH, _text_only,
-            "only response_format {'type': 'text'}: no structured output",
-            {"type": "json_object"}),
     Refused("audio", CHAT, _empty, "text output only", {"voice": "alloy", "format": "wav"}),
     Refused("modalities", CHAT, _text_modalities, "text output only: ['text']",
             ["text", "audio"]),
@@ -98,18 +94,14 @@ REFUSED: tuple[Refused, ...] = (
     Refused("allowed_token_ids", BOTH, _empty, "no allowed_token_ids", [1, 2]),
     Refused("bad_words", BOTH, _empty, "no bad_words", ["x"]),
     Refused("logits_processors", BOTH, _empty, "no logits processors", ["m.P"]),
-    Refused("guided_json", BOTH, _empty, "no structured output", {"type": "object"}),
-    Refused("guided_regex", BOTH, _empty, "no structured output", "a+"),
-    Refused("guided_choice", BOTH, _empty, "no structured output", ["a", "b"]),
-    Refused("guided_grammar", BOTH, _empty, "no structured output", "root ::= 'a'"),
-    Refused("guided_decoding_backend", BOTH, _empty, "no structured output", "xgrammar"),
-    Refused("guided_whitespace_pattern", BOTH, _empty, "no structured output", " "),
-    Refused("structural_tag", BOTH, _empty, "no structured output", "{}x"),
-    Refused("structured_outputs", BOTH, _empty, "no structured output", {"regex": "a+"}),
+    Refused("guided_decoding_backend", BOTH, _is("xgrammar", "auto", ""),
+            "the grammar backend is xgrammar", "outlines"),
+    Refused("guided_whitespace_pattern", BOTH, _empty,
+            "JSON whitespace follows the backend's default", " "),
+    Refused("structural_tag", BOTH, _empty,
+            "send it as structured_outputs.structural_tag", "{}x"),
     Refused("chat_template", TEMPLATE, _empty,
             "a request may not bring its own template (vLLM's default too)", "{{ 'x' }}"),
-    Refused("chat_template_kwargs", TEMPLATE, _empty, "no template arguments",
-            {"enable_thinking": False}),
     Refused("documents", TEMPLATE, _empty, "no documents for the template",
             [{"title": "t", "text": "x"}]),
     Refused("mm_processor_kwargs", ALL, _empty, "text only", {"num_crops": 4}),

@@ -19,9 +19,8 @@ are the router's (router/validation.py, engine/validation.py), shared with gRPC.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Protocol, TypeVar, get_args
+from typing import Annotated, Any, Literal, Protocol, get_args
 
-from fastapi.responses import JSONResponse
 from pydantic import (
     AliasChoices,
     AliasPath,
@@ -30,180 +29,47 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
-    StrictFloat,
     StrictInt,
     StrictStr,
     TypeAdapter,
     ValidationError,
     ValidationInfo,
-    ValidatorFunctionWrapHandler,
-    WrapValidator,
     field_validator,
-    model_validator,
 )
-from pydantic_core import ErrorDetails, PydanticCustomError
 
 from engine.sampling import MAX_LOGPROBS, InvalidParameterError
 from engine.tokenizer import Tokenizer
 from protos.pdserve.v1 import generation_pb2 as gen
+from router.openai.base import (
+    INT32,
+    HTTPError,
+    Int32,
+    Int64,
+    Number,
+    RequestPart,
+    Role,
+    Stop,
+    TokenIdList,
+    _reworded,
+    bad_request,
+    from_validation,
+    invalid,
+    refused,
+)
 from router.openai.fields import Endpoint, unsupported
+from router.openai.structured import Structured, structured_field
 from router.validation import ModelLimits
 
-INT32 = (-(2**31), 2**31 - 1)
-INT64 = (-(2**63), 2**63 - 1)
-
-
-# ---- errors -------------------------------------------------------------------------------
-class HTTPError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def bad_request(param: str | None, message: str) -> HTTPError:
-    return HTTPError(400, message, param=param)
-
-
-# The validators' own errors: worded after the field's name ("stop" + "must be ..."), or whole.
-_AFTER_NAME = "pdserve_after_name"
-_WHOLE = "pdserve_whole"
-# pydantic's errors in the wording clients have always had; `{input}` is the value as JSON.
-_PHRASES = {
-    "float_type": "must be a number, got {input}",
-    "int_type": "must be an integer, got {input}",
-    "bool_type": "must be a boolean, got {input}",
-    "string_type": "must be a string",
-    "dict_type": "must be an object",
-    "model_type": "must be an object",
-    "model_attributes_type": "must be an object",
-}
-_OUT_OF_RANGE = ("greater_than_equal", "less_than_equal")
-
-
-def invalid(what: str) -> PydanticCustomError:
-    """A validator's failure, said after the field's name: `invalid("must be ...")`."""
-    return PydanticCustomError(_AFTER_NAME, what)
-
-
-def refused(message: str) -> PydanticCustomError:
-    """A validator's failure, said in a message of its own."""
-    return PydanticCustomError(_WHOLE, message)
-
-
-def _param(loc: tuple[int | str, ...]) -> str | None:
-    """pydantic's location as a path: `("messages", 0, "role")` is `messages[0].role`."""
-    if not loc:
-        return None
-    path = str(loc[0])
-    for part in loc[1:]:
-        path += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return path
-
-
-def _message(err: ErrorDetails, param: str | None) -> str:
-    """One error as the message a client gets; pydantic's own words only where no phrase
-    covers the error."""
-    kind, name = err["type"], param or "request body"
-    if kind == _WHOLE:
-        return err["msg"]
-    if kind == _AFTER_NAME:
-        return f"{name} {err['msg']}"
-    if kind in _OUT_OF_RANGE:
-        return f"{name} is out of range: {_integral(err['input'])}"
-    phrase = _PHRASES.get(kind)
-    if phrase is None:
-        return f"{name}: {err['msg']}"
-    if "{input}" in phrase:
-        phrase = phrase.format(input=json.dumps(err["input"]))
-    return f"{name} {phrase}"
-
-
-def from_validation(e: ValidationError) -> HTTPError:
-    """The first of pydantic's errors (fields are declared in the order they are checked) as
-    the 400 a client gets."""
-    err = e.errors(include_url=False)[0]
-    param = _param(err["loc"])
-    return bad_request(param, _message(err, param))
-
-
-# ---- field types --------------------------------------------------------------------------
-def _integral(v: object) -> object:
-    """JSON has one number type: 2.0 is the integer 2, 2.5 is not an integer."""
-    return int(v) if isinstance(v, float) and v.is_integer() else v
-
-
-def _reworded(what: str) -> WrapValidator:
-    """Whatever is wrong with the value, the client reads `what` after the field's name."""
-
-    def wrap(v: object, handler: ValidatorFunctionWrapHandler) -> object:
-        try:
-            return handler(v)
-        except ValidationError:
-            raise invalid(what) from None
-
-    return WrapValidator(wrap)
-
-
-_StrictInt32 = Annotated[StrictInt, Field(ge=INT32[0], le=INT32[1])]  # 2.0 is refused
-Int32 = Annotated[_StrictInt32, BeforeValidator(_integral)]
-Int64 = Annotated[StrictInt, Field(ge=INT64[0], le=INT64[1]), BeforeValidator(_integral)]
-Number = StrictFloat  # an int is a number too; a boolean is not
-Stop = Annotated[StrictStr | list[StrictStr], _reworded("must be a string or a list of strings")]
-TokenIdList = Annotated[list[_StrictInt32], _reworded("must be a list of integers")]
-Role = Literal["system", "developer", "user", "assistant", "tool"]
-
-B = TypeVar("B", bound="RequestPart")
-
-
-class RequestPart(BaseModel):
-    """One part of a request body, validated from the whole JSON object."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_absent(cls, data: Any) -> Any:
-        """A null field is unset, as if absent (defaults and required fields included)."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
-
-    @classmethod
-    def of(cls: type[B], body: dict[str, Any], **context: Any) -> B:
-        """The part of `body` this model describes; its first error is an HTTPError."""
-        try:
-            return cls.model_validate(body, context=context or None)
-        except ValidationError as e:
-            raise from_validation(e) from e
-
+__all__ = [
+    "HTTPError",
+    "RequestPart",
+    "TokenIdList",
+    "bad_request",
+    "from_validation",
+    "invalid",
+    "refused",
+    "structured_field",
+]
 
 # ---- streaming ----------------------------------------------------------------------------
 class StreamOptions(RequestPart):
@@ -325,6 +191,11 @@ def _non_empty_list(v: object) -> object:
     return v
 
 
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_BYTES = 8192
+_TEMPLATE_OWN = frozenset({"messages", "add_generation_prompt", "tools"})
+
+
 class ChatPrompt(RequestPart):
     """POST /v1/chat/completions: the messages and what names the request. Validated with
     context `max_content_chars`: the content is bounded before the template runs."""
@@ -338,6 +209,22 @@ class ChatPrompt(RequestPart):
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool = False
     add_special_tokens: StrictBool = False
+    # vLLM's: more template variables (Qwen3's enable_thinking), bounded
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _bounded_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_TEMPLATE_KWARGS or len(json.dumps(v)) > MAX_TEMPLATE_KWARGS_BYTES:
+            raise invalid(
+                f"may hold at most {MAX_TEMPLATE_KWARGS} keys and "
+                f"{MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON"
+            )
+        if taken := sorted(set(v) & _TEMPLATE_OWN):
+            raise invalid(f"may not set {taken} (the request's own fields set them)")
+        return v
 
     @field_validator("messages")
     @classmethod
@@ -476,6 +363,7 @@ def completion_request(
     r.sampling.CopyFrom(sampling.proto(sampling.max_tokens))
     if sampling.logprobs is not None:
         r.sampling.logprobs = sampling.logprobs
+    Structured.of(d).apply(r)
     return r
 
 
@@ -507,7 +395,9 @@ def render_chat(router: ChatRouter, prompt: ChatPrompt) -> list[int]:
         add_generation_prompt = not continued
     messages = prompt.template_messages()
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt)
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt, prompt.chat_template_kwargs
+        )
     except ValueError as e:  # ChatTemplateError: the template's own message
         raise bad_request("messages", str(e).removeprefix("messages: ")) from e
     if continued:
@@ -537,4 +427,5 @@ def chat_request(router: ChatRouter, d: dict[str, Any], request_id: str) -> gen.
         r.sampling.logprobs = sampling.top_logprobs or 0
     elif sampling.top_logprobs:
         raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
+    Structured.of(d).apply(r)
     return r

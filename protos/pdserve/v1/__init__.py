@@ -9,4 +9,7 @@ the version of the wires pdserve owns between its own processes."""
 # History:
 #   1  first versioned release: the version travels in KVCacheLayout and TokenStreamHello
 #      (a peer from before it sends 0).
-WIRE_VERSION = 1
+#   2  structured outputs: the ticket carries the receiver's grammar fingerprint, which a
+#      version-1 sender would ignore (it would sample token #1 unconstrained); workers also
+#      report their grammar backend, and workers of different backends never pair.
+WIRE_VERSION = 2

@@ -24,49 +24,57 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/pdserve/v1/generation.proto\x12\npdserve.v1\"\xaa\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0b \x01(\x08H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x0e\n\x01n\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x04\n\x02_nB\x0b\n\t_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xbb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\r\n\x05model\x18\x04 \x01(\t\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\\\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"h\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\"\xba\x01\n\x10GenerateComplete\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\"\x8c\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.GenerateChunkH\x00\x12\x30\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.GenerateCompleteH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xab\x01\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\"\x16\n\x14GetServerInfoRequest\"\xe6\x01\n\nWorkerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x05\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x1a\n\x12num_requests_total\x18\x07 \x01(\x05\x12\x1d\n\x15num_preemptions_total\x18\x08 \x01(\x05\x12\x0f\n\x07healthy\x18\t \x01(\x08\x12\x13\n\x0bstats_age_s\x18\n \x01(\x01\"\xa0\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x15\n\rindex_backend\x18\x04 \x01(\t\x12\'\n\x07workers\x18\x05 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x0e\n\x06status\x18\x06 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x07 \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa6\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12I\n\rGetServerInfo\x12 .pdserve.v1.GetServerInfoRequest\x1a\x16.pdserve.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/pdserve/v1/generation.proto\x12\npdserve.v1\"\x9b\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0b \x01(\x08H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x0e\n\x01n\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x04\n\x02_nB\x0b\n\t_logprobs\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc1\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x0f\n\x07lenient\x18\x07 \x01(\x08\x42\x06\n\x04kind\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\r\n\x05model\x18\x04 \x01(\t\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x37\n\x11structured_output\x18\x07 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutputB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\\\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"h\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\"\xba\x01\n\x10GenerateComplete\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\"\x8c\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.GenerateChunkH\x00\x12\x30\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.GenerateCompleteH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xab\x01\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\"\x16\n\x14GetServerInfoRequest\"\xe6\x01\n\nWorkerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x05\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x1a\n\x12num_requests_total\x18\x07 \x01(\x05\x12\x1d\n\x15num_preemptions_total\x18\x08 \x01(\x05\x12\x0f\n\x07healthy\x18\t \x01(\x08\x12\x13\n\x0bstats_age_s\x18\n \x01(\x01\"\xa0\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x15\n\rindex_backend\x18\x04 \x01(\t\x12\'\n\x07workers\x18\x05 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x0e\n\x06status\x18\x06 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x07 \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa6\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12I\n\rGetServerInfo\x12 .pdserve.v1.GetServerInfoRequest\x1a\x16.pdserve.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pdserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2258
-  _globals['_FINISHREASON']._serialized_end=2378
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2655
+  _globals['_FINISHREASON']._serialized_end=2775
   _globals['_SAMPLINGPARAMS']._serialized_start=51
-  _globals['_SAMPLINGPARAMS']._serialized_end=605
-  _globals['_TOKENIDS']._serialized_start=607
-  _globals['_TOKENIDS']._serialized_end=630
-  _globals['_GENERATEREQUEST']._serialized_start=633
-  _globals['_GENERATEREQUEST']._serialized_end=820
-  _globals['_TOPLOGPROB']._serialized_start=822
-  _globals['_TOPLOGPROB']._serialized_end=869
-  _globals['_TOKENLOGPROB']._serialized_start=871
-  _globals['_TOKENLOGPROB']._serialized_end=957
-  _globals['_GENERATECHUNK']._serialized_start=959
-  _globals['_GENERATECHUNK']._serialized_end=1051
-  _globals['_USAGE']._serialized_start=1053
-  _globals['_USAGE']._serialized_end=1133
-  _globals['_TIMINGS']._serialized_start=1135
-  _globals['_TIMINGS']._serialized_end=1239
-  _globals['_GENERATECOMPLETE']._serialized_start=1242
-  _globals['_GENERATECOMPLETE']._serialized_end=1428
-  _globals['_GENERATERESPONSE']._serialized_start=1431
-  _globals['_GENERATERESPONSE']._serialized_end=1571
-  _globals['_ABORTREQUEST']._serialized_start=1573
-  _globals['_ABORTREQUEST']._serialized_end=1607
-  _globals['_ABORTRESPONSE']._serialized_start=1609
-  _globals['_ABORTRESPONSE']._serialized_end=1639
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1641
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1662
-  _globals['_MODELINFO']._serialized_start=1665
-  _globals['_MODELINFO']._serialized_end=1836
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1838
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1860
-  _globals['_WORKERINFO']._serialized_start=1863
-  _globals['_WORKERINFO']._serialized_end=2093
-  _globals['_SERVERINFO']._serialized_start=2096
-  _globals['_SERVERINFO']._serialized_end=2256
-  _globals['_GENERATION']._serialized_start=2381
-  _globals['_GENERATION']._serialized_end=2675
+  _globals['_SAMPLINGPARAMS']._serialized_end=718
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=485
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=533
+  _globals['_CHOICELIST']._serialized_start=720
+  _globals['_CHOICELIST']._serialized_end=749
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=752
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=945
+  _globals['_TOKENIDS']._serialized_start=947
+  _globals['_TOKENIDS']._serialized_end=970
+  _globals['_GENERATEREQUEST']._serialized_start=973
+  _globals['_GENERATEREQUEST']._serialized_end=1217
+  _globals['_TOPLOGPROB']._serialized_start=1219
+  _globals['_TOPLOGPROB']._serialized_end=1266
+  _globals['_TOKENLOGPROB']._serialized_start=1268
+  _globals['_TOKENLOGPROB']._serialized_end=1354
+  _globals['_GENERATECHUNK']._serialized_start=1356
+  _globals['_GENERATECHUNK']._serialized_end=1448
+  _globals['_USAGE']._serialized_start=1450
+  _globals['_USAGE']._serialized_end=1530
+  _globals['_TIMINGS']._serialized_start=1532
+  _globals['_TIMINGS']._serialized_end=1636
+  _globals['_GENERATECOMPLETE']._serialized_start=1639
+  _globals['_GENERATECOMPLETE']._serialized_end=1825
+  _globals['_GENERATERESPONSE']._serialized_start=1828
+  _globals['_GENERATERESPONSE']._serialized_end=1968
+  _globals['_ABORTREQUEST']._serialized_start=1970
+  _globals['_ABORTREQUEST']._serialized_end=2004
+  _globals['_ABORTRESPONSE']._serialized_start=2006
+  _globals['_ABORTRESPONSE']._serialized_end=2036
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2038
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2059
+  _globals['_MODELINFO']._serialized_start=2062
+  _globals['_MODELINFO']._serialized_end=2233
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2235
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2257
+  _globals['_WORKERINFO']._serialized_start=2260
+  _globals['_WORKERINFO']._serialized_end=2490
+  _globals['_SERVERINFO']._serialized_start=2493
+  _globals['_SERVERINFO']._serialized_end=2653
+  _globals['_GENERATION']._serialized_start=2778
+  _globals['_GENERATION']._serialized_end=3072
 # @@protoc_insertion_point(module_scope)

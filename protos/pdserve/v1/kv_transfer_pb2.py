@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/pdserve/v1/kv_transfer.proto\x12\npdserve.v1\"\xb4\x01\n\rKVCacheLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.pdserve.v1.KVDType\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x14\n\x0cwire_version\x18\x07 \x01(\r\"\xea\x01\n\x0eTransferTicket\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x17\n\x0f\x63hannel_address\x18\x05 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\x12)\n\x06layout\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\x12\x12\n\nnum_tokens\x18\x08 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\t \x01(\r\"\x88\x02\n\rKVFrameHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12)\n\x06layout\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x15\n\rsrc_block_ids\x18\x06 \x03(\r\x12\x15\n\rdst_block_ids\x18\x07 \x03(\r\x12\x15\n\rpayload_bytes\x18\x08 \x01(\x04\x12\r\n\x05\x61\x62ort\x18\t \x01(\x08\x12\x14\n\x0c\x61\x62ort_reason\x18\n \x01(\t\x12\x11\n\tsender_id\x18\x0b \x01(\t\"u\n\x0bTransferAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12*\n\x06status\x18\x02 \x01(\x0e\x32\x1a.pdserve.v1.TransferStatus\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\"N\n\x07KVChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVFrameHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind*f\n\x07KVDType\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x02\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x03*\x8a\x01\n\x0eTransferStatus\x12\x1f\n\x1bTRANSFER_STATUS_UNSPECIFIED\x10\x00\x12\x1c\n\x18TRANSFER_STATUS_COMPLETE\x10\x01\x12\x1c\n\x18TRANSFER_STATUS_REJECTED\x10\x02\x12\x1b\n\x17TRANSFER_STATUS_ABORTED\x10\x03\x32\x44\n\nKVTransfer\x12\x36\n\x04Push\x12\x13.pdserve.v1.KVChunk\x1a\x17.pdserve.v1.TransferAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/pdserve/v1/kv_transfer.proto\x12\npdserve.v1\"\xb4\x01\n\rKVCacheLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.pdserve.v1.KVDType\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x14\n\x0cwire_version\x18\x07 \x01(\r\"\x87\x02\n\x0eTransferTicket\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x15\n\rdst_block_ids\x18\x03 \x03(\r\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x17\n\x0f\x63hannel_address\x18\x05 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x06 \x01(\x03\x12)\n\x06layout\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\x12\x12\n\nnum_tokens\x18\x08 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\t \x01(\r\x12\x1b\n\x13grammar_fingerprint\x18\n \x01(\t\"\x88\x02\n\rKVFrameHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12)\n\x06layout\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x15\n\rsrc_block_ids\x18\x06 \x03(\r\x12\x15\n\rdst_block_ids\x18\x07 \x03(\r\x12\x15\n\rpayload_bytes\x18\x08 \x01(\x04\x12\r\n\x05\x61\x62ort\x18\t \x01(\x08\x12\x14\n\x0c\x61\x62ort_reason\x18\n \x01(\t\x12\x11\n\tsender_id\x18\x0b \x01(\t\"u\n\x0bTransferAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12*\n\x06status\x18\x02 \x01(\x0e\x32\x1a.pdserve.v1.TransferStatus\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\"N\n\x07KVChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVFrameHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind*f\n\x07KVDType\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x02\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x03*\x8a\x01\n\x0eTransferStatus\x12\x1f\n\x1bTRANSFER_STATUS_UNSPECIFIED\x10\x00\x12\x1c\n\x18TRANSFER_STATUS_COMPLETE\x10\x01\x12\x1c\n\x18TRANSFER_STATUS_REJECTED\x10\x02\x12\x1b\n\x17TRANSFER_STATUS_ABORTED\x10\x03\x32\x44\n\nKVTransfer\x12\x36\n\x04Push\x12\x13.pdserve.v1.KVChunk\x1a\x17.pdserve.v1.TransferAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pdserve.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVDTYPE']._serialized_start=937
-  _globals['_KVDTYPE']._serialized_end=1039
-  _globals['_TRANSFERSTATUS']._serialized_start=1042
-  _globals['_TRANSFERSTATUS']._serialized_end=1180
+  _globals['_KVDTYPE']._serialized_start=966
+  _globals['_KVDTYPE']._serialized_end=1068
+  _globals['_TRANSFERSTATUS']._serialized_start=1071
+  _globals['_TRANSFERSTATUS']._serialized_end=1209
   _globals['_KVCACHELAYOUT']._serialized_start=52
   _globals['_KVCACHELAYOUT']._serialized_end=232
   _globals['_TRANSFERTICKET']._serialized_start=235
-  _globals['_TRANSFERTICKET']._serialized_end=469
-  _globals['_KVFRAMEHEADER']._serialized_start=472
-  _globals['_KVFRAMEHEADER']._serialized_end=736
-  _globals['_TRANSFERACK']._serialized_start=738
-  _globals['_TRANSFERACK']._serialized_end=855
-  _globals['_KVCHUNK']._serialized_start=857
-  _globals['_KVCHUNK']._serialized_end=935
-  _globals['_KVTRANSFER']._serialized_start=1182
-  _globals['_KVTRANSFER']._serialized_end=1250
+  _globals['_TRANSFERTICKET']._serialized_end=498
+  _globals['_KVFRAMEHEADER']._serialized_start=501
+  _globals['_KVFRAMEHEADER']._serialized_end=765
+  _globals['_TRANSFERACK']._serialized_start=767
+  _globals['_TRANSFERACK']._serialized_end=884
+  _globals['_KVCHUNK']._serialized_start=886
+  _globals['_KVCHUNK']._serialized_end=964
+  _globals['_KVTRANSFER']._serialized_start=1211
+  _globals['_KVTRANSFER']._serialized_end=1279
 # @@protoc_insertion_point(module_scope)

@@ -48,7 +48,7 @@ class KVCacheLayout(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[KVDType, str]] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., wire_version: _Optional[int] = ...) -> None: ...
 
 class TransferTicket(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "dst_block_ids", "transport", "channel_address", "deadline_unix_ms", "layout", "num_tokens", "first_block")
+    __slots__ = ("request_id", "transfer_id", "dst_block_ids", "transport", "channel_address", "deadline_unix_ms", "layout", "num_tokens", "first_block", "grammar_fingerprint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class TransferTicket(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -67,7 +68,8 @@ class TransferTicket(_message.Message):
     layout: KVCacheLayout
     num_tokens: int
     first_block: int
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ..., channel_address: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., layout: _Optional[_Union[KVCacheLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., first_block: _Optional[int] = ...) -> None: ...
+    grammar_fingerprint: str
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., transport: _Optional[str] = ..., channel_address: _Optional[str] = ..., deadline_unix_ms: _Optional[int] = ..., layout: _Optional[_Union[KVCacheLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., first_block: _Optional[int] = ..., grammar_fingerprint: _Optional[str] = ...) -> None: ...
 
 class KVFrameHeader(_message.Message):
     __slots__ = ("request_id", "transfer_id", "layout", "layer_start", "layer_end", "src_block_ids", "dst_block_ids", "payload_bytes", "abort", "abort_reason", "sender_id")

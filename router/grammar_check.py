@@ -1,0 +1,154 @@
+"""The edge's check of a structured-output request: its grammar compiles, within a bound.
+
+A pathological schema or regex can keep a compiler busy for minutes, and a thread cannot be
+stopped. So the router compiles in a child process of its own (spawned on first use; it loads
+xgrammar and the served tokenizer once): a compile that outlasts `timeout_s` is refused with
+a 400 naming the field, the child is killed and the next check starts a fresh one, and a
+spec that timed out is refused at once when it comes again. Nothing reaches a worker before
+it passed here; the workers then compile the same spec from their own caches.
+
+One check at a time (the child is single-threaded); specs that passed are remembered, so a
+repeat costs nothing. The pipe carries JSON bytes only (`send_bytes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine.sampling import InvalidParameterError
+from engine.structured import StructuredOutput
+
+log = logging.getLogger(__name__)
+COMPILE_TIMEOUT_S = 5.0  # a grammar that takes longer at the edge is refused (a 400)
+REMEMBERED = 1024  # specs remembered as good, and as timed out (each an LRU)
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What the child needs to build the same backend as the workers'."""
+
+    tokenizer_json: str  # `tokenizers.Tokenizer.to_str()`
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+def _child(conn: Connection) -> None:
+    """The compile loop: the tokenizer first, then one JSON request in, one answer out."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from engine.structured import GrammarBackend
+
+    spec = json.loads(conn.recv_bytes())
+    tok = HFTokenizer.from_str(spec["tokenizer_json"])
+    backend = GrammarBackend(tok, spec["vocab_size"], tuple(spec["eos_token_ids"]))
+    conn.send_bytes(b'{"ready": true}')
+    while True:
+        try:
+            req = json.loads(conn.recv_bytes())
+        except EOFError:
+            return
+        t0 = time.perf_counter()
+        try:
+            backend.compile(
+                StructuredOutput(req["kind"], req["spec"], req["field"], req["strict"])
+            )
+            answer: dict[str, Any] = {"ok": True}
+        except InvalidParameterError as e:
+            answer = {"error": e.message}
+        answer["ms"] = (time.perf_counter() - t0) * 1e3
+        conn.send_bytes(json.dumps(answer).encode())
+
+
+class GrammarChecker:
+    def __init__(self, tokenizer: TokenizerSpec, timeout_s: float) -> None:
+        self.tokenizer = tokenizer
+        self.timeout_s = timeout_s
+        self._proc: Any = None  # multiprocessing.Process
+        self._conn: Connection | None = None
+        self._lock = threading.Lock()  # one check at a time (the child is sequential)
+        self._good: OrderedDict[str, None] = OrderedDict()
+        self._timed_out: OrderedDict[str, None] = OrderedDict()
+        self.num_timeouts = 0
+
+    async def check(self, so: StructuredOutput) -> None:
+        """Raise InvalidParameterError naming `so.field` when it does not compile, or not
+        within `timeout_s`. Runs off the event loop."""
+        if so.key in self._good:
+            return
+        if so.key in self._timed_out:
+            raise self._too_slow(so)
+        await asyncio.to_thread(self._check, so)
+
+    def _too_slow(self, so: StructuredOutput) -> InvalidParameterError:
+        return InvalidParameterError(
+            so.field, f"did not compile within {self.timeout_s:g} s (too complex)"
+        )
+
+    def _check(self, so: StructuredOutput) -> None:
+        with self._lock:
+            conn = self._child_conn()
+            request = {"kind": so.kind, "spec": so.spec, "field": so.field, "strict": so.strict}
+            conn.send_bytes(json.dumps(request).encode())
+            if not conn.poll(self.timeout_s):
+                self.num_timeouts += 1
+                log.warning("a %s grammar did not compile within %g s", so.kind, self.timeout_s)
+                self._kill()
+                _remember(self._timed_out, so.key)
+                raise self._too_slow(so)
+            answer = json.loads(conn.recv_bytes())
+        if "error" in answer:
+            raise InvalidParameterError(so.field, answer["error"])
+        _remember(self._good, so.key)
+
+    def _child_conn(self) -> Connection:
+        """The live child's pipe, starting a child (and waiting until it is ready)."""
+        if self._proc is not None and self._proc.is_alive() and self._conn is not None:
+            return self._conn
+        self._kill()
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads
+        parent, child = ctx.Pipe()
+        spec = json.dumps(
+            {
+                "tokenizer_json": self.tokenizer.tokenizer_json,
+                "vocab_size": self.tokenizer.vocab_size,
+                "eos_token_ids": list(self.tokenizer.eos_token_ids),
+            }
+        ).encode()
+        proc = ctx.Process(target=_child, args=(child,), daemon=True, name="grammar-check")
+        proc.start()
+        child.close()
+        parent.send_bytes(spec)
+        if not parent.poll(120.0):  # it imports xgrammar and transformers: seconds
+            proc.kill()
+            raise RuntimeError("the grammar checker did not start")
+        parent.recv_bytes()
+        self._proc, self._conn = proc, parent
+        return parent
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join(5)
+        if self._conn is not None:
+            self._conn.close()
+        self._proc, self._conn = None, None
+
+    def close(self) -> None:
+        with self._lock:
+            self._kill()
+
+
+def _remember(lru: OrderedDict[str, None], key: str) -> None:
+    lru[key] = None
+    lru.move_to_end(key)
+    while len(lru) > REMEMBERED:
+        lru.popitem(last=False)
