@@ -1,0 +1,357 @@
+"""Structured outputs across the prefill -> decode handover, on the real default model.
+
+In-process workers (`tests.in_process.run_with_workers`, the `local` KV transport) behind a
+started Router: JSON schemas of every common shape give output that parses and validates
+(`jsonschema`), in colocated and disaggregated mode, token for token the same in both; in the
+disaggregated mode token #1 is sampled on the prefill worker under the grammar and only
+checked on the decode worker (its matcher accepts it; its engine runs no prompt pass). The
+grammar's fingerprint guards the pairing. A constrained row leaves the unconstrained rows of
+its batch untouched, a preempted constrained request resumes its matcher, and a grammar that
+does not compile, or not in time, is a 400 at the edge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from decode_workers.worker import DecodeWorker
+from engine.engine import EngineConfig, LLMEngine
+from engine.request import GrammarRejected
+from engine.sampling import SamplingParams
+from engine.structured import StructuredOutput
+from pdserve.client import make_request
+from pdserve.config import ServeConfig
+from pdserve.models import DEFAULT_MODEL, resolve_model
+from prefill_workers.worker import PrefillWorker
+from protos.pdserve.v1 import generation_pb2 as gen
+from router.active import RequestFailed
+from tests.in_process import run_with_workers
+
+jsonschema = pytest.importorskip("jsonschema")
+
+pytestmark = pytest.mark.timeout(600)
+
+_S = {"type": "string", "maxLength": 24}
+SCHEMAS: list[dict[str, Any]] = [
+    {  # flat, required, closed
+        "type": "object",
+        "properties": {"name": _S, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {  # an enum and a boolean
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "bright": {"type": "boolean"},
+        },
+        "required": ["color", "bright"],
+        "additionalProperties": False,
+    },
+    {  # a bounded array of strings
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": _S, "minItems": 1, "maxItems": 3}},
+        "required": ["items"],
+        "additionalProperties": False,
+    },
+    {  # nested objects
+        "type": "object",
+        "properties": {
+            "city": {
+                "type": "object",
+                "properties": {"name": _S, "country": _S},
+                "required": ["name", "country"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    {  # a number and a nullable field
+        "type": "object",
+        "properties": {
+            "price": {"type": "number", "minimum": 0, "maximum": 1000},
+            "note": {"type": ["string", "null"], "maxLength": 24},
+        },
+        "required": ["price", "note"],
+        "additionalProperties": False,
+    },
+    {  # an array of objects
+        "type": "object",
+        "properties": {
+            "people": {
+                "type": "array",
+                "maxItems": 2,
+                "items": {
+                    "type": "object",
+                    "properties": {"first": _S, "last": _S},
+                    "required": ["first", "last"],
+                    "additionalProperties": False,
+                },
+            }
+        },
+        "required": ["people"],
+        "additionalProperties": False,
+    },
+    {  # a top-level array of integers
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 100},
+        "minItems": 2,
+        "maxItems": 4,
+    },
+    {  # a pattern-constrained string
+        "type": "object",
+        "properties": {"date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}},
+        "required": ["date"],
+        "additionalProperties": False,
+    },
+    {  # an enum of integers and a const
+        "type": "object",
+        "properties": {"stars": {"enum": [1, 2, 3, 4, 5]}, "kind": {"const": "review"}},
+        "required": ["stars", "kind"],
+        "additionalProperties": False,
+    },
+    {  # anyOf
+        "type": "object",
+        "properties": {"answer": {"anyOf": [{"type": "integer"}, {"enum": ["unknown"]}]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    },
+]
+PROMPTS = [
+    "Describe a person as JSON.",
+    "Give me data about the city of Paris as JSON.",
+]
+MAX_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def real_dir() -> Path:
+    return resolve_model(DEFAULT_MODEL)
+
+
+def config(model: Path, colocated: bool) -> ServeConfig:
+    return ServeConfig.load(
+        None,
+        {
+            "model": {"model": str(model)},
+            "transfer": {"transport": "local"},
+            "colocated": colocated,
+        },
+    )
+
+
+def chat_ids(real_dir: Path, prompt: str) -> list[int]:
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(real_dir)
+    return tok.encode_chat([{"role": "user", "content": prompt}])
+
+
+def json_request(ids: list[int], rid: str, schema: dict[str, Any]) -> gen.GenerateRequest:
+    r = make_request(ids, rid, temperature=0.0, max_tokens=MAX_TOKENS)
+    r.structured_output.json_schema = json.dumps(schema)
+    return r
+
+
+async def drive(router: Any, request: gen.GenerateRequest) -> tuple[str, list[int], int]:
+    """One request to its end: (text, token ids, finish reason)."""
+    act = await router.admit(request)
+    text, ids, reason, completed = "", [], 0, False
+    try:
+        async for resp in router.run(act):
+            if resp.HasField("chunk"):
+                text += resp.chunk.text
+                ids += resp.chunk.token_ids
+            else:
+                reason, completed = resp.complete.finish_reason, True
+    finally:
+        router.finish(act, completed)
+    return text, ids, reason
+
+
+def run_schemas(real_dir: Path, colocated: bool) -> tuple[dict[str, Any], dict[str, float]]:
+    """Every (schema, prompt) once, one at a time (each alone in its batch, so both modes
+    compute the same floats); the results, and the decode worker's counters."""
+    prompts = [chat_ids(real_dir, p) for p in PROMPTS]
+    out: dict[str, Any] = {}
+    counts: dict[str, float] = {}
+
+    async def body(router: Any, prefill: PrefillWorker, decode: DecodeWorker) -> None:
+        prompt_passes = 0
+        forward = decode.engine.runner.prefill
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal prompt_passes
+            prompt_passes += 1
+            return forward(*args, **kwargs)
+
+        decode.engine.runner.prefill = counted  # type: ignore[method-assign]
+        for i, schema in enumerate(SCHEMAS):
+            for j, ids in enumerate(prompts):
+                key = f"s{i}-p{j}"
+                out[key] = await drive(router, json_request(ids, key, schema))
+        counts["decode_prompt_passes"] = prompt_passes
+        counts["first_tokens_checked"] = decode.num_first_tokens_checked
+        counts["prefill_requests"] = prefill.num_requests_total
+
+    run_with_workers(config(real_dir, colocated), real_dir, body)
+    return out, counts
+
+
+@pytest.fixture(scope="module")
+def both_modes(real_dir: Path) -> dict[str, tuple[dict[str, Any], dict[str, float]]]:
+    return {"colocated": run_schemas(real_dir, True), "disaggregated": run_schemas(real_dir, False)}
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_every_json_schema_output_parses_and_validates(
+    both_modes: dict[str, tuple[dict[str, Any], dict[str, float]]], mode: str
+) -> None:
+    results, _ = both_modes[mode]
+    assert len(results) == len(SCHEMAS) * len(PROMPTS)
+    for key, (text, _, reason) in results.items():
+        schema = SCHEMAS[int(key[1 : key.index("-")])]
+        assert reason == gen.FINISH_REASON_STOP, (key, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_colocated_and_disaggregated_are_equal_token_for_token(
+    both_modes: dict[str, tuple[dict[str, Any], dict[str, float]]],
+) -> None:
+    colocated, _ = both_modes["colocated"]
+    disaggregated, _ = both_modes["disaggregated"]
+    for key in colocated:
+        assert colocated[key][1] == disaggregated[key][1], key
+
+
+def test_token_one_is_checked_on_the_decode_side_never_recomputed(
+    both_modes: dict[str, tuple[dict[str, Any], dict[str, float]]],
+) -> None:
+    """Disaggregated: every request's prompt pass ran on the prefill worker, and the decode
+    worker's matcher accepted its token #1 without a prompt pass of its own."""
+    _, counts = both_modes["disaggregated"]
+    n = len(SCHEMAS) * len(PROMPTS)
+    assert counts == {
+        "decode_prompt_passes": 0,
+        "first_tokens_checked": n,
+        "prefill_requests": n,
+    }, counts
+    _, colocated = both_modes["colocated"]
+    assert colocated["first_tokens_checked"] == 0 and colocated["decode_prompt_passes"] >= n
+
+
+# ---- the engine ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(real_dir: Path) -> LLMEngine:
+    return LLMEngine.from_config(EngineConfig(str(real_dir), dtype="float32"))
+
+
+def test_a_constrained_row_leaves_the_others_in_its_batch_untouched(
+    engine: LLMEngine, real_dir: Path
+) -> None:
+    """The same four-row batch twice, its last row constrained or not: the first three rows'
+    tokens are equal (each run keeps four rows through their 8 tokens, so both compute the
+    same batch shapes), and the constrained row's output validates."""
+    ids = [chat_ids(real_dir, p) for p in [*PROMPTS, "Name three primary colors.", PROMPTS[0]]]
+    free = SamplingParams(temperature=0.0, max_tokens=8)
+    long_free = replace(free, max_tokens=MAX_TOKENS, ignore_eos=True)
+    constrained = replace(
+        free, max_tokens=MAX_TOKENS, structured=StructuredOutput("json", json.dumps(SCHEMAS[0]))
+    )
+    reference = engine.generate(ids, [free, free, free, long_free])
+    mixed = engine.generate(ids, [free, free, free, constrained])
+    assert [r.output_token_ids for r in mixed[:3]] == [r.output_token_ids for r in reference[:3]]
+    assert len(mixed[3].output_token_ids) > 8
+    jsonschema.validate(json.loads(mixed[3].text), SCHEMAS[0])
+    assert mixed[3].text != reference[3].text
+
+
+def test_logit_bias_moves_only_its_own_row(engine: LLMEngine, real_dir: Path) -> None:
+    ids = chat_ids(real_dir, PROMPTS[0])
+    free = SamplingParams(temperature=0.0, max_tokens=8)
+    forced = replace(free, logit_bias=((engine.tokenizer.encode("!", False)[0], 100.0),))
+    plain, biased = engine.generate([ids, ids], [free, forced])
+    assert biased.text == "!" * 8 and plain.text != biased.text
+    reference = engine.generate([ids, ids], [free, free])[0]
+    assert plain.output_token_ids == reference.output_token_ids
+
+
+def test_a_token_one_that_breaks_the_grammar_is_refused_and_frees_its_blocks(
+    engine: LLMEngine, real_dir: Path
+) -> None:
+    """The decode side's check of a prefill worker's token #1 (here: a token no JSON object
+    may start with) refuses it before anything runs, and lets the reserved blocks go."""
+    ids = chat_ids(real_dir, PROMPTS[0])
+    params = SamplingParams(
+        temperature=0.0, max_tokens=8, structured=StructuredOutput("json_object")
+    )
+    req = engine.make_request("bad-first", ids, params)
+    free_before = engine.blocks.num_free_blocks
+    engine.blocks.allocate("bad-first", [], len(ids) + 1)
+    bad = engine.tokenizer.encode("hello", False)[0]
+    with pytest.raises(GrammarRejected, match="breaks its grammar"):
+        engine.add_prefilled(req, bad)
+    assert engine.blocks.num_free_blocks == free_before and not engine.has_unfinished()
+
+
+# ---- the edge -----------------------------------------------------------------------------
+SLOW_SCHEMA = {  # ~8 s to compile for this tokenizer (measured): a pathological anyOf
+    "anyOf": [
+        {
+            "type": "object",
+            "properties": {
+                f"p{i}": {"type": "string", "pattern": "[a-z]{1,500}"} for i in range(40)
+            },
+        }
+        for _ in range(20)
+    ]
+}
+
+
+def test_a_grammar_that_is_wrong_or_too_slow_is_refused_at_the_edge(real_dir: Path) -> None:
+    """A regex that does not parse is INVALID_ARGUMENT naming the field; a schema whose
+    compile outlasts the bound (1 s here) too, at the bound, with the other requests served
+    meanwhile; its repeat is refused at once. No worker sees either."""
+    ids = chat_ids(real_dir, PROMPTS[0])
+
+    async def body(router: Any, prefill: PrefillWorker, decode: DecodeWorker) -> None:
+        assert router.grammar_check is not None
+        router.grammar_check.timeout_s = 1.0
+        bad = make_request(ids, "bad-regex", max_tokens=4)
+        bad.structured_output.regex = "(unclosed"
+        with pytest.raises(RequestFailed) as e:
+            await router.admit(bad)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details.startswith("structured_output: does not compile")
+        # warm: the checker's child is up, so the slow schema meets the compile bound alone
+        await drive(router, json_request(ids, "warm", SCHEMAS[1]))
+
+        slow = make_request(ids, "slow", max_tokens=4)
+        slow.structured_output.json_schema = json.dumps(SLOW_SCHEMA)
+        t0 = time.perf_counter()
+        refused = asyncio.ensure_future(router.admit(slow))
+        others = [
+            await drive(router, make_request(ids, f"other-{i}", max_tokens=4, temperature=0.0))
+            for i in range(3)
+        ]
+        with pytest.raises(RequestFailed, match="did not compile within 1 s"):
+            await refused
+        assert time.perf_counter() - t0 < 5.0
+        assert all(reason == gen.FINISH_REASON_LENGTH for _, _, reason in others)
+        t1 = time.perf_counter()
+        with pytest.raises(RequestFailed, match="did not compile within 1 s"):
+            await router.admit(slow)
+        assert time.perf_counter() - t1 < 0.5  # remembered
+        assert prefill.num_requests_total == 4  # warm and the three others: never the slow one
+
+    cfg = config(real_dir, colocated=False)
+    run_with_workers(cfg, real_dir, body)
