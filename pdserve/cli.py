@@ -243,6 +243,8 @@ def _serve_table() -> tuple[ServeFlag, ...]:
         F("prefill_overflow_tokens", "router.policy.prefill_overflow_tokens", int, metavar="N"),
         F("stats_interval_s", "router.stats_log_interval_s", float, metavar="SECONDS"),
         F("enable_log_requests", "router.log_requests", switch=True),
+        F("enable_auto_tool_choice", "router.http.enable_auto_tool_choice", switch=True),
+        F("tool_call_parser", "router.http.tool_call_parser", metavar="NAME"),
         F("ray_address", "ray.address"),
         F("redis_url", "index.redis_url", metavar="URL",
           note=f"env {REDIS_URL_ENV} when unset (a password in the URL is visible to `ps` and "

@@ -75,6 +75,17 @@ class HttpSettings:
     keepalive_timeout_s: float = setting(
         5.0, "an idle keep-alive connection is closed after this long (uvicorn's)", gt=0
     )
+    enable_auto_tool_choice: bool = setting(
+        False,
+        "chat `tool_choice: auto` (the default when tools are sent): the model decides, and "
+        "`tool_call_parser` reads its calls; `required` and named calls need neither",
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        "how tool calls are read from the model's text under `auto` (router.openai.tools): "
+        "hermes (<tool_call>{json}</tool_call>, Qwen2.5/Qwen3), llama3_json or mistral",
+        choices=(None, "hermes", "llama3_json", "mistral"),
+    )
 
     def __post_init__(self) -> None:
         check_settings(self, "router.http.")

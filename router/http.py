@@ -49,6 +49,7 @@ from router.openai.protocol import (
     StreamOptions,
     bad_request,
     chat_request,
+    chat_request_and_tools,
     completion_request,
     structured_field,
 )
@@ -249,8 +250,11 @@ class OpenAIApp:
         opts = StreamOptions.of(body)
         # The template render and tokenization run off the event loop (the tokenizer lets go
         # of the GIL), so a huge chat does not stall every other request and /health.
-        greq = await asyncio.to_thread(chat_request, self.router, body, request_id)
+        greq, tools = await asyncio.to_thread(
+            chat_request_and_tools, self.router, body, request_id
+        )
         fmt = self._formatter(True, response_id, opts)
+        fmt.tools = tools
         return await self.generate(request, greq, fmt, opts, _field_names(body, chat=True))
 
     def _card(self) -> dict[str, Any]:
@@ -363,14 +367,21 @@ class OpenAIApp:
             if fmt.chat:
                 yield sse(fmt.chunk("", [], role=True))
             resp: gen.GenerateResponse | None = first
+            held: list[str] = []  # with tools in play: the text, read for calls at the end
             while resp is not None:
                 if resp.HasField("chunk"):
                     c = resp.chunk
-                    if c.text or c.logprobs:
+                    if fmt.tools is not None:
+                        held.append(c.text)
+                    elif c.text or c.logprobs:
                         yield sse(fmt.chunk(c.text, list(c.logprobs)))
                 else:
                     run.completed = True
-                    yield sse(fmt.chunk("", [], finish_reason(resp.complete)))
+                    if fmt.tools is not None:
+                        for chunk in fmt.tool_chunks("".join(held), resp.complete):
+                            yield sse(chunk)
+                    else:
+                        yield sse(fmt.chunk("", [], finish_reason(resp.complete)))
                     if fmt.include_usage:
                         yield sse(fmt.usage_chunk(resp.complete))
                     break

@@ -82,6 +82,7 @@ HONOURED = {
     "add_generation_prompt", "continue_final_message", "return_tokens_as_token_ids",
     "request_id", "logit_bias", "response_format", "structured_outputs", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "chat_template_kwargs",
+    "tool_choice", "parallel_tool_calls",
 }  # fmt: skip
 
 

@@ -4,7 +4,7 @@ OpenAI's completions and chat completions fields and vLLM's extras, each either 
 (router/openai/protocol.py maps it), accepted and harmless (`HARMLESS`: it cannot change
 the output, so it is read and dropped, as OpenAI drops `user`), or refused here with a 400
 naming it unless its value is one that changes nothing (`REFUSED`: `echo: false`, `n`
-checks aside, `best_of: 1`, `tool_choice: none`, ...). A field in neither table and not
+checks aside, `best_of: 1`, `function_call: none`, ...). A field in neither table and not
 honoured is unknown: ignored, as vLLM does.
 
 `unsupported` runs before the prompt is parsed, in the order of `REFUSED`; a null is the
@@ -46,7 +46,7 @@ def _text_modalities(v: Any) -> bool:
     return v in (["text"], [])
 
 
-def _no_tool_choice(v: Any) -> bool:
+def _no_function_call(v: Any) -> bool:
     return v in ("none", "auto")
 
 
@@ -67,12 +67,11 @@ REFUSED: tuple[Refused, ...] = (
     Refused("echo", BOTH, _is(False), "echo must be false", True),
     Refused("best_of", BOTH, _is(1), "best_of must be 1", 2),
     Refused("suffix", COMPLETIONS, _empty, "no suffix", "tail"),
-    Refused("tools", TEMPLATE, _empty, "no tool calling",
+    Refused("tools", frozenset({"tokenize"}), _empty,
+            "tools are rendered on /v1/chat/completions only",
             [{"type": "function", "function": {"name": "f"}}]),
-    Refused("tool_choice", CHAT, _no_tool_choice, "no tool calling: only none or auto",
-            "required"),
-    Refused("functions", CHAT, _empty, "no function calling", [{"name": "f"}]),
-    Refused("function_call", CHAT, _no_tool_choice, "no function calling: only none or auto",
+    Refused("functions", CHAT, _empty, "the legacy functions: send tools", [{"name": "f"}]),
+    Refused("function_call", CHAT, _no_function_call, "the legacy function_call: send tool_choice",
             {"name": "f"}),
     Refused("audio", CHAT, _empty, "text output only", {"voice": "alloy", "format": "wav"}),
     Refused("modalities", CHAT, _text_modalities, "text output only: ['text']",
@@ -123,7 +122,6 @@ HARMLESS: dict[str, str] = {
     "service_tier": "one processing tier",
     "prompt_cache_key": "a cache-routing hint; pdserve routes by prefix itself",
     "prediction": "a latency hint: the output is the same without it",
-    "parallel_tool_calls": "no tools are called",
     "include_reasoning": "no reasoning parser: reasoning text stays in the content",
 }
 

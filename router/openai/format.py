@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.tokenizer import Tokenizer
 from protos.pdserve.v1 import generation_pb2 as gen
+from router.openai.tools import ToolPlan
 
 _FINISH = {
     gen.FINISH_REASON_STOP: "stop",
@@ -29,6 +30,12 @@ def finish_reason(c: gen.GenerateComplete) -> str:
 def _finite(x: float) -> float:
     """JSON has no -inf: a token the sampler could never pick gets a very low logprob."""
     return x if math.isfinite(x) else -9999.0
+
+
+def _tool_finish(calls: list[Any], finish: str | None) -> str | None:
+    """`tool_calls` when calls were read and the output was not cut short (a cut one keeps
+    `length`, with the calls it completed)."""
+    return "tool_calls" if calls and finish != "length" else finish
 
 
 def usage_dict(c: gen.GenerateComplete) -> dict[str, Any]:
@@ -60,6 +67,7 @@ class Formatter:
     created: int = field(default_factory=lambda: int(time.time()))
     # vLLM's return_tokens_as_token_ids: logprobs name each token `token_id:<id>`
     token_ids_as_tokens: bool = False
+    tools: ToolPlan | None = None  # chat with tools in play: calls are read from the text
     _offset: int = 0  # completions logprobs: text offset of the next token
 
     def _token(self, token_id: int) -> str:
@@ -139,6 +147,20 @@ class Formatter:
             out["usage"] = None
         return out
 
+    def tool_chunks(self, text: str, c: gen.GenerateComplete) -> list[dict[str, Any]]:
+        """A streamed tool request's ending, once its whole text is in: the content (if
+        any), one delta per call in OpenAI's shape (`index`, `id`, `function.name` and the
+        whole `arguments`), and the finish chunk (`tool_calls` when there is a call)."""
+        assert self.tools is not None
+        content, calls = self.tools.parse(text)
+        out = [self.chunk(content, [])] if content else []
+        for i, call in enumerate(calls):
+            chunk = self.chunk("", [])
+            chunk["choices"][0]["delta"] = {"tool_calls": [call.to_openai(index=i)]}
+            out.append(chunk)
+        out.append(self.chunk("", [], _tool_finish(calls, finish_reason(c))))
+        return out
+
     def usage_chunk(self, c: gen.GenerateComplete) -> dict[str, Any]:
         out = self._envelope([], stream=True)
         out["usage"] = usage_dict(c)
@@ -149,12 +171,21 @@ class Formatter:
         self, text: str, lps: list[gen.TokenLogprob], c: gen.GenerateComplete
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
-        if self.chat:
+        finish: str | None = finish_reason(c)
+        if self.tools is not None:
+            content, calls = self.tools.parse(text)
+            choice["message"] = {
+                "role": "assistant",
+                "content": content or None,
+                "tool_calls": [call.to_openai() for call in calls],
+            }
+            finish = _tool_finish(calls, finish)
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
         choice["logprobs"] = self.logprobs(lps)
-        choice["finish_reason"] = finish_reason(c)
+        choice["finish_reason"] = finish
         out = self._envelope([choice], stream=False)
         out["usage"] = usage_dict(c)
         return out

@@ -40,6 +40,7 @@ from pydantic import (
 from engine.sampling import MAX_LOGPROBS, InvalidParameterError
 from engine.tokenizer import Tokenizer
 from protos.pdserve.v1 import generation_pb2 as gen
+from router.config import RouterConfig
 from router.openai.base import (
     INT32,
     HTTPError,
@@ -58,6 +59,7 @@ from router.openai.base import (
 )
 from router.openai.fields import Endpoint, unsupported
 from router.openai.structured import Structured, structured_field
+from router.openai.tools import ToolPlan, plan_tools, template_message
 from router.validation import ModelLimits
 
 __all__ = [
@@ -183,6 +185,18 @@ class ChatMessage(BaseModel):
         None, validate_default=True
     )
     content: Annotated[StrictStr, BeforeValidator(_text_content)] = ""
+    # an assistant turn's calls, and a tool turn's answer to one (the next turn of a tool
+    # round trip), passed to the template as HF passes them
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: StrictStr | None = None
+    name: StrictStr | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        m: dict[str, Any] = {"role": self.role, "content": self.content}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if (v := getattr(self, key)) is not None:
+                m[key] = v
+        return template_message(m)
 
 
 def _non_empty_list(v: object) -> object:
@@ -243,8 +257,8 @@ class ChatPrompt(RequestPart):
             )
         return v
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
 
     def request(self, request_id: str) -> gen.GenerateRequest:
         return _request(self.model, self.cache_salt, request_id)
@@ -329,6 +343,9 @@ class ChatRouter(Protocol):
     @property
     def limits(self) -> ModelLimits: ...
 
+    @property
+    def cfg(self) -> RouterConfig: ...
+
 
 def refuse_unsupported(d: dict[str, Any], endpoint: Endpoint) -> None:
     """A 400 naming the first field pdserve does not honour (router/openai/fields.py)."""
@@ -382,7 +399,9 @@ def _continued(text: str, final: str) -> str:
     return text[: at + len(stripped)]
 
 
-def render_chat(router: ChatRouter, prompt: ChatPrompt) -> list[int]:
+def render_chat(
+    router: ChatRouter, prompt: ChatPrompt, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """The template-rendered prompt's ids. By default the rendered text is tokenized without
     special tokens again: the template placed BOS (if any), as HF's
     apply_chat_template(tokenize=True) and vLLM do; `add_special_tokens` adds them."""
@@ -395,9 +414,10 @@ def render_chat(router: ChatRouter, prompt: ChatPrompt) -> list[int]:
         add_generation_prompt = not continued
     messages = prompt.template_messages()
     try:
-        text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt, prompt.chat_template_kwargs
-        )
+        extra = dict(prompt.chat_template_kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt, extra)
     except ValueError as e:  # ChatTemplateError: the template's own message
         raise bad_request("messages", str(e).removeprefix("messages: ")) from e
     if continued:
@@ -407,6 +427,14 @@ def render_chat(router: ChatRouter, prompt: ChatPrompt) -> list[int]:
 
 def chat_request(router: ChatRouter, d: dict[str, Any], request_id: str) -> gen.GenerateRequest:
     """POST /v1/chat/completions body -> GenerateRequest (the template-rendered prompt)."""
+    return chat_request_and_tools(router, d, request_id)[0]
+
+
+def chat_request_and_tools(
+    router: ChatRouter, d: dict[str, Any], request_id: str
+) -> tuple[gen.GenerateRequest, ToolPlan | None]:
+    """The GenerateRequest of a chat body, and how its tool calls are read (None: no tools
+    in play; router/openai/tools.py)."""
     refuse_unsupported(d, "chat")
     limits = router.limits
     prompt = ChatPrompt.of(d, max_content_chars=limits.edge_limits().max_prompt_chars)
@@ -414,7 +442,10 @@ def chat_request(router: ChatRouter, d: dict[str, Any], request_id: str) -> gen.
     top = sampling.top_logprobs
     if top is not None and not 0 <= top <= MAX_LOGPROBS:  # named as the client sent it
         raise bad_request("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
-    ids = render_chat(router, prompt)
+    http = router.cfg.http
+    reads_tools = router.tokenizer is not None and router.tokenizer.template_reads("tools")
+    plan = plan_tools(d, http.enable_auto_tool_choice, http.tool_call_parser, reads_tools)
+    ids = render_chat(router, prompt, plan.template_tools() if plan else None)
     r = prompt.request(request_id)
     r.token_ids.ids.extend(ids)
     max_tokens = sampling.max_tokens
@@ -427,5 +458,10 @@ def chat_request(router: ChatRouter, d: dict[str, Any], request_id: str) -> gen.
         r.sampling.logprobs = sampling.top_logprobs or 0
     elif sampling.top_logprobs:
         raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
-    Structured.of(d).apply(r)
-    return r
+    constrained_by = Structured.of(d).apply(r)
+    forced = plan.grammar() if plan else None
+    if forced is not None:
+        if constrained_by:
+            raise bad_request(constrained_by, "a forced tool call is its own output constraint")
+        r.structured_output.CopyFrom(forced)
+    return r, plan
