@@ -26,6 +26,7 @@ from engine.engine import ContextLengthError, EngineConfig, LLMEngine
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from engine.sampling import InvalidParameterError, SamplingParams, SamplingState, sample
 from engine.scheduler import PrefillChunk
+from engine.structured import StructuredOutput
 from engine.tokenizer import Tokenizer
 from pdserve.checkpoint import write_checkpoint
 
@@ -384,9 +385,9 @@ def test_worker_stats_report_the_decode_workspace(make_engine: MakeEngine) -> No
     assert stats.extra["decode_workspace_fallbacks_total"] == 0
     while eng.has_unfinished():
         eng.step()
-    assert WorkerStats.of("w", Role.DECODE, eng.stats(), 0, 3, {}).extra[
-        "decode_workspace_bytes"
-    ] == 0
+    assert (
+        WorkerStats.of("w", Role.DECODE, eng.stats(), 0, 3, {}).extra["decode_workspace_bytes"] == 0
+    )
 
 
 def test_decode_workspace_over_its_cap_falls_back_to_pages(make_engine: MakeEngine) -> None:
@@ -914,3 +915,58 @@ def test_incremental_detokenization_never_splits_characters(tokenizer: Tokenizer
 @given(st.text(alphabet="ab ,.éöü€你好🙂\n", max_size=24))
 def test_incremental_detokenization_property(tokenizer: Tokenizer, text: str) -> None:
     check_incremental(tokenizer, text)
+
+
+def _masked_min_gap(
+    eng: LLMEngine, so: StructuredOutput, rows: list[torch.Tensor], tokens: list[int]
+) -> float:
+    """The smallest top-1/top-2 margin among the tokens the grammar allowed at each step
+    (a replay of the request's matcher over its recorded logits)."""
+    from engine.structured import apply_bitmask, fill_bitmask
+
+    assert eng.grammars is not None
+    matcher = eng.grammars.matcher(eng.grammars.compile(so))
+    gaps = []
+    for row, tok in zip(rows, tokens, strict=False):
+        masked = row.clone().unsqueeze(0)
+        bitmask, idx = fill_bitmask([(0, matcher)], 1, masked.shape[1])
+        apply_bitmask(masked, bitmask, idx)
+        top = masked[0].topk(2).values
+        gaps.append(float(top[0] - top[1]))
+        assert matcher.accept_token(tok)
+    return min(gaps)
+
+
+def test_preemption_by_recompute_keeps_a_constrained_request_on_its_grammar(
+    make_engine: MakeEngine,
+) -> None:
+    """Preempted constrained requests resume with their matcher where it was (it accepted
+    every output token, which preemption keeps): the same tokens as without preemption,
+    every one allowed by the grammar."""
+    rng = random.Random(5)
+    prompts = [rand_prompt(rng, rng.randint(10, 40)) for _ in range(8)]
+    so = StructuredOutput("regex", "[a-z ]{40,60}")
+    params = greedy(max_tokens=48, structured=so)
+    ref = make_engine()
+    ref_rec = Recorder(ref)
+    expected = ref.generate(prompts, params)
+    assert ref.scheduler.num_preemptions == 0
+    for r in expected:
+        assert _masked_min_gap(ref, so, ref_rec.logits[r.request_id], r.output_token_ids) > MIN_GAP
+        assert all(c in "abcdefghijklmnopqrstuvwxyz " for c in r.text)
+
+    eng = make_engine(num_blocks=12)
+    got = eng.generate(prompts, params)
+    assert eng.scheduler.num_preemptions > 0 and any(r.num_preemptions for r in got)
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in expected]
+    assert all(r.matcher is None for r in got)  # finished: each matcher let go
+    assert eng.blocks.num_used_blocks == 0
+
+
+def test_an_aborted_constrained_request_lets_its_matcher_go(make_engine: MakeEngine) -> None:
+    eng = make_engine()
+    params = greedy(max_tokens=8, structured=StructuredOutput("regex", "[a-z]+"))
+    req = eng.add_request("constrained", rand_prompt(random.Random(6), 12), params)
+    assert req.matcher is not None
+    eng.step()
+    assert eng.abort("constrained") and req.matcher is None and req.is_finished

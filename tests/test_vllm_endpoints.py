@@ -390,3 +390,45 @@ def test_top_logprobs_out_of_range_is_a_400_naming_it(top: int) -> None:
     status, _, raw = call(_app(), "POST", "/v1/chat/completions", body)
     assert status == 400, raw
     assert _error(status, raw)["param"] == "top_logprobs"
+
+
+def test_developer_is_the_system_turn_and_template_kwargs_are_bounded(
+    server: ServeProcess,
+) -> None:
+    """OpenAI's `developer` role renders as `system`; `chat_template_kwargs` reach the
+    template (an unknown one changes nothing), within bounds, never over the request's own
+    variables."""
+    user = {"role": "user", "content": "hi"}
+    dev = post(
+        server, "/tokenize", {"messages": [{"role": "developer", "content": "Be brief."}, user]}
+    )
+    sys_ = post(
+        server, "/tokenize", {"messages": [{"role": "system", "content": "Be brief."}, user]}
+    )
+    assert dev["tokens"] == sys_["tokens"]
+    kw = post(
+        server,
+        "/tokenize",
+        {"messages": [user], "chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert kw["tokens"] == post(server, "/tokenize", {"messages": [user]})["tokens"]
+    for bad in ({"messages": []}, {f"k{i}": i for i in range(40)}):
+        status, _, raw = server.request(
+            "POST", "/v1/chat/completions", greedy(messages=[user], chat_template_kwargs=bad)
+        )
+        assert status == 400 and json.loads(raw)["error"]["param"] == "chat_template_kwargs", raw
+
+
+def test_template_kwargs_are_template_variables() -> None:
+    from engine.chat_template import ChatTemplate
+
+    t = ChatTemplate(
+        "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"
+        "{{ 'think' if enable_thinking else 'no-think' }}{{ tools | length if tools else '' }}",
+        {},
+    )
+    msgs = [{"role": "user", "content": "x"}]
+    assert t.render(msgs, extra={"enable_thinking": True}) == "user:x;think"
+    assert t.render(msgs) == "user:x;no-think"
+    assert t.render(msgs, extra={"tools": [{"a": 1}, {"b": 2}]}) == "user:x;no-think2"
+    assert t.reads("tools") and t.reads("enable_thinking") and not t.reads("documents")

@@ -72,6 +72,42 @@ def test_a_kv_ticket_of_another_wire_version_is_refused_naming_both(tiny_dir: Pa
     assert want in error, error
 
 
+def test_a_ticket_of_another_grammar_is_refused_before_the_prompt_pass(tiny_dir: Path) -> None:
+    """Token #1 is sampled by the prefill worker under the grammar and only checked on the
+    decode side: a ticket whose grammar fingerprint is not the sender's own (another
+    backend, tokenizer or spec) is refused, naming both, before anything runs."""
+    from engine.structured import StructuredOutput
+    from kv_transfer.wire import TransferError
+
+    cfg = config(tiny_dir)
+    prefill = PrefillWorker(worker_config(cfg, "pdserve-prefill-0", Role.PREFILL))
+    decode = DecodeWorker(worker_config(cfg, "pdserve-decode-0", Role.DECODE))
+    params = SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "[a-z]+"))
+
+    async def main() -> None:
+        request = WorkerRequest("g", tuple(range(4, 60)), params)
+        rr = await decode.reserve(request)
+        assert rr.ticket is not None
+        ticket = kvpb.TransferTicket.FromString(rr.ticket)
+        assert ticket.grammar_fingerprint  # the receiver's, for the sender to match
+        mine = ticket.grammar_fingerprint
+        ticket.grammar_fingerprint = "0" * 32  # a receiver with another grammar
+        try:
+            with pytest.raises(
+                TransferError, match=f"grammar mismatch: receiver 0{{32}}, sender {mine}"
+            ):
+                await prefill.prefill(PrefillTask(request, ticket.SerializeToString()))
+            assert prefill.num_requests_total == 0  # refused before the engine saw it
+        finally:
+            await decode.release_reservation("g", ticket.transfer_id)
+
+    try:
+        asyncio.run(main())
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 def test_a_token_stream_of_another_wire_version_is_refused_naming_both(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -129,6 +165,10 @@ def test_a_router_pairs_only_workers_of_its_version_and_checkpoint(
         check_workers([summary], other_info, other_cfg)
     assert summary.model_fingerprint[:12] in str(e.value)
     assert other_info.model_fingerprint[:12] in str(e.value)
+
+    other_backend = dataclasses.replace(summary, grammar_backend="xgrammar 0.0.1")
+    with pytest.raises(ConfigError, match=r"compiles grammars with xgrammar 0\.0\.1, this router"):
+        check_workers([summary, other_backend], info, cfg)
 
     smaller = config(tiny_dir, num_blocks=64)  # --num-kv-blocks 64 on a router attaching
     with pytest.raises(ConfigError, match=r"keeps num_blocks=\d+, .* asks for num_blocks=64"):

@@ -192,7 +192,10 @@ class ChatMessage(BaseModel):
     name: StrictStr | None = None
 
     def for_template(self) -> dict[str, Any]:
-        m: dict[str, Any] = {"role": self.role, "content": self.content}
+        # OpenAI's `developer` is the system turn for every model without its own role for
+        # it (as OpenAI maps it for them); chat templates know `system`
+        role = "system" if self.role == "developer" else self.role
+        m: dict[str, Any] = {"role": role, "content": self.content}
         for key in ("tool_calls", "tool_call_id", "name"):
             if (v := getattr(self, key)) is not None:
                 m[key] = v
