@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 PACKAGES := engine kv_transfer pool_api worker_common prefill_workers decode_workers router pdserve
 export PDSERVE_HOME ?= $(CURDIR)/.venv/pdserve-home
 
-.PHONY: install demo test lint bench bench-engine bench-transfer bench-prefix bench-serving bench-peers redis chaos
+.PHONY: install demo test lint bench bench-engine bench-transfer bench-prefix bench-serving bench-structured bench-peers redis chaos
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -52,6 +52,9 @@ bench-transfer: $(STAMP)
 
 bench-serving: $(STAMP)
 	$(BIN)/python benchmarks/serving.py $(BENCH_MODEL_ARGS)
+
+bench-structured: $(STAMP)
+	$(BIN)/python benchmarks/structured.py
 
 # Load while faults are injected (kill -9 of workers, of a router and of redis-server, a
 # 40 s SIGSTOP of a prefill and of a decode worker, cancels, a stalled transfer, 2x
