@@ -10,10 +10,15 @@ Run: ``.venv/bin/python benchmarks/structured.py`` (``make bench-structured``). 
 2. **Per mode** (``pdserve serve``: 1 prefill + 1 decode worker, or 2 colocated workers, each
    one torch thread, as benchmarks/serving.py runs them): 200 ``json_schema`` requests (20
    prompts x the 10 schemas, chat-templated, greedy, ``max_tokens`` 160) at concurrency 8,
-   each validated with ``jsonschema``; then the same 200 prompts unconstrained (48 tokens, EOS
-   ignored) at the same concurrency. TPOT per request is (last chunk - first chunk) / (tokens
-   - 1), client-side; the ratio is constrained p50 / unconstrained p50 (target <= 1.15x).
+   each validated with ``jsonschema``; then the same 200 prompts unconstrained, each exactly as
+   many tokens as its constrained run (EOS ignored), at the same concurrency. TPOT per
+   request is (last chunk - first chunk) / (chunks - 1), client-side, and the decode TPOT the
+   same from the second chunk on (in disaggregated mode the first interval is the handover);
+   the ratios are constrained p50 / unconstrained p50 (target <= 1.15x).
 3. **Across modes**: how many of the 200 outputs are equal token for token.
+4. **A pathological schema at the edge** (disaggregated): short requests one at a time,
+   alone and while a schema that takes ~8 s to compile is refused at the router's 5 s bound;
+   their p50 latency ratio (target <= 2x).
 
 Results: ``benchmarks/results/structured-latest.json``.
 """
@@ -36,6 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PDSERVE_HOME", str(ROOT / ".venv" / "pdserve-home"))  # as the Makefile
 
+import grpc  # noqa: E402
 import jsonschema  # noqa: E402
 from serving import MODES, Server, write_pool_config  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -78,11 +84,15 @@ def compile_times(model_dir: Path) -> dict[str, Any]:
     }
 
 
-def one(target: str, ids: list[int], schema: dict[str, Any] | None, rid: str) -> dict[str, Any]:
+def one(
+    target: str, ids: list[int], schema: dict[str, Any] | int | None, rid: str
+) -> dict[str, Any]:
+    """One streamed request; `schema` an int: unconstrained, exactly that many tokens."""
     client = Client(target, timeout_s=300)
     try:
-        if schema is None:
-            req = make_request(ids, rid, temperature=0.0, max_tokens=FREE_TOKENS, ignore_eos=True)
+        if not isinstance(schema, dict):
+            n = schema or FREE_TOKENS
+            req = make_request(ids, rid, temperature=0.0, max_tokens=n, ignore_eos=True)
         else:
             req = make_request(ids, rid, temperature=0.0, max_tokens=MAX_TOKENS)
             req.structured_output.json_schema = json.dumps(schema)
@@ -97,20 +107,24 @@ def one(target: str, ids: list[int], schema: dict[str, Any] | None, rid: str) ->
                 reason = resp.complete.finish_reason
     finally:
         client.close()
-    tpot = (times[-1] - times[0]) / (len(tokens) - 1) if len(tokens) > 1 else None
+    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+    # the decode worker's steps alone: from the second token on (the first interval is the
+    # handover in disaggregated mode: the KV transfer's tail and the decode start)
+    decode = (times[-1] - times[1]) / (len(times) - 2) if len(times) > 2 else None
     return {
         "tokens": tokens,
         "text": text,
         "finish_reason": reason,
         "ttft_s": times[0] - t0 if times else None,
         "tpot_s": tpot,
+        "decode_tpot_s": decode,
     }
 
 
 def load(
     target: str,
     prompts: list[list[int]],
-    schemas: list[dict[str, Any] | None],
+    schemas: list[dict[str, Any] | int | None] | list[dict[str, Any] | None],
     bar: tqdm | None = None,
 ) -> list[dict[str, Any]]:
     def run(i: int) -> dict[str, Any]:
@@ -121,6 +135,63 @@ def load(
 
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         return list(pool.map(run, range(len(prompts))))
+
+
+# ~8 s to compile for this tokenizer: 20 anyOf alternatives of 40 pattern properties
+SLOW_SCHEMA = {
+    "anyOf": [
+        {
+            "type": "object",
+            "properties": {
+                f"p{i}": {"type": "string", "pattern": "[a-z]{1,500}"} for i in range(40)
+            },
+        }
+        for _ in range(20)
+    ]
+}
+
+
+def edge_cost(target: str, prompt: list[int], n: int = 12) -> dict[str, Any]:
+    """Short unconstrained requests one at a time, alone and while a pathological schema is
+    being compiled (and refused) at the edge: their p50 latencies and the ratio."""
+
+    def latency(i: int) -> float:
+        t0 = time.perf_counter()
+        one(target, prompt, 8, f"edge-{i}-{time.monotonic_ns()}")
+        return time.perf_counter() - t0
+
+    alone = [latency(i) for i in range(n)]
+    refused: dict[str, Any] = {}
+
+    def slow() -> None:
+        client = Client(target, timeout_s=60)
+        req = make_request(prompt, f"slow-{time.monotonic_ns()}", max_tokens=4)
+        req.structured_output.json_schema = json.dumps(SLOW_SCHEMA)
+        t0 = time.perf_counter()
+        try:
+            list(client.stream(req))
+            refused["status"] = "OK"
+        except grpc.RpcError as e:  # the expected refusal: INVALID_ARGUMENT
+            refused["status"] = e.code().name
+            refused["details"] = (e.details() or "")[:160]
+        refused["after_s"] = round(time.perf_counter() - t0, 2)
+        client.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(slow)
+        time.sleep(0.05)
+        under: list[float] = []
+        while not fut.done() and len(under) < 4 * n:
+            under.append(latency(len(under)))
+        fut.result()
+    a, u = statistics.median(alone), statistics.median(under)
+    return {
+        "refused": refused,
+        "alone_p50_ms": round(a * 1e3, 1),
+        "during_compile_p50_ms": round(u * 1e3, 1),
+        "ratio": round(u / a, 3),
+        "requests_during": len(under),
+    }
 
 
 def valid(out: dict[str, Any], schema: dict[str, Any]) -> bool:
@@ -169,10 +240,16 @@ def main(argv: list[str] | None = None) -> int:
             with Server(mode, flags, run_dir, 300.0) as server:
                 load(server.target, prompts[:CONCURRENCY], schemas[:CONCURRENCY])  # warm-up
                 constrained = load(server.target, prompts, schemas, bar)
-                free = load(server.target, prompts, [None] * len(prompts), bar)
+                # the same prompts unconstrained, each exactly as long as its constrained run
+                lengths: list[dict[str, Any] | int | None] = [len(o["tokens"]) for o in constrained]
+                free = load(server.target, prompts, lengths, bar)
+                if mode == "disaggregated":
+                    result["edge"] = edge_cost(server.target, prompts[0])
             outputs[mode] = constrained
             ok = sum(valid(o, s) for o, (_, s) in zip(constrained, pairs, strict=True))
             c50, f50 = p50([o["tpot_s"] for o in constrained]), p50([o["tpot_s"] for o in free])
+            cd50 = p50([o["decode_tpot_s"] for o in constrained])
+            fd50 = p50([o["decode_tpot_s"] for o in free])
             result["modes"][mode] = {
                 "requests": len(constrained),
                 "valid": ok,
@@ -180,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                 "constrained_tpot_ms_p50": round(c50 * 1e3, 2) if c50 else None,
                 "free_tpot_ms_p50": round(f50 * 1e3, 2) if f50 else None,
                 "tpot_ratio": round(c50 / f50, 3) if c50 and f50 else None,
+                "constrained_decode_tpot_ms_p50": _ms(cd50),
+                "free_decode_tpot_ms_p50": _ms(fd50),
+                "decode_tpot_ratio": round(cd50 / fd50, 3) if cd50 and fd50 else None,
                 "constrained_ttft_ms_p50": _ms(p50([o["ttft_s"] for o in constrained])),
                 "free_ttft_ms_p50": _ms(p50([o["ttft_s"] for o in free])),
                 "mean_tokens": round(statistics.mean(len(o["tokens"]) for o in constrained), 1),

@@ -318,3 +318,15 @@ def test_structured_output_forms_through_the_client(client: Any, server: ServePr
         response_format={"type": "json_object"},
     )  # fmt: skip
     assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_tokenize_renders_the_tools_as_chat_does(client: Any, server: ServeProcess) -> None:
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    status, _, raw = server.request("POST", "/tokenize", {"messages": messages, "tools": TOOLS})
+    assert status == 200, raw
+    r = client.chat.completions.create(
+        model=_model(client), messages=messages, tools=TOOLS, max_tokens=1
+    )
+    assert json.loads(raw)["count"] == r.usage.prompt_tokens
+    status, _, bare = server.request("POST", "/tokenize", {"messages": messages})
+    assert json.loads(bare)["count"] < r.usage.prompt_tokens

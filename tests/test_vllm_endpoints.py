@@ -81,7 +81,7 @@ HONOURED = {
     "min_tokens", "ignore_eos", "stop_token_ids", "cache_salt", "add_special_tokens",
     "add_generation_prompt", "continue_final_message", "return_tokens_as_token_ids",
     "request_id", "logit_bias", "response_format", "structured_outputs", "guided_json",
-    "guided_regex", "guided_choice", "guided_grammar", "chat_template_kwargs",
+    "guided_regex", "guided_choice", "guided_grammar", "chat_template_kwargs", "tools",
     "tool_choice", "parallel_tool_calls",
 }  # fmt: skip
 

@@ -28,6 +28,7 @@ from router.openai.protocol import (
     refuse_unsupported,
     render_chat,
 )
+from router.openai.tools import ToolsPart
 from router.validation import check_model as served_model
 
 
@@ -83,7 +84,10 @@ def tokenize(router: ChatRouter, body: dict[str, Any]) -> dict[str, Any]:
         _no_token_strs(chat.return_token_strs)
         edge_checked(limits, gen.GenerateRequest(model=chat.model or ""))
         check_model(router, chat.model)
-        ids = render_chat(router, chat)
+        # the tools, as chat renders them for the model (vLLM's /tokenize takes them too)
+        tools = ToolsPart.of(body).tools
+        rendered = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        ids = render_chat(router, chat, rendered)
     else:
         text = TokenizeText.of(body)
         _no_token_strs(text.return_token_strs)
