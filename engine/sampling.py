@@ -46,6 +46,11 @@ class SamplingParams:
     # added to the logits before anything else (OpenAI's logit_bias): (token id, bias)
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: StructuredOutput | None = None  # the output's grammar (engine.structured)
+    # vLLM's token controls: only these ids may be sampled (None: any); and token sequences
+    # never to complete (`bad_words` as the router tokenized them): a one-token word is
+    # never sampled, a longer one's last token not right after the rest of it
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -124,31 +129,36 @@ class SamplingParams:
                 f"must be in [0, 2^63), got {self.seed}",
             ),
         ]
-        checks.append(
-            (
-                "logit_bias",
-                all(
-                    math.isfinite(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
-                    for _, b in self.logit_bias
-                ),
-                f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
-            )
+        return checks + self._token_checks(vocab_size)
+
+    def _token_checks(self, vocab_size: int | None) -> list[tuple[str, bool, str]]:
+        """(field, valid, message) for the fields that name tokens: logit_bias,
+        allowed_token_ids, stop_token_ids (ids checked when the vocabulary size is known)."""
+        bias_ok = all(
+            math.isfinite(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias
         )
-        if vocab_size is not None:
-            bad_bias = [t for t, _ in self.logit_bias if not 0 <= t < vocab_size]
+        checks = [
+            ("logit_bias", bias_ok, f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
+            (
+                "allowed_token_ids",
+                self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+                "must not be empty (unset allows every token)",
+            ),
+        ]
+        if vocab_size is None:
+            return checks
+        fields = (
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+            ("logit_bias", tuple(t for t, _ in self.logit_bias)),
+            ("stop_token_ids", self.stop_token_ids),
+        )
+        for name, ids in fields:
+            outside = [t for t in ids if not 0 <= t < vocab_size]
             checks.append(
                 (
-                    "logit_bias",
-                    not bad_bias,
-                    f"token ids {bad_bias[:8]} are outside the vocabulary [0, {vocab_size})",
-                )
-            )
-            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-            checks.append(
-                (
-                    "stop_token_ids",
-                    not bad,
-                    f"ids {bad} are outside the vocabulary [0, {vocab_size})",
+                    name,
+                    not outside,
+                    f"ids {outside[:8]} are outside the vocabulary [0, {vocab_size})",
                 )
             )
         return checks
@@ -176,17 +186,35 @@ class SamplingState:
 def _process_logits(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
     """In place, before any row is sampled: each row's logit_bias, then each constrained
     row's grammar bitmask. Rows with neither are not touched."""
-    for i, s in enumerate(states):
-        if s.params.logit_bias:
-            ids, bias = zip(*s.params.logit_bias, strict=True)
-            with torch.inference_mode():  # the forward's logits are inference tensors
+    with torch.inference_mode():  # the forward's logits are inference tensors
+        for i, s in enumerate(states):
+            p = s.params
+            if p.logit_bias:
+                ids, bias = zip(*p.logit_bias, strict=True)
                 logits[i, list(ids)] += torch.tensor(bias, dtype=logits.dtype)
+            if p.allowed_token_ids is not None:
+                keep = logits[i, list(p.allowed_token_ids)].clone()
+                logits[i].fill_(-math.inf)
+                logits[i, list(p.allowed_token_ids)] = keep
+            if p.bad_words_token_ids and (banned := _banned_words(p, s.output_token_ids)):
+                logits[i, banned] = -math.inf
     constrained = [(i, s.matcher) for i, s in enumerate(states) if s.matcher is not None]
     if constrained:
         from engine.structured import apply_bitmask, fill_bitmask
 
         bitmask, rows = fill_bitmask(constrained, logits.shape[0], logits.shape[1])
         apply_bitmask(logits, bitmask, rows)
+
+
+def _banned_words(p: SamplingParams, output: Sequence[int]) -> list[int]:
+    """The tokens that would complete one of `p`'s bad words now (vLLM's rule: a word's
+    last token, where the output ends with the rest of it)."""
+    banned = []
+    for word in p.bad_words_token_ids:
+        prefix = word[:-1]
+        if not prefix or (len(output) >= len(prefix) and tuple(output[-len(prefix) :]) == prefix):
+            banned.append(word[-1])
+    return banned
 
 
 def sample(

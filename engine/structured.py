@@ -139,7 +139,7 @@ class GrammarBackend:
                 return compiler.compile_regex(choice_regex(json.loads(so.spec)))
             if so.kind == "grammar":
                 return compiler.compile_grammar(so.spec)
-            return compiler.compile_structural_tag(so.spec)
+            return _compile_structural_tag(compiler, so.spec)
         except InvalidParameterError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with its reason
@@ -151,6 +151,23 @@ class GrammarBackend:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(compiled)
+
+
+def _compile_structural_tag(compiler: xgr.GrammarCompiler, spec: str) -> xgr.CompiledGrammar:
+    """xgrammar's structural tag (`{"type": "structural_tag", "format": ...}`), or vLLM's
+    older form (`{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`)."""
+    import xgrammar as xgr
+
+    tag = json.loads(spec)
+    if isinstance(tag, dict) and "structures" in tag:
+        items = [
+            xgr.StructuralTagItem(
+                begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"]
+            )
+            for s in tag["structures"]
+        ]
+        return compiler.compile_structural_tag(items, list(tag.get("triggers", [])))
+    return compiler.compile_structural_tag(spec)
 
 
 def choice_regex(choices: Any) -> str:

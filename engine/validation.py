@@ -16,13 +16,23 @@ class ContextLengthError(InvalidParameterError):
     """The prompt (plus requested output) does not fit the context window."""
 
 
+REDUCE = "Please reduce the length of the messages or completion."
+
+
 def context_length_message(max_len: int, num_prompt: int, max_tokens: int) -> str:
     """OpenAI's wording, which clients match on."""
     return (
         f"This model's maximum context length is {max_len} tokens. However, you requested "
         f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in the "
-        "completion). Please reduce the length of the messages or completion."
+        f"completion). {REDUCE}"
     )
+
+
+def too_long_message(max_len: int, what: str) -> str:
+    """The same words for a prompt refused by another length limit (its characters before
+    tokenizing, its token count, the KV cache): every length refusal reads, and is coded,
+    as a context-length one (frameworks match on both)."""
+    return f"This model's maximum context length is {max_len} tokens. However, {what}. {REDUCE}"
 
 
 def check_request(
@@ -58,11 +68,16 @@ def check_request(
         return
     need = ceil_div(n + 1, block_size)
     if need > num_kv_blocks:
-        raise ContextLengthError("prompt", f"needs {need} KV blocks; the cache has {num_kv_blocks}")
+        what = (
+            f"your {n} prompt tokens need {need} KV blocks and this server's cache holds "
+            f"{num_kv_blocks} ({num_kv_blocks * block_size} tokens) for one request"
+        )
+        raise ContextLengthError("prompt", too_long_message(max_model_len, what))
     need = ceil_div(n + max(params.max_tokens - 1, 1), block_size)
     if not prefill_only and need > num_kv_blocks:
-        raise ContextLengthError(
-            "max_tokens",
-            f"{n} prompt + {params.max_tokens} completion tokens need {need} KV "
-            f"blocks; the cache has {num_kv_blocks}",
+        what = (
+            f"{n} prompt + {params.max_tokens} completion tokens need {need} KV blocks and "
+            f"this server's cache holds {num_kv_blocks} ({num_kv_blocks * block_size} tokens) "
+            "for one request"
         )
+        raise ContextLengthError("max_tokens", too_long_message(max_model_len, what))

@@ -33,15 +33,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from engine.sampling import InvalidParameterError
-from engine.validation import ContextLengthError
 from pool_api.version import package_version
 from protos.pdserve.v1 import generation_pb2 as gen
 from router.active import ActiveRequest, RequestFailed
 from router.auth import bearer_ok
 from router.core import Router
+from router.http_errors import field_names, from_failed
 from router.http_guard import uvicorn_options as connection_limits
 from router.metrics import RouterMetrics
+from router.openai.batch import batch_prompts, indexed, merged
+from router.openai.batch import usage_chunk as batch_usage_chunk
 from router.openai.body import BodyLimits, read_json
 from router.openai.format import Formatter, finish_reason, sse
 from router.openai.protocol import (
@@ -51,12 +52,10 @@ from router.openai.protocol import (
     chat_request,
     chat_request_and_tools,
     completion_request,
-    structured_field,
 )
 from router.openai.tokenize import detokenize, tokenize
 from router.ports import bind_socket
 from router.tls import ServerTLS
-from router.validation import STRUCTURED_FIELD
 
 log = logging.getLogger(__name__)
 
@@ -76,54 +75,7 @@ T = TypeVar("T")
 
 _VERSION = package_version()
 
-# gRPC status -> (HTTP status, OpenAI error type)
-_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "invalid_request_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
-}
-RETRY_AFTER_S = "1"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-# ---- errors -------------------------------------------------------------------------------
-def _field_names(body: dict[str, Any], chat: bool) -> dict[str, str]:
-    """The router's field names as this body spells them (`from_failed`)."""
-    names = {"prompt": "messages"} if chat else {}
-    if field := structured_field(body):
-        names[STRUCTURED_FIELD] = field
-    return names
-
-
-def from_failed(e: RequestFailed, names: Mapping[str, str] | None = None) -> HTTPError:
-    """The router's failure as OpenAI's error. The context-length message loses its
-    `prompt: ` prefix: it is then OpenAI's, verbatim. `names` renames the router's field
-    to the one the body used: a chat's prompt is what the template made of `messages`
-    (OpenAI names that field), a constraint came from `response_format`, ..."""
-    status, type_ = _STATUS.get(e.code, (500, "server_error"))
-    message, param, code = e.details, None, None
-    cause = e.__cause__
-    if isinstance(cause, InvalidParameterError):
-        param = cause.field
-        prefix = f"{cause.field}: "
-        if names and param in names:
-            param = names[param]
-            message = f"{param}: " + message.removeprefix(prefix)
-            prefix = f"{param}: "
-        if isinstance(cause, ContextLengthError):  # OpenAI's own wording, which clients match
-            code = "context_length_exceeded"
-            message = message.removeprefix(prefix)
-    elif e.code == grpc.StatusCode.NOT_FOUND:
-        param, code = "model", "model_not_found"
-    elif e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        code = "rate_limit_exceeded"
-    headers = {"Retry-After": RETRY_AFTER_S} if status in (429, 503) else {}
-    return HTTPError(status, message, type_, param, code, headers)
 
 
 # ---- disconnects --------------------------------------------------------------------------
@@ -236,12 +188,23 @@ class OpenAIApp:
         body = await read_json(request, self.body_limits)
         request_id, response_id = _ids(request, body, chat=False)
         opts = StreamOptions.of(body)
+        names = field_names(body, chat=False)
+        prompts = batch_prompts(body)
+        if prompts is not None:  # one request per prompt, answered as one (vLLM's shape)
+            greqs = [
+                await asyncio.to_thread(
+                    completion_request, {**body, "prompt": p}, f"{request_id}-{i}", self.router
+                )
+                for i, p in enumerate(prompts)
+            ]
+            fmts = [self._formatter(False, response_id, opts) for _ in greqs]
+            return await self.generate_batch(request, greqs, fmts, opts, names)
         if body.get("add_special_tokens") is False:  # tokenized here: off the event loop
             greq = await asyncio.to_thread(completion_request, body, request_id, self.router)
         else:
             greq = completion_request(body, request_id)
         fmt = self._formatter(False, response_id, opts)
-        return await self.generate(request, greq, fmt, opts, _field_names(body, chat=False))
+        return await self.generate(request, greq, fmt, opts, names)
 
     async def chat_completions(self, request: Request) -> Response:
         self.authorize(request)
@@ -250,12 +213,10 @@ class OpenAIApp:
         opts = StreamOptions.of(body)
         # The template render and tokenization run off the event loop (the tokenizer lets go
         # of the GIL), so a huge chat does not stall every other request and /health.
-        greq, tools = await asyncio.to_thread(
-            chat_request_and_tools, self.router, body, request_id
-        )
+        greq, tools = await asyncio.to_thread(chat_request_and_tools, self.router, body, request_id)
         fmt = self._formatter(True, response_id, opts)
         fmt.tools = tools
-        return await self.generate(request, greq, fmt, opts, _field_names(body, chat=True))
+        return await self.generate(request, greq, fmt, opts, field_names(body, chat=True))
 
     def _card(self) -> dict[str, Any]:
         return {
@@ -347,6 +308,89 @@ class OpenAIApp:
         finally:
             if not handed_off:
                 await run.release()
+
+    async def generate_batch(
+        self,
+        request: Request,
+        greqs: list[gen.GenerateRequest],
+        fmts: list[Formatter],
+        opts: StreamOptions,
+        names: Mapping[str, str],
+    ) -> Response:
+        """`generate` for a list of prompts: each admitted and run on its own, answered as
+        one response (router/openai/batch.py); any refusal frees those already admitted."""
+        router = self.router
+        runs: list[_Run] = []
+        try:
+            for greq in greqs:
+                act = await router.admit(greq)
+                runs.append(_Run(router, act, router.run(act)))
+        except RequestFailed as e:
+            await asyncio.gather(*(run.release() for run in runs))
+            raise from_failed(e, names) from e
+
+        async def release_all() -> None:
+            await asyncio.gather(*(run.release() for run in runs))
+
+        handed_off = False
+        try:
+            if opts.stream:
+                handed_off = True
+                return SSEResponse(self._batch_events(runs, fmts), release_all, _SSE_HEADERS)
+            collect = asyncio.gather(
+                *(self._collect(r, f) for r, f in zip(runs, fmts, strict=True))
+            )
+            return JSONResponse(merged(await until_disconnect(request, collect)))
+        except RequestFailed as e:
+            raise from_failed(e) from e
+        except ClientGone:
+            return Response(status_code=499)
+        finally:
+            if not handed_off:
+                await release_all()
+
+    async def _batch_events(self, runs: list[_Run], fmts: list[Formatter]) -> AsyncIterator[bytes]:
+        """The choices' chunks as they come, each numbered by its prompt; one usage chunk
+        (summed) and `[DONE]` once every choice finished."""
+        queue: asyncio.Queue[tuple[int, gen.GenerateResponse | RequestFailed | None]] = (
+            asyncio.Queue()
+        )
+
+        async def pump(i: int, run: _Run) -> None:
+            try:
+                async for resp in run.stream:
+                    await queue.put((i, resp))
+                await queue.put((i, None))
+            except RequestFailed as e:
+                await queue.put((i, e))
+
+        tasks = [asyncio.ensure_future(pump(i, run)) for i, run in enumerate(runs)]
+        completes: list[gen.GenerateComplete] = []
+        try:
+            done = 0
+            while done < len(runs):
+                i, item = await queue.get()
+                if isinstance(item, RequestFailed):
+                    yield sse(from_failed(item).body())
+                    break
+                if item is None:
+                    done += 1
+                elif item.HasField("chunk"):
+                    c = item.chunk
+                    if c.text or c.logprobs:
+                        yield sse(indexed(fmts[i].chunk(c.text, list(c.logprobs)), i))
+                else:
+                    runs[i].completed = True
+                    completes.append(item.complete)
+                    yield sse(indexed(fmts[i].chunk("", [], finish_reason(item.complete)), i))
+            else:
+                if fmts[0].include_usage:
+                    yield sse(batch_usage_chunk(fmts[0], completes))
+            yield sse("[DONE]")
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _collect(self, run: _Run, fmt: Formatter) -> dict[str, Any]:
         text: list[str] = []

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from engine.config import GenerationDefaults
 from engine.sampling import InvalidParameterError, SamplingParams
 from engine.structured import StructuredOutput
 from engine.tokenizer import Tokenizer
-from engine.validation import check_request
+from engine.validation import ContextLengthError, check_request, too_long_message
 from pool_api.messages import WorkerRequest
 from protos.pdserve.v1 import generation_pb2 as gen
 from router.config import RouterConfig
@@ -63,6 +64,9 @@ MAX_SCHEMA_DEPTH = 32
 MAX_REGEX_CHARS = 4096
 MAX_CHOICES = 256
 MAX_LOGIT_BIAS = 300
+MAX_ALLOWED_TOKEN_IDS = 65536
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
 STRUCTURED_FIELD = "structured_output"  # the GenerateRequest field (HTTP names its own)
 
 
@@ -92,17 +96,14 @@ class EdgeLimits:
             if len(getattr(request, name)) > _MAX_NAME_CHARS:
                 raise InvalidParameterError(name, f"must be at most {_MAX_NAME_CHARS} characters")
         if len(request.text) > self.max_prompt_chars:
-            raise InvalidParameterError(
-                "prompt",
-                f"{len(request.text)} characters; at most {self.max_prompt_chars} are accepted "
-                f"(a {self.max_prompt_tokens}-token context)",
+            what = (
+                f"your prompt has {len(request.text)} characters, and at most "
+                f"{self.max_prompt_chars} are accepted before it is tokenized"
             )
+            raise ContextLengthError("prompt", too_long_message(self.max_prompt_tokens, what))
         if len(request.token_ids.ids) > self.max_prompt_tokens:
-            raise InvalidParameterError(
-                "prompt",
-                f"{len(request.token_ids.ids)} token ids; the context holds "
-                f"{self.max_prompt_tokens}",
-            )
+            what = f"your prompt has {len(request.token_ids.ids)} tokens"
+            raise ContextLengthError("prompt", too_long_message(self.max_prompt_tokens, what))
         s = request.sampling
         if len(s.stop) > self.max_stop_strings:
             raise InvalidParameterError("stop", f"at most {self.max_stop_strings} stop strings")
@@ -116,6 +117,17 @@ class EdgeLimits:
             )
         if len(s.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidParameterError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries")
+        if len(s.allowed_token_ids.ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise InvalidParameterError(
+                "allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} token ids"
+            )
+        if len(s.bad_words) > MAX_BAD_WORDS or any(
+            not w or len(w) > MAX_BAD_WORD_CHARS for w in s.bad_words
+        ):
+            raise InvalidParameterError(
+                "bad_words",
+                f"at most {MAX_BAD_WORDS} words, each 1 to {MAX_BAD_WORD_CHARS} characters",
+            )
 
 
 def echo(value: str) -> str:
@@ -160,6 +172,11 @@ def sampling_from_proto(
         stop_token_ids=tuple(int(t) for t in s.stop_token_ids),
         logprobs=_int(s, "logprobs"),
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items())),
+        allowed_token_ids=(
+            tuple(int(t) for t in s.allowed_token_ids.ids)
+            if s.HasField("allowed_token_ids")
+            else None
+        ),
     )
 
 
@@ -211,6 +228,21 @@ def structured_from_proto(request: gen.GenerateRequest) -> StructuredOutput | No
     return StructuredOutput(kind, spec, f)
 
 
+def bad_words_token_ids(tokenizer: Tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of `bad_words`: each word as written (its leading spaces
+    stripped), and again after a space when that gives other tokens of the same count (the
+    word in mid-sentence)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if bare:
+            out.append(bare)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return tuple(out)
+
+
 def check_model(limits: ModelLimits, model: str) -> None:
     """The served name, or none at all; else LookupError (NOT_FOUND / 404)."""
     if model and model != limits.served_model_name:
@@ -229,6 +261,11 @@ def prepare(
     structured = structured_from_proto(request)
     if structured is not None:
         params = replace(params, structured=structured)
+    if request.sampling.bad_words:
+        if tokenizer is None:
+            raise InvalidParameterError("bad_words", "this model has no tokenizer")
+        words = bad_words_token_ids(tokenizer, request.sampling.bad_words)
+        params = replace(params, bad_words_token_ids=words)
     kind = request.WhichOneof("prompt")
     if kind == "text":
         if not request.text:

@@ -392,3 +392,35 @@ def test_a_chat_without_max_tokens_gets_the_room_its_kv_cache_has() -> None:
     check_request(prompt, SamplingParams(max_tokens=room), 512, 8192, 16, 64)  # fits
     with pytest.raises(ContextLengthError, match="max_tokens"):
         check_request(prompt, SamplingParams(max_tokens=room + 1), 512, 8192, 16, 64)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "z" * 600_000}, "prompt"),  # characters, at the edge
+        ("/v1/completions", {"prompt": list(range(1, 3001))}, "prompt"),  # token ids
+        ("/v1/completions", {"prompt": "hello", "max_tokens": 2048}, "prompt"),  # + max_tokens
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "w" * 70_000}]}, "messages"),
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2048}, "messages"),
+    ],
+)  # fmt: skip
+def test_every_length_refusal_is_a_context_length_error(
+    server: ServeProcess, path: str, body: dict[str, Any], param: str
+) -> None:
+    """Whichever limit catches an over-long request (its characters before tokenizing, its
+    tokens, prompt plus max_tokens), clients see OpenAI's code and vLLM's words."""
+    status, error, _ = _post(server, {"model": "tiny", **body}, path)
+    assert status == 400, error
+    assert error["code"] == "context_length_exceeded", error
+    assert error["message"].startswith("This model's maximum context length is 2048 tokens.")
+    assert error["param"] == param, error
+
+
+def test_a_request_the_kv_cache_cannot_hold_reads_as_a_context_length_error() -> None:
+    from engine.sampling import SamplingParams
+    from engine.validation import ContextLengthError, check_request
+
+    with pytest.raises(ContextLengthError, match="maximum context length is 2048 tokens"):
+        check_request(list(range(4, 300)), SamplingParams(max_tokens=8), 512, 2048, 16, 8)

@@ -970,3 +970,32 @@ def test_an_aborted_constrained_request_lets_its_matcher_go(make_engine: MakeEng
     assert req.matcher is not None
     eng.step()
     assert eng.abort("constrained") and req.matcher is None and req.is_finished
+
+
+def test_allowed_token_ids_pick_the_best_allowed_token(make_engine: MakeEngine) -> None:
+    """vLLM's allowed_token_ids: every sampled token is one of them, and greedy picks the
+    best of them by the model's own logits."""
+    eng = make_engine()
+    rec = Recorder(eng)
+    prompt = rand_prompt(random.Random(7), 20)
+    allowed = (5, 17, 42, 99, 300)
+    (out,) = eng.generate([prompt], greedy(max_tokens=12, allowed_token_ids=allowed))
+    assert set(out.output_token_ids) <= set(allowed)
+    for row, tok in zip(rec.logits[out.request_id], out.output_token_ids, strict=True):
+        assert tok == allowed[int(row[list(allowed)].argmax())]
+
+
+def test_bad_words_never_complete(make_engine: MakeEngine) -> None:
+    """vLLM's bad_words rule: a one-token word is never sampled; a longer word's last token
+    is never sampled right after the rest of it. The words are taken from the unconstrained
+    greedy output itself, so each would have appeared."""
+    eng = make_engine()
+    prompt = rand_prompt(random.Random(8), 20)
+    (free,) = eng.generate([prompt], greedy(max_tokens=24))
+    toks = free.output_token_ids
+    one, two = (toks[3],), (toks[6], toks[7])
+    (out,) = eng.generate([prompt], greedy(max_tokens=24, bad_words_token_ids=(one, two)))
+    got = out.output_token_ids
+    assert one[0] not in got
+    assert all(tuple(got[i : i + 2]) != two for i in range(len(got) - 1))
+    assert got[:3] == toks[:3] and got != toks  # the same until the first ban bites

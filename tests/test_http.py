@@ -238,7 +238,7 @@ def test_context_length_error_verbatim(oa: Any, tokenizer: Tokenizer) -> None:
         ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
         ({"prompt": "hi", "echo": True}, "echo"),
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", [1, 2]]}, "prompt"),  # a batch mixing strings and id lists
         ({"prompt": ""}, "prompt"),
         ({"max_tokens": 4}, "prompt"),
         ({"prompt": [1, 2, 1 << 20]}, "prompt_token_ids"),

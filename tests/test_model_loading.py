@@ -42,6 +42,7 @@ from pdserve.checkpoint import write_checkpoint  # noqa: E402
 from pdserve.cli import main  # noqa: E402
 from pdserve.models import ModelError, resolve_model  # noqa: E402
 from protos.pdserve.v1 import generation_pb2 as gen  # noqa: E402
+from router.config import RouterConfig  # noqa: E402
 from router.validation import ModelLimits, sampling_from_proto  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,7 +176,7 @@ def test_raise_exception_carries_the_templates_message(tiny: Path, tmp_path: Pat
 
     from router.http import HTTPError, chat_request
 
-    router = SimpleNamespace(tokenizer=tok, limits=ModelLimits("m", 512, 2048))
+    router = SimpleNamespace(tokenizer=tok, limits=ModelLimits("m", 512, 2048), cfg=RouterConfig())
     with pytest.raises(HTTPError) as info:
         chat_request(router, {"model": "m", "messages": bad}, "r1")  # type: ignore[arg-type]
     assert (info.value.status, info.value.param) == (400, "messages")
@@ -210,7 +211,7 @@ def test_chat_without_max_tokens_gets_the_rest_of_the_context(tiny: Path) -> Non
     from router.http import chat_request
 
     tok = Tokenizer.from_dir(tiny)
-    router = SimpleNamespace(tokenizer=tok, limits=ModelLimits("m", 512, 2048))
+    router = SimpleNamespace(tokenizer=tok, limits=ModelLimits("m", 512, 2048), cfg=RouterConfig())
     messages = [{"role": "user", "content": "hello there"}]
     req = chat_request(router, {"model": "m", "messages": messages}, "r1")  # type: ignore[arg-type]
     ids = tok.encode_chat(messages)

@@ -265,3 +265,45 @@ def test_a_grammar_that_is_wrong_or_too_slow_is_refused_at_the_edge(real_dir: Pa
 
     cfg = config(real_dir, colocated=False)
     run_with_workers(cfg, real_dir, body)
+
+
+def test_structural_tags_in_both_forms_constrain_the_tagged_part(
+    engine: LLMEngine, real_dir: Path
+) -> None:
+    """vLLM's `structures`/`triggers` form and xgrammar's `format` form: text is free until
+    a trigger, then the tagged part follows its schema."""
+    weather = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    legacy = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<weather>", "schema": weather, "end": "</weather>"}],
+        "triggers": ["<weather>"],
+    }
+    modern = {
+        "type": "structural_tag",
+        "format": {
+            "type": "sequence",
+            "elements": [
+                {"type": "const_string", "value": "<weather>"},
+                {"type": "json_schema", "json_schema": weather},
+                {"type": "const_string", "value": "</weather>"},
+            ],
+        },
+    }
+    ids = chat_ids(real_dir, "What is the weather in Paris?")
+    assert engine.grammars is not None
+    for tag in (legacy, modern):
+        so = StructuredOutput("structural_tag", json.dumps(tag))
+        engine.grammars.compile(so)  # compiles
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=40,
+        structured=StructuredOutput("structural_tag", json.dumps(modern)),
+    )
+    (out,) = engine.generate([ids], params)
+    assert out.text.startswith("<weather>") and out.text.endswith("</weather>"), out.text
+    jsonschema.validate(json.loads(out.text[len("<weather>") : -len("</weather>")]), weather)

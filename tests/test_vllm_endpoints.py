@@ -67,7 +67,7 @@ def test_every_refused_field_is_a_400_naming_it() -> None:
             assert err["type"] == "invalid_request_error"
             assert f.name in err["message"] and "not supported" in err["message"]
             walked += 1
-    assert walked >= 2 * 25  # the whole table, both generation endpoints
+    assert walked >= 2 * 23  # the whole table, both generation endpoints
     body = {**BASE["chat"][1], "stream": True, "stream_options": {"continuous_usage_stats": True}}
     status, _, raw = call(app, "POST", "/v1/chat/completions", body)
     assert _error(status, raw)["param"] == "stream_options.continuous_usage_stats"
@@ -82,7 +82,7 @@ HONOURED = {
     "add_generation_prompt", "continue_final_message", "return_tokens_as_token_ids",
     "request_id", "logit_bias", "response_format", "structured_outputs", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "chat_template_kwargs", "tools",
-    "tool_choice", "parallel_tool_calls",
+    "tool_choice", "parallel_tool_calls", "allowed_token_ids", "bad_words",
 }  # fmt: skip
 
 
@@ -432,3 +432,70 @@ def test_template_kwargs_are_template_variables() -> None:
     assert t.render(msgs) == "user:x;no-think"
     assert t.render(msgs, extra={"tools": [{"a": 1}, {"b": 2}]}) == "user:x;no-think2"
     assert t.reads("tools") and t.reads("enable_thinking") and not t.reads("documents")
+
+
+def _ids_of(resp: dict[str, Any]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in resp["choices"][0]["logprobs"]["tokens"]]
+
+
+def test_token_controls(server: ServeProcess, tokenizer: Tokenizer) -> None:
+    """vLLM's allowed_token_ids and bad_words, as vLLM answers them: only allowed tokens;
+    no bad word's token sequence (as written, or after a space) in the output."""
+    from router.validation import bad_words_token_ids
+
+    text = "Prefill and decode run on different workers."
+    ask = greedy(prompt=text, max_tokens=12, logprobs=0, return_tokens_as_token_ids=True)
+    free = _ids_of(post(server, "/v1/completions", ask))
+    allowed = sorted(set(free[1:5]) | {7, 8})
+    got = _ids_of(post(server, "/v1/completions", {**ask, "allowed_token_ids": allowed}))
+    assert set(got) <= set(allowed) and len(got) == 12
+
+    word = tokenizer.decode(free[2:4]).strip() or tokenizer.decode(free[2:3])
+    banned = bad_words_token_ids(tokenizer, [word])
+    assert banned, word
+    got = _ids_of(post(server, "/v1/completions", {**ask, "bad_words": [word]}))
+    for seq in banned:
+        n = len(seq)
+        assert all(tuple(got[i : i + n]) != seq for i in range(len(got) - n + 1)), (word, seq)
+
+    status, _, raw = server.request("POST", "/v1/completions", {**ask, "allowed_token_ids": []})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "allowed_token_ids", raw
+
+
+def test_a_list_of_prompts_is_answered_as_vllm_does(server: ServeProcess) -> None:
+    """One choice per prompt, in order, `index` numbered across them, each the same as the
+    prompt alone; usage summed; streamed, each chunk carries its choice's index and one
+    usage chunk closes the stream."""
+    prompts = ["The quick brown fox", "Prefill and decode", "hello world"]
+    alone = [post(server, "/v1/completions", greedy(prompt=p)) for p in prompts]
+    batch = post(server, "/v1/completions", greedy(prompt=prompts))
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in batch["choices"]] == [a["choices"][0]["text"] for a in alone]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert batch["usage"][key] == sum(a["usage"][key] for a in alone)
+
+    ids = [[5, 6, 7, 8], [9, 10, 11]]
+    by_ids = post(server, "/v1/completions", greedy(prompt=ids))
+    assert by_ids["usage"]["prompt_tokens"] == 7 and len(by_ids["choices"]) == 2
+
+    body = greedy(prompt=prompts, stream=True, stream_options={"include_usage": True})
+    status, _, raw = server.request("POST", "/v1/completions", body)
+    assert status == 200
+    events = [
+        json.loads(line[len("data: ") :])
+        for line in raw.decode().splitlines()
+        if line.startswith("data: {")
+    ]
+    texts = {i: "" for i in range(3)}
+    finished = set()
+    for e in events[:-1]:
+        (c,) = e["choices"]
+        texts[c["index"]] += c["text"]
+        if c["finish_reason"]:
+            finished.add(c["index"])
+    assert finished == {0, 1, 2}
+    assert [texts[i] for i in range(3)] == [c["text"] for c in batch["choices"]]
+    assert events[-1]["choices"] == []
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):  # cached ones differ
+        assert events[-1]["usage"][key] == batch["usage"][key]
+    assert raw.decode().rstrip().endswith("data: [DONE]")

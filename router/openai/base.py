@@ -92,6 +92,15 @@ def refused(message: str) -> PydanticCustomError:
     return PydanticCustomError(_WHOLE, message)
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code, which clients match
+_TOO_LONG = "pdserve_context_length"
+
+
+def too_long(message: str) -> PydanticCustomError:
+    """A length refusal: its own message, and OpenAI's `context_length_exceeded` code."""
+    return PydanticCustomError(_TOO_LONG, message)
+
+
 def _param(loc: tuple[int | str, ...]) -> str | None:
     """pydantic's location as a path: `("messages", 0, "role")` is `messages[0].role`."""
     if not loc:
@@ -106,7 +115,7 @@ def _message(err: ErrorDetails, param: str | None) -> str:
     """One error as the message a client gets; pydantic's own words only where no phrase
     covers the error."""
     kind, name = err["type"], param or "request body"
-    if kind == _WHOLE:
+    if kind in (_WHOLE, _TOO_LONG):
         return err["msg"]
     if kind == _AFTER_NAME:
         return f"{name} {err['msg']}"
@@ -125,7 +134,8 @@ def from_validation(e: ValidationError) -> HTTPError:
     the 400 a client gets."""
     err = e.errors(include_url=False)[0]
     param = _param(err["loc"])
-    return bad_request(param, _message(err, param))
+    code = CONTEXT_LENGTH_EXCEEDED if err["type"] == _TOO_LONG else None
+    return HTTPError(400, _message(err, param), param=param, code=code)
 
 
 # ---- field types --------------------------------------------------------------------------

@@ -87,8 +87,6 @@ REFUSED: tuple[Refused, ...] = (
             "special tokens are always skipped", False),
     Refused("truncate_prompt_tokens", BOTH, _empty, "no prompt truncation", 8),
     Refused("prompt_logprobs", BOTH, _empty, "no prompt logprobs", 1),
-    Refused("allowed_token_ids", BOTH, _empty, "no allowed_token_ids", [1, 2]),
-    Refused("bad_words", BOTH, _empty, "no bad_words", ["x"]),
     Refused("logits_processors", BOTH, _empty, "no logits processors", ["m.P"]),
     Refused("guided_decoding_backend", BOTH, _is("xgrammar", "auto", ""),
             "the grammar backend is xgrammar", "outlines"),

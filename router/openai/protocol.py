@@ -39,9 +39,11 @@ from pydantic import (
 
 from engine.sampling import MAX_LOGPROBS, InvalidParameterError
 from engine.tokenizer import Tokenizer
+from engine.validation import ContextLengthError, too_long_message
 from protos.pdserve.v1 import generation_pb2 as gen
 from router.config import RouterConfig
 from router.openai.base import (
+    CONTEXT_LENGTH_EXCEEDED,
     INT32,
     HTTPError,
     Int32,
@@ -56,6 +58,7 @@ from router.openai.base import (
     from_validation,
     invalid,
     refused,
+    too_long,
 )
 from router.openai.fields import Endpoint, unsupported
 from router.openai.structured import Structured, structured_field
@@ -72,6 +75,7 @@ __all__ = [
     "refused",
     "structured_field",
 ]
+
 
 # ---- streaming ----------------------------------------------------------------------------
 class StreamOptions(RequestPart):
@@ -116,8 +120,8 @@ def _one_prompt(v: object) -> object:
         if not all(INT32[0] <= t <= INT32[1] for t in v):
             raise refused("prompt token ids are out of range")
         return v
-    if isinstance(v, list) and len(v) > 1:
-        raise refused("batched prompts are not supported: send one prompt")
+    if isinstance(v, list) and len(v) > 1:  # a batch mixing strings and id lists
+        raise refused("a batch of prompts is all strings or all token-id lists")
     if v is None or v == []:
         raise invalid("is required")
     raise invalid("must be a string or a list of token ids")
@@ -247,8 +251,14 @@ class ChatPrompt(RequestPart):
     @classmethod
     def _within_limit(cls, v: list[ChatMessage], info: ValidationInfo) -> list[ChatMessage]:
         limit = int((info.context or {})["max_content_chars"])
-        if sum(len(m.content) for m in v) > limit:
-            raise invalid(f"hold over {limit} characters of content")
+        chars = sum(len(m.content) for m in v)
+        if chars > limit:
+            tokens = int((info.context or {})["max_model_len"])
+            what = (
+                f"your messages have {chars} characters of content, and at most {limit} are "
+                "accepted before they are rendered and tokenized"
+            )
+            raise too_long(too_long_message(tokens, what))
         return v
 
     @field_validator("continue_final_message")
@@ -295,6 +305,8 @@ class Sampling(RequestPart):
     ignore_eos: StrictBool | None = None
     stop: Stop | None = None
     stop_token_ids: TokenIdList | None = None
+    allowed_token_ids: TokenIdList | None = None
+    bad_words: list[StrictStr] | None = None
 
     def proto(self, max_tokens: int | None) -> gen.SamplingParams:
         s = gen.SamplingParams()
@@ -316,6 +328,11 @@ class Sampling(RequestPart):
             s.stop.extend(self.stop)
         if self.stop_token_ids is not None:
             s.stop_token_ids.extend(self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            s.allowed_token_ids.ids.extend(self.allowed_token_ids)
+            s.allowed_token_ids.SetInParent()  # set, even when empty (then refused)
+        if self.bad_words:
+            s.bad_words.extend(self.bad_words)
         return s
 
 
@@ -360,6 +377,8 @@ def edge_checked(limits: ModelLimits, r: gen.GenerateRequest) -> gen.GenerateReq
     """`r` within the edge limits (router/validation.py), else the 400 naming the field."""
     try:
         limits.edge_limits().check(r)
+    except ContextLengthError as e:
+        raise HTTPError(400, e.message, param=e.field, code=CONTEXT_LENGTH_EXCEEDED) from e
     except InvalidParameterError as e:
         raise bad_request(e.field, str(e)) from e
     return r
@@ -440,7 +459,11 @@ def chat_request_and_tools(
     in play; router/openai/tools.py)."""
     refuse_unsupported(d, "chat")
     limits = router.limits
-    prompt = ChatPrompt.of(d, max_content_chars=limits.edge_limits().max_prompt_chars)
+    prompt = ChatPrompt.of(
+        d,
+        max_content_chars=limits.edge_limits().max_prompt_chars,
+        max_model_len=limits.max_model_len,
+    )
     sampling = ChatSampling.of(d)
     top = sampling.top_logprobs
     if top is not None and not 0 <= top <= MAX_LOGPROBS:  # named as the client sent it

@@ -80,7 +80,11 @@ def tokenize(router: ChatRouter, body: dict[str, Any]) -> dict[str, Any]:
     limits = router.limits
     if "messages" in body:
         refuse_unsupported(body, "tokenize")
-        chat = TokenizeChat.of(body, max_content_chars=limits.edge_limits().max_prompt_chars)
+        chat = TokenizeChat.of(
+            body,
+            max_content_chars=limits.edge_limits().max_prompt_chars,
+            max_model_len=limits.max_model_len,
+        )
         _no_token_strs(chat.return_token_strs)
         edge_checked(limits, gen.GenerateRequest(model=chat.model or ""))
         check_model(router, chat.model)
