@@ -82,6 +82,7 @@ def _delta(req: Request, out: RequestOutput, error: str = "") -> token_stream.ts
             finish_reason=out.finish_reason,
             num_cached_tokens=req.num_cached_tokens,
             error=error,
+            prompt_logprobs=out.prompt_logprobs,
         )
     )
 

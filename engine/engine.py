@@ -52,7 +52,7 @@ from engine.request import (
     RequestStatus,
 )
 from engine.runner import ModelRunner
-from engine.sampling import InvalidParameterError, SamplingParams, sample
+from engine.sampling import InvalidParameterError, SamplingParams, TokenLogprob, sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.structured import GrammarBackend
 from engine.tokenizer import Tokenizer
@@ -62,6 +62,7 @@ from engine.weights import load_weights
 __all__ = ["ContextLengthError", "EngineConfig", "EngineStats", "LLMEngine"]
 
 log = logging.getLogger(__name__)
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are taken at once
 
 
 @dataclass(frozen=True)
@@ -367,9 +368,45 @@ class LLMEngine:
             self.runner.workspace.reset()  # every row is stale: give the memory back
         return StepResult(outputs, "prefill" if out.prefill else "decode", num_tokens, step_s)
 
+    def _prompt_logprobs(self) -> None:
+        """Each prompt position's logprob (of the prompt's next token) and top-N, from the
+        hidden states the last prefill step kept, `PROMPT_LOGPROB_ROWS` positions at a time:
+        never a [T, vocab] float32 for a whole long prompt."""
+        for rid, (start, hidden) in self.runner.prompt_hidden.items():
+            req = self.requests[rid]
+            prompt = req.prompt_token_ids
+            if start == 0:
+                req.prompt_logprobs.append(None)  # nothing precedes the first token
+            top_n = req.params.prompt_logprobs or 0
+            for lo in range(0, hidden.shape[0], PROMPT_LOGPROB_ROWS):
+                rows = hidden[lo : lo + PROMPT_LOGPROB_ROWS]
+                first = start + lo + 1  # the prompt position row 0 of this slice predicts
+                n = min(rows.shape[0], len(prompt) - first)
+                if n <= 0:
+                    break  # the last position predicts the first output token (sampled)
+                with torch.inference_mode():
+                    logits = self.runner.model.proj.lm_head(rows[:n]).float()
+                lp = torch.log_softmax(logits, dim=-1)
+                targets = torch.tensor(prompt[first : first + n], dtype=torch.long)
+                chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1)
+                ranks = (lp > chosen.unsqueeze(1)).sum(dim=1) + 1
+                top_vals, top_ids = lp.topk(top_n, dim=-1) if top_n else (lp[:, :0], lp[:, :0])
+                for j in range(n):
+                    req.prompt_logprobs.append(
+                        TokenLogprob(
+                            int(targets[j]),
+                            float(chosen[j]),
+                            tuple(zip(top_ids[j].tolist(), top_vals[j].tolist(), strict=True)),
+                            int(ranks[j]),
+                        )
+                    )
+        self.runner.prompt_hidden = {}
+
     def _postprocess(
         self, out: SchedulerOutput, sampled: list[Request], logits: torch.Tensor, step_s: float
     ) -> list[RequestOutput]:
+        if self.runner.prompt_hidden:
+            self._prompt_logprobs()
         for c in out.prefill:
             c.request.num_computed_tokens = c.end
             c.request.prefill_s += step_s
@@ -393,6 +430,7 @@ class LLMEngine:
             elif req.status is RequestStatus.WAITING:
                 self.scheduler.waiting.remove(req)
                 self.scheduler.add_running(req)
+            first = len(req.output_token_ids) == 1 and req.params.prompt_logprobs is not None
             outputs.append(
                 RequestOutput(
                     req.request_id,
@@ -401,6 +439,7 @@ class LLMEngine:
                     req.is_finished,
                     req.finish_reason,
                     (lp,) if lp else (),
+                    tuple(req.prompt_logprobs) if first else (),
                 )
             )
         return outputs

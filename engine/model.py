@@ -18,7 +18,7 @@ import ctypes
 import functools
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -390,18 +390,29 @@ class LlamaModel:
         logits_indices: torch.Tensor,
         layer_hook: LayerHook | None = None,
     ) -> torch.Tensor:
-        """input_ids [T] -> float32 logits [len(logits_indices), V].
+        """input_ids [T] -> float32 logits [len(logits_indices), V]. A prefill step prunes
+        its last layer: all K/V is written, but only the logit rows (a completing prompt's
+        last token) go on through it; nothing reads the others, so this is exact and saves
+        most of a layer (as llama.cpp). Decode keeps every row."""
+        logits, _ = self.forward_with_hidden(input_ids, meta, cache, logits_indices, (), layer_hook)
+        return logits
 
-        A prefill step prunes its last layer: every token's K/V is written, but only the
-        rows logits are taken from (a completing prompt's last token) go on through that
-        layer's attention, o_proj and MLP. Nothing reads the other rows' outputs (no prompt
-        logprobs), so this is exact, and it saves most of one layer of the prompt pass
-        (llama.cpp does the same). Decode keeps every row: each one gives logits.
-        """
+    @torch.inference_mode()
+    def forward_with_hidden(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+        logits_indices: torch.Tensor,
+        hidden_rows: Sequence[int],
+        layer_hook: LayerHook | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and the final-normed hidden states of `hidden_rows` [len, d] (prompt
+        logprobs: `proj.lm_head` of them, in slices); the last layer is then not pruned."""
         x = self.w.embed[input_ids]  # [T, d]
         rope = self.rotary.tables(meta.positions)  # shared by every layer
         rows = None
-        if meta.prefill is not None:
+        if meta.prefill is not None and not hidden_rows:
             rows = meta.logit_rows if meta.logit_rows is not None else logits_indices.tolist()
         if rows is not None and len(rows) == len(input_ids):
             rows = None  # every row gives logits (one-token chunks): nothing to prune
@@ -410,10 +421,12 @@ class LlamaModel:
             x = self._layer(i, lw, x, meta, cache, rope, rows if i == last else None)
             if layer_hook is not None:
                 layer_hook(i)
+        picked = x[torch.tensor(list(hidden_rows), dtype=torch.long, device=x.device)]
+        hidden = rms_norm(picked, self.w.norm, self.cfg.rms_norm_eps)
         if rows is None:
             x = x[logits_indices]
         x = rms_norm(x, self.w.norm, self.cfg.rms_norm_eps)  # [N, d]
-        return self.proj.lm_head(x).float()  # [N, V]
+        return self.proj.lm_head(x).float(), hidden  # [N, V], [len(hidden_rows), d]
 
     def _layer(
         self,

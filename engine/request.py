@@ -65,6 +65,9 @@ class Request:
     # xgrammar GrammarMatcher of a constrained request (engine.structured): it has accepted
     # every output token; None once the request is finished (abort frees it)
     matcher: Any = None
+    # prompt_logprobs: one entry per prompt position (the first is None: nothing precedes
+    # it), filled by the prompt pass (`LLMEngine`); complete once it has len(prompt) entries
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -74,6 +77,13 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt pass must keep every position's hidden state (not yet computed)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_token_ids
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -184,6 +194,8 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     new_logprobs: tuple[TokenLogprob, ...] = ()
+    # with its first token: each prompt token's (`SamplingParams.prompt_logprobs`)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
 
 
 def _stop_string_overlap(text: str, stops: tuple[str, ...]) -> int:

@@ -40,6 +40,7 @@ class ModelRunner:
         self.workspace = (
             DecodeWorkspace(cache, decode_workspace_bytes) if decode_workspace_bytes else None
         )
+        self.prompt_hidden: dict[str, tuple[int, torch.Tensor]] = {}  # the last prefill's
 
     def _slots(self, request_id: str, positions: torch.Tensor) -> torch.Tensor:
         """Cache slot of each position: block_table[pos // bs] * bs + pos % bs."""
@@ -49,8 +50,13 @@ class ModelRunner:
     def prefill(
         self, chunks: Sequence[PrefillChunk], layer_hook: LayerHook | None = None
     ) -> torch.Tensor:
-        """Run one packed prefill step; logits [n, V] for chunks that complete their prompt."""
+        """Run one packed prefill step; logits [n, V] for chunks that complete their prompt.
+        Chunks of a request that wants prompt logprobs also leave the hidden states of each
+        of their positions in `prompt_hidden` (request id -> (first position, [k, d])),
+        which the engine reads right after this step."""
         ids, positions, slots, segments, logit_rows = [], [], [], [], []
+        hidden_rows: list[int] = []
+        hidden_of: list[tuple[str, int, int]] = []  # (request, first position, offset)
         q_start = 0
         for c in chunks:
             pos = torch.arange(c.start, c.end)
@@ -64,6 +70,9 @@ class ModelRunner:
                     table[: ceil_div(c.end, self.block_size)], dtype=torch.long, device=self.device
                 )
             segments.append(PrefillSegment(q_start, c.end - c.start, c.end, context))
+            if c.request.wants_prompt_logprobs:
+                hidden_of.append((c.request.request_id, c.start, len(hidden_rows)))
+                hidden_rows.extend(range(q_start, q_start + c.end - c.start))
             q_start += c.end - c.start
             if c.completes_prompt:
                 logit_rows.append(q_start - 1)
@@ -73,13 +82,20 @@ class ModelRunner:
             prefill=segments,
             logit_rows=logit_rows,
         )
-        return self.model.forward(
+        logits, hidden = self.model.forward_with_hidden(
             torch.cat(ids).to(self.device),
             meta,
             self.cache,
             torch.tensor(logit_rows, dtype=torch.long, device=self.device),
+            hidden_rows,
             layer_hook,
         )
+        bounds = [o for _, _, o in hidden_of] + [len(hidden_rows)]
+        self.prompt_hidden = {
+            rid: (start, hidden[bounds[j] : bounds[j + 1]])
+            for j, (rid, start, _) in enumerate(hidden_of)
+        }
+        return logits
 
     def decode(self, requests: Sequence[Request]) -> torch.Tensor:
         """One token per request; logits [B, V] in the order of `requests`.

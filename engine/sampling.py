@@ -43,6 +43,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # top-N alternatives per sampled token (0: sampled only)
+    # vLLM's prompt_logprobs (and echo + logprobs): each prompt token's logprob and top-N,
+    # from the prompt pass itself (0: the token's own only; None: off)
+    prompt_logprobs: int | None = None
     # added to the logits before anything else (OpenAI's logit_bias): (token id, bias)
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: StructuredOutput | None = None  # the output's grammar (engine.structured)
@@ -119,6 +122,11 @@ class SamplingParams:
                 f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
             ),
             (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+            ),
+            (
                 "stop",
                 all(isinstance(s, str) and s for s in self.stop),
                 "stop strings must be non-empty",
@@ -169,6 +177,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+    rank: int = 0  # the token's rank in its distribution, 1 = the best (0: not computed)
 
 
 @dataclass

@@ -92,8 +92,11 @@ class Scheduler:
     def _admit(self, req: Request) -> bool:
         if len(self.running) + self._num_prefilling() >= self.cfg.max_num_seqs:
             return False
-        # Leave at least one token to compute: its logits give the next token.
+        # Leave at least one token to compute: its logits give the next token. A prompt
+        # whose logprobs are wanted is computed whole (a cached block has no hidden states).
         usable = req.block_hashes[: (req.num_tokens - 1) // self.blocks.block_size]
+        if req.wants_prompt_logprobs:
+            usable = []
         try:
             alloc = self.blocks.allocate(req.request_id, usable, req.num_tokens)
         except NoFreeBlocksError:

@@ -77,6 +77,8 @@ class PrefillResult:
     error: str = ""  # set when the transfer failed; the request cannot continue
     transfer_bytes: int = 0  # KV payload bytes pushed for this request
     transfer_total_ms: float = 0.0  # first KV push until acknowledged (overlaps the pass)
+    # SamplingParams.prompt_logprobs: one per prompt position (the first None)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,7 @@ class TokenBatch:
     num_cached_tokens: int = 0
     error: str = ""  # the request failed on the worker (e.g. its transfer broke)
     first_token_s: float | None = None  # worker clock (perf_counter) of the first token
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # with the first token, when asked
 
 
 class StatKey(str, enum.Enum):

@@ -23,7 +23,7 @@ import select
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from engine.request import FinishReason
 from engine.sampling import TokenLogprob
@@ -55,7 +55,19 @@ def logprob_pb(lp: TokenLogprob) -> gen.TokenLogprob:
         token_id=lp.token_id,
         logprob=lp.logprob,
         top=[gen.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        rank=lp.rank,
     )
+
+
+def logprob_of(lp: gen.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(
+        lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top), lp.rank
+    )
+
+
+def prompt_logprobs_pb(lps: Sequence[TokenLogprob | None]) -> list[gen.TokenLogprob]:
+    """Prompt logprobs as the protos carry them: positions 1 .. n-1 (0 has none)."""
+    return [logprob_pb(lp) for lp in lps[1:] if lp is not None]
 
 
 # ---- the codec -------------------------------------------------------------------------------
@@ -68,6 +80,7 @@ def delta(batch: TokenBatch) -> tspb.TokenDelta:
         num_cached_tokens=batch.num_cached_tokens,
         error=batch.error,
         logprobs=[logprob_pb(lp) for lp in batch.logprobs],
+        prompt_logprobs=prompt_logprobs_pb(batch.prompt_logprobs),
     )
     if batch.finish_reason is not None:
         d.finish_reason = FINISH_TO_PROTO[batch.finish_reason]
@@ -79,9 +92,9 @@ def batch_of(d: tspb.TokenDelta) -> TokenBatch:
         request_id=d.request_id,
         token_ids=tuple(d.token_ids),
         text=d.text,
-        logprobs=tuple(
-            TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
-            for lp in d.logprobs
+        logprobs=tuple(logprob_of(lp) for lp in d.logprobs),
+        prompt_logprobs=(
+            (None, *(logprob_of(lp) for lp in d.prompt_logprobs)) if d.prompt_logprobs else ()
         ),
         finished=d.finished,
         finish_reason=_FINISH_OF_PROTO.get(d.finish_reason) if d.finished else None,

@@ -267,6 +267,7 @@ class PrefillWorker(WorkerBase):
             error=error,
             transfer_bytes=sent,
             transfer_total_ms=total_ms,
+            prompt_logprobs=out.prompt_logprobs,
         )
         if not job.future.done():
             job.future.set_result(result)

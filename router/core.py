@@ -269,6 +269,7 @@ class Router:
         ids: Sequence[int],
         text: str,
         logprobs: Sequence[TokenLogprob],
+        prompt_logprobs: Sequence[TokenLogprob | None] = (),
     ) -> gen.GenerateResponse:
         now = time.perf_counter()
         self.metrics.on_tokens(act, len(ids), now)
@@ -277,7 +278,7 @@ class Router:
             self._dequeue(act)
         act.last_sent_s = now
         act.num_sent += len(ids)
-        return responses.chunk(act.request_id, ids, text, logprobs)
+        return responses.chunk(act.request_id, ids, text, logprobs, prompt_logprobs)
 
     def complete(self, act: ActiveRequest, reason: FinishReason) -> gen.GenerateResponse:
         if act.finish_reason is None:

@@ -79,6 +79,7 @@ class Responder(Protocol):
         ids: Sequence[int],
         text: str,
         logprobs: Sequence[TokenLogprob],
+        prompt_logprobs: Sequence[TokenLogprob | None] = (),
     ) -> gen.GenerateResponse: ...
 
     def complete(self, act: ActiveRequest, reason: FinishReason) -> gen.GenerateResponse: ...
@@ -224,9 +225,7 @@ class RequestFlow:
         decode_worker, res = got
         if res.error or res.finished:
             await quietly(
-                partial(
-                    decode_worker.client.release_reservation, act.request_id, act.transfer_id
-                ),
+                partial(decode_worker.client.release_reservation, act.request_id, act.transfer_id),
                 "release_reservation",
                 decode_worker.name,
             )
@@ -236,7 +235,7 @@ class RequestFlow:
                 return
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {res.error}")
         logprobs = (res.logprob,) if res.logprob else ()
-        yield self.out.chunk(act, (res.first_token_id,), res.text, logprobs)
+        yield self.out.chunk(act, (res.first_token_id,), res.text, logprobs, res.prompt_logprobs)
         if res.finished:
             yield self.out.complete(act, res.finish_reason or FinishReason.STOP)
             return
@@ -403,7 +402,9 @@ class RequestFlow:
                 if batch.num_cached_tokens:
                     act.cached_tokens = batch.num_cached_tokens
                 if batch.token_ids or batch.text:
-                    yield self.out.chunk(act, batch.token_ids, batch.text, batch.logprobs)
+                    yield self.out.chunk(
+                        act, batch.token_ids, batch.text, batch.logprobs, batch.prompt_logprobs
+                    )
                 if batch.finished:
                     reason = batch.finish_reason or FinishReason.STOP
                     yield self.out.complete(act, FinishReason.ABORT if act.aborted else reason)

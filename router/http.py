@@ -197,13 +197,13 @@ class OpenAIApp:
                 )
                 for i, p in enumerate(prompts)
             ]
-            fmts = [self._formatter(False, response_id, opts) for _ in greqs]
+            fmts = [self._formatter(False, response_id, opts).asked(body) for _ in greqs]
             return await self.generate_batch(request, greqs, fmts, opts, names)
         if body.get("add_special_tokens") is False:  # tokenized here: off the event loop
             greq = await asyncio.to_thread(completion_request, body, request_id, self.router)
         else:
             greq = completion_request(body, request_id)
-        fmt = self._formatter(False, response_id, opts)
+        fmt = self._formatter(False, response_id, opts).asked(body)
         return await self.generate(request, greq, fmt, opts, names)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -214,7 +214,7 @@ class OpenAIApp:
         # The template render and tokenization run off the event loop (the tokenizer lets go
         # of the GIL), so a huge chat does not stall every other request and /health.
         greq, tools = await asyncio.to_thread(chat_request_and_tools, self.router, body, request_id)
-        fmt = self._formatter(True, response_id, opts)
+        fmt = self._formatter(True, response_id, opts).asked(body)
         fmt.tools = tools
         return await self.generate(request, greq, fmt, opts, field_names(body, chat=True))
 
@@ -288,6 +288,7 @@ class OpenAIApp:
             act = await router.admit(greq)
         except RequestFailed as e:
             raise from_failed(e, names) from e
+        fmt.admitted(act.request.prompt_token_ids, greq)
         run = _Run(router, act, router.run(act))
         handed_off = False
         try:
@@ -322,8 +323,9 @@ class OpenAIApp:
         router = self.router
         runs: list[_Run] = []
         try:
-            for greq in greqs:
+            for greq, fmt in zip(greqs, fmts, strict=True):
                 act = await router.admit(greq)
+                fmt.admitted(act.request.prompt_token_ids, greq)
                 runs.append(_Run(router, act, router.run(act)))
         except RequestFailed as e:
             await asyncio.gather(*(run.release() for run in runs))
@@ -377,8 +379,10 @@ class OpenAIApp:
                     done += 1
                 elif item.HasField("chunk"):
                     c = item.chunk
-                    if c.text or c.logprobs:
-                        yield sse(indexed(fmts[i].chunk(c.text, list(c.logprobs)), i))
+                    fmt = fmts[i]
+                    if c.text or c.logprobs or (fmt.has_prompt_part and not fmt.prompt_sent):
+                        chunk = fmt.chunk(c.text, list(c.logprobs), prompt=list(c.prompt_logprobs))
+                        yield sse(indexed(chunk, i))
                 else:
                     runs[i].completed = True
                     completes.append(item.complete)
@@ -395,13 +399,15 @@ class OpenAIApp:
     async def _collect(self, run: _Run, fmt: Formatter) -> dict[str, Any]:
         text: list[str] = []
         lps: list[gen.TokenLogprob] = []
+        prompt: list[gen.TokenLogprob] = []
         async for resp in run.stream:
             if resp.HasField("chunk"):
                 text.append(resp.chunk.text)
                 lps.extend(resp.chunk.logprobs)
+                prompt.extend(resp.chunk.prompt_logprobs)
             else:
                 run.completed = True
-                return fmt.full("".join(text), lps, resp.complete)
+                return fmt.full("".join(text), lps, resp.complete, prompt)
         raise RequestFailed(grpc.StatusCode.INTERNAL, "the request ended without completing")
 
     async def _events(
@@ -417,8 +423,10 @@ class OpenAIApp:
                     c = resp.chunk
                     if fmt.tools is not None:
                         held.append(c.text)
-                    elif c.text or c.logprobs:
-                        yield sse(fmt.chunk(c.text, list(c.logprobs)))
+                    elif c.text or c.logprobs or (fmt.has_prompt_part and not fmt.prompt_sent):
+                        yield sse(
+                            fmt.chunk(c.text, list(c.logprobs), prompt=list(c.prompt_logprobs))
+                        )
                 else:
                     run.completed = True
                     if fmt.tools is not None:

@@ -6,18 +6,25 @@ from collections.abc import Sequence
 
 from engine.request import FinishReason
 from engine.sampling import TokenLogprob
-from pool_api.token_stream import FINISH_TO_PROTO, logprob_pb
+from pool_api.token_stream import FINISH_TO_PROTO, logprob_pb, prompt_logprobs_pb
 from protos.pdserve.v1 import generation_pb2 as gen
 from router.active import ActiveRequest
 
 
 def chunk(
-    request_id: str, ids: Sequence[int], text: str, logprobs: Sequence[TokenLogprob]
+    request_id: str,
+    ids: Sequence[int],
+    text: str,
+    logprobs: Sequence[TokenLogprob],
+    prompt_logprobs: Sequence[TokenLogprob | None] = (),
 ) -> gen.GenerateResponse:
     return gen.GenerateResponse(
         request_id=request_id,
         chunk=gen.GenerateChunk(
-            token_ids=list(ids), text=text, logprobs=[logprob_pb(lp) for lp in logprobs]
+            token_ids=list(ids),
+            text=text,
+            logprobs=[logprob_pb(lp) for lp in logprobs],
+            prompt_logprobs=prompt_logprobs_pb(prompt_logprobs),
         ),
     )
 

@@ -171,6 +171,7 @@ def sampling_from_proto(
         stop=tuple(s.stop),
         stop_token_ids=tuple(int(t) for t in s.stop_token_ids),
         logprobs=_int(s, "logprobs"),
+        prompt_logprobs=_int(s, "prompt_logprobs"),
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items())),
         allowed_token_ids=(
             tuple(int(t) for t in s.allowed_token_ids.ids)

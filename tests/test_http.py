@@ -236,7 +236,7 @@ def test_context_length_error_verbatim(oa: Any, tokenizer: Tokenizer) -> None:
         ({"prompt": "hi", "temperature": -1.0}, "temperature"),
         ({"prompt": "hi", "temperature": "hot"}, "temperature"),
         ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
-        ({"prompt": "hi", "echo": True}, "echo"),
+        ({"prompt": "hi", "echo": "yes"}, "echo"),
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": ["a", [1, 2]]}, "prompt"),  # a batch mixing strings and id lists
         ({"prompt": ""}, "prompt"),

@@ -64,7 +64,8 @@ class Refused:
 # fmt: off
 REFUSED: tuple[Refused, ...] = (
     # OpenAI
-    Refused("echo", BOTH, _is(False), "echo must be false", True),
+    Refused("echo", CHAT, _is(False), "echo on chat must be false (completions honour it)",
+            True),
     Refused("best_of", BOTH, _is(1), "best_of must be 1", 2),
     Refused("suffix", COMPLETIONS, _empty, "no suffix", "tail"),
     Refused("functions", CHAT, _empty, "the legacy functions: send tools", [{"name": "f"}]),
@@ -86,7 +87,6 @@ REFUSED: tuple[Refused, ...] = (
     Refused("spaces_between_special_tokens", BOTH, _is(True),
             "special tokens are always skipped", False),
     Refused("truncate_prompt_tokens", BOTH, _empty, "no prompt truncation", 8),
-    Refused("prompt_logprobs", BOTH, _empty, "no prompt logprobs", 1),
     Refused("logits_processors", BOTH, _empty, "no logits processors", ["m.P"]),
     Refused("guided_decoding_backend", BOTH, _is("xgrammar", "auto", ""),
             "the grammar backend is xgrammar", "outlines"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,13 @@ def finish_reason(c: gen.GenerateComplete) -> str:
 def _finite(x: float) -> float:
     """JSON has no -inf: a token the sampler could never pick gets a very low logprob."""
     return x if math.isfinite(x) else -9999.0
+
+
+def _joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Completions' logprobs of the echoed prompt, then of the output."""
+    if a is None or b is None:
+        return a or b
+    return {k: a[k] + b[k] for k in a}
 
 
 def _tool_finish(calls: list[Any], finish: str | None) -> str | None:
@@ -68,7 +76,89 @@ class Formatter:
     # vLLM's return_tokens_as_token_ids: logprobs name each token `token_id:<id>`
     token_ids_as_tokens: bool = False
     tools: ToolPlan | None = None  # chat with tools in play: calls are read from the text
+    # The prompt's part, set by the HTTP layer once the request is admitted: completions'
+    # `echo` (the prompt's text leads the text; with logprobs its tokens lead the logprobs,
+    # the first with none) and vLLM's `prompt_logprobs` (the choice's, chat: the response's)
+    echo: bool = False
+    echo_logprobs: bool = False
+    want_prompt_logprobs: bool = False
+    prompt_ids: tuple[int, ...] = ()
+    prompt_text: str = ""
+    prompt_sent: bool = False  # streamed: the prompt's part went out with the first chunk
     _offset: int = 0  # completions logprobs: text offset of the next token
+
+    @property
+    def has_prompt_part(self) -> bool:
+        return self.echo or self.want_prompt_logprobs
+
+    def asked(self, body: dict[str, Any]) -> Formatter:
+        """The prompt's part of the answer the body asks for (echo, prompt_logprobs)."""
+        self.echo = not self.chat and body.get("echo") is True
+        self.echo_logprobs = self.echo and body.get("logprobs") is not None
+        self.want_prompt_logprobs = body.get("prompt_logprobs") is not None
+        return self
+
+    def admitted(self, prompt_ids: Sequence[int], request: gen.GenerateRequest) -> None:
+        """What the prompt's part needs once the request is admitted: its ids and (echo)
+        its text, as sent or decoded from its ids."""
+        if not self.has_prompt_part:
+            return
+        self.prompt_ids = tuple(prompt_ids)
+        if request.WhichOneof("prompt") == "text":
+            self.prompt_text = request.text
+        elif self.tokenizer is not None:
+            self.prompt_text = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
+
+    def _echo_logprobs(self, plps: Sequence[gen.TokenLogprob]) -> dict[str, Any]:
+        """The prompt's tokens as completions' logprobs entries (the first has none)."""
+        out: dict[str, list[Any]] = {
+            "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []
+        }  # fmt: skip
+        entries: list[gen.TokenLogprob | None] = [None, *plps]
+        for token_id, lp in zip(self.prompt_ids, entries, strict=False):
+            s = self._token(token_id)
+            out["tokens"].append(s)
+            out["text_offset"].append(self._offset)
+            self._offset += len(s)
+            if lp is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            out["token_logprobs"].append(_finite(lp.logprob))
+            top = {self._token(t.token_id): _finite(t.logprob) for t in lp.top}
+            out["top_logprobs"].append({**top, s: _finite(lp.logprob)})
+        return out
+
+    def _vllm_prompt_logprobs(self, plps: Sequence[gen.TokenLogprob]) -> list[Any]:
+        """vLLM's `prompt_logprobs`: None, then per position {token id: {logprob, rank,
+        decoded_token}} of the prompt's token and the top alternatives."""
+        out: list[Any] = [None]
+        for lp in plps:
+            entry = {
+                str(t.token_id): {
+                    "logprob": _finite(t.logprob),
+                    "rank": r,
+                    "decoded_token": self._token(t.token_id),
+                }
+                for r, t in enumerate(lp.top, start=1)
+            }
+            entry[str(lp.token_id)] = {
+                "logprob": _finite(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": self._token(lp.token_id),
+            }
+            out.append(entry)
+        return out
+
+    def prompt_part(
+        self, plps: Sequence[gen.TokenLogprob]
+    ) -> tuple[str, dict[str, Any] | None, list[Any] | None]:
+        """Once per request: (echoed text, echoed logprobs entries, vLLM prompt_logprobs)."""
+        self.prompt_sent = True
+        text = self.prompt_text if self.echo and not self.chat else ""
+        entries = self._echo_logprobs(plps) if self.echo_logprobs and not self.chat else None
+        vllm = self._vllm_prompt_logprobs(plps) if self.want_prompt_logprobs else None
+        return text, entries, vllm
 
     def _token(self, token_id: int) -> str:
         if self.tokenizer is None or self.token_ids_as_tokens:
@@ -129,8 +219,14 @@ class Formatter:
         lps: list[gen.TokenLogprob],
         finish: str | None = None,
         role: bool = False,
+        prompt: Sequence[gen.TokenLogprob] | None = None,
     ) -> dict[str, Any]:
+        """`prompt`: the request's prompt logprobs, given with its first chunk: the prompt's
+        part (`prompt_part`) goes out with it."""
         choice: dict[str, Any] = {"index": 0}
+        echoed, entries, vllm = "", None, None
+        if prompt is not None and self.has_prompt_part and not self.prompt_sent:
+            echoed, entries, vllm = self.prompt_part(prompt)
         if self.chat:
             delta: dict[str, Any] = {}
             if role:
@@ -139,9 +235,11 @@ class Formatter:
                 delta["content"] = text
             choice["delta"] = delta
         else:
-            choice["text"] = text
-        choice["logprobs"] = self.logprobs(lps)
+            choice["text"] = echoed + text
+        choice["logprobs"] = _joined(entries, self.logprobs(lps))
         choice["finish_reason"] = finish
+        if vllm is not None:
+            choice["prompt_logprobs"] = vllm
         out = self._envelope([choice], stream=True)
         if self.include_usage:
             out["usage"] = None
@@ -168,10 +266,17 @@ class Formatter:
 
     # whole response
     def full(
-        self, text: str, lps: list[gen.TokenLogprob], c: gen.GenerateComplete
+        self,
+        text: str,
+        lps: list[gen.TokenLogprob],
+        c: gen.GenerateComplete,
+        prompt: Sequence[gen.TokenLogprob] = (),
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
         finish: str | None = finish_reason(c)
+        echoed, entries, vllm = (
+            self.prompt_part(prompt) if self.has_prompt_part else ("", None, None)
+        )
         if self.tools is not None:
             content, calls = self.tools.parse(text)
             choice["message"] = {
@@ -183,9 +288,13 @@ class Formatter:
         elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
-        choice["logprobs"] = self.logprobs(lps)
+            choice["text"] = echoed + text
+        choice["logprobs"] = _joined(entries, self.logprobs(lps))
         choice["finish_reason"] = finish
+        if vllm is not None and not self.chat:
+            choice["prompt_logprobs"] = vllm
         out = self._envelope([choice], stream=False)
+        if vllm is not None and self.chat:
+            out["prompt_logprobs"] = vllm  # vLLM's chat response carries it at the top
         out["usage"] = usage_dict(c)
         return out

@@ -340,6 +340,8 @@ class CompletionSampling(Sampling):
     """POST /v1/completions: the sampling fields."""
 
     logprobs: Int32 | None = None  # top-N
+    echo: StrictBool = False  # the prompt leads the text (and, with logprobs, the logprobs)
+    prompt_logprobs: Int32 | None = None  # vLLM's
 
 
 class ChatSampling(Sampling):
@@ -351,6 +353,7 @@ class ChatSampling(Sampling):
     )
     top_logprobs: Int32 | None = None
     logprobs: StrictBool | None = None
+    prompt_logprobs: Int32 | None = None  # vLLM's
 
 
 # ---- requests -----------------------------------------------------------------------------
@@ -402,6 +405,13 @@ def completion_request(
     r.sampling.CopyFrom(sampling.proto(sampling.max_tokens))
     if sampling.logprobs is not None:
         r.sampling.logprobs = sampling.logprobs
+    # echo with logprobs is what lm-evaluation-harness sends to score a prompt: its
+    # tokens' logprobs come from the prompt pass (the larger top-N of the two fields)
+    wanted = [n for n in (sampling.prompt_logprobs,) if n is not None]
+    if sampling.echo and sampling.logprobs is not None:
+        wanted.append(sampling.logprobs)
+    if wanted:
+        r.sampling.prompt_logprobs = max(wanted)
     Structured.of(d).apply(r)
     return r
 
@@ -484,6 +494,8 @@ def chat_request_and_tools(
         r.sampling.logprobs = sampling.top_logprobs or 0
     elif sampling.top_logprobs:
         raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
+    if sampling.prompt_logprobs is not None:
+        r.sampling.prompt_logprobs = sampling.prompt_logprobs
     constrained_by = Structured.of(d).apply(r)
     forced = plan.grammar() if plan else None
     if forced is not None:

@@ -11,5 +11,6 @@ the version of the wires pdserve owns between its own processes."""
 #      (a peer from before it sends 0).
 #   2  structured outputs: the ticket carries the receiver's grammar fingerprint, which a
 #      version-1 sender would ignore (it would sample token #1 unconstrained); workers also
-#      report their grammar backend, and workers of different backends never pair.
+#      report their grammar backend, and workers of different backends never pair. The
+#      token stream's deltas carry prompt logprobs (a version-1 router would drop them).
 WIRE_VERSION = 2
