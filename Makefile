@@ -30,7 +30,7 @@ test: $(STAMP) redis
 	$(BIN)/ruff check .
 	$(BIN)/mypy $(PACKAGES)
 	$(BIN)/mypy benchmarks  # apart: benchmarks/engine.py would clash with the engine package
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -X faulthandler -m pytest -q tests  # a crash, even at exit, prints its stack
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

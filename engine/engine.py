@@ -288,6 +288,8 @@ class LLMEngine:
     def add_prefilled(self, req: Request, first_token_id: int) -> RequestOutput:
         """Admit a request whose prompt K/V already fills its blocks (see `reserve`)."""
         assert self.blocks.has(req.request_id), f"{req.request_id}: reserve blocks first"
+        if req.params.prompt_logprobs is not None:  # the prefill side computed and sent them:
+            req.prompt_logprobs = [None] * len(req.prompt_token_ids)  # none to compute here
         try:
             # A constrained request's matcher checks the prefill side's token #1 here,
             # before this engine runs anything for it (never recomputed).
@@ -387,7 +389,9 @@ class LLMEngine:
                 with torch.inference_mode():
                     logits = self.runner.model.proj.lm_head(rows[:n]).float()
                 lp = torch.log_softmax(logits, dim=-1)
-                targets = torch.tensor(prompt[first : first + n], dtype=torch.long)
+                targets = torch.tensor(
+                    prompt[first : first + n], dtype=torch.long, device=lp.device
+                )
                 chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1)
                 ranks = (lp > chosen.unsqueeze(1)).sum(dim=1) + 1
                 top_vals, top_ids = lp.topk(top_n, dim=-1) if top_n else (lp[:, :0], lp[:, :0])

@@ -82,14 +82,16 @@ class ModelRunner:
             prefill=segments,
             logit_rows=logit_rows,
         )
-        logits, hidden = self.model.forward_with_hidden(
+        args = (
             torch.cat(ids).to(self.device),
             meta,
             self.cache,
             torch.tensor(logit_rows, dtype=torch.long, device=self.device),
-            hidden_rows,
-            layer_hook,
         )
+        if not hidden_rows:  # `forward` itself: what `pdserve trace` times
+            self.prompt_hidden = {}
+            return self.model.forward(*args, layer_hook)
+        logits, hidden = self.model.forward_with_hidden(*args, hidden_rows, layer_hook)
         bounds = [o for _, _, o in hidden_of] + [len(hidden_rows)]
         self.prompt_hidden = {
             rid: (start, hidden[bounds[j] : bounds[j + 1]])

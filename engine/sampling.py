@@ -193,26 +193,49 @@ class SamplingState:
 
 
 def _process_logits(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
-    """In place, before any row is sampled: each row's logit_bias, then each constrained
-    row's grammar bitmask. Rows with neither are not touched."""
+    """In place, before any row is sampled: each row's logit_bias, its bans (tokens outside
+    allowed_token_ids, a bad word's last token, EOS and stop ids before min_tokens), then
+    each constrained row's grammar bitmask. Rows with none of these are not touched.
+
+    The grammar wins over the bans: a constrained row they leave without any token the
+    grammar allows (`min_tokens` past a complete grammar, `allowed_token_ids` outside it)
+    is masked by the grammar alone, so every token sampled is one its matcher accepts."""
+    unbanned: dict[int, torch.Tensor] = {}
     with torch.inference_mode():  # the forward's logits are inference tensors
         for i, s in enumerate(states):
             p = s.params
             if p.logit_bias:
                 ids, bias = zip(*p.logit_bias, strict=True)
-                logits[i, list(ids)] += torch.tensor(bias, dtype=logits.dtype)
-            if p.allowed_token_ids is not None:
-                keep = logits[i, list(p.allowed_token_ids)].clone()
+                logits[i, list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+            allowed, banned = p.allowed_token_ids, _banned(s)
+            if s.matcher is not None and (allowed is not None or banned):
+                unbanned[i] = logits[i].clone()
+            if allowed is not None:
+                keep = logits[i, list(allowed)].clone()
                 logits[i].fill_(-math.inf)
-                logits[i, list(p.allowed_token_ids)] = keep
-            if p.bad_words_token_ids and (banned := _banned_words(p, s.output_token_ids)):
+                logits[i, list(allowed)] = keep
+            if banned:
                 logits[i, banned] = -math.inf
-    constrained = [(i, s.matcher) for i, s in enumerate(states) if s.matcher is not None]
-    if constrained:
+        constrained = [(i, s.matcher) for i, s in enumerate(states) if s.matcher is not None]
+        if not constrained:
+            return
         from engine.structured import apply_bitmask, fill_bitmask
 
         bitmask, rows = fill_bitmask(constrained, logits.shape[0], logits.shape[1])
         apply_bitmask(logits, bitmask, rows)
+        for i, row in unbanned.items():
+            if not torch.isfinite(logits[i]).any():
+                logits[i] = row
+                apply_bitmask(logits, bitmask, [i])
+
+
+def _banned(s: SamplingState) -> list[int]:
+    """The tokens `s` may not take now: a bad word's completion, and EOS / stop ids while
+    the output is shorter than min_tokens."""
+    banned = _banned_words(s.params, s.output_token_ids) if s.params.bad_words_token_ids else []
+    if s.banned_until_min_tokens and len(s.output_token_ids) < s.params.min_tokens:
+        banned.extend(s.banned_until_min_tokens)
+    return banned
 
 
 def _banned_words(p: SamplingParams, output: Sequence[int]) -> list[int]:
@@ -252,19 +275,13 @@ def sample(
 
 
 def _is_plain_greedy(s: SamplingState) -> bool:
-    return (
-        s.params.greedy
-        and not s.params.needs_penalties
-        and not (s.banned_until_min_tokens and len(s.output_token_ids) < s.params.min_tokens)
-    )
+    return s.params.greedy and not s.params.needs_penalties
 
 
 def _sample_row(row: torch.Tensor, s: SamplingState) -> int:
     p = s.params
     if p.needs_penalties:
         _apply_penalties(row, s)
-    if s.banned_until_min_tokens and len(s.output_token_ids) < p.min_tokens:
-        row[list(s.banned_until_min_tokens)] = -math.inf
     if p.greedy:
         return int(row.argmax())
     row = row / p.temperature

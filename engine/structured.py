@@ -193,4 +193,4 @@ def apply_bitmask(logits: Any, bitmask: Any, rows: list[int]) -> None:
     """Mask out, in place, the tokens `bitmask` forbids on `rows` of `logits` [B, V]."""
     import xgrammar as xgr
 
-    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)

@@ -24,8 +24,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+import grpc
+
 from engine.sampling import InvalidParameterError
 from engine.structured import StructuredOutput
+from router.active import RequestFailed
 
 log = logging.getLogger(__name__)
 COMPILE_TIMEOUT_S = 5.0  # a grammar that takes longer at the edge is refused (a 400)
@@ -75,6 +78,7 @@ class GrammarChecker:
         self._proc: Any = None  # multiprocessing.Process
         self._conn: Connection | None = None
         self._lock = threading.Lock()  # one check at a time (the child is sequential)
+        self._turn: asyncio.Lock | None = None  # made on the router's loop, at first use
         self._good: OrderedDict[str, None] = OrderedDict()
         self._timed_out: OrderedDict[str, None] = OrderedDict()
         self.num_timeouts = 0
@@ -86,7 +90,10 @@ class GrammarChecker:
             return
         if so.key in self._timed_out:
             raise self._too_slow(so)
-        await asyncio.to_thread(self._check, so)
+        if self._turn is None:
+            self._turn = asyncio.Lock()
+        async with self._turn:  # waiters queue here, not in the event loop's thread pool
+            await asyncio.to_thread(self._check, so)
 
     def _too_slow(self, so: StructuredOutput) -> InvalidParameterError:
         return InvalidParameterError(
@@ -95,19 +102,28 @@ class GrammarChecker:
 
     def _check(self, so: StructuredOutput) -> None:
         with self._lock:
-            conn = self._child_conn()
-            request = {"kind": so.kind, "spec": so.spec, "field": so.field, "strict": so.strict}
-            conn.send_bytes(json.dumps(request).encode())
-            if not conn.poll(self.timeout_s):
-                self.num_timeouts += 1
-                log.warning("a %s grammar did not compile within %g s", so.kind, self.timeout_s)
+            try:
+                answer = self._ask(so)
+            except (EOFError, OSError) as e:  # the child died (or was stopped) under it
                 self._kill()
-                _remember(self._timed_out, so.key)
-                raise self._too_slow(so)
-            answer = json.loads(conn.recv_bytes())
+                raise RequestFailed(
+                    grpc.StatusCode.UNAVAILABLE, f"the grammar checker stopped: {e!r}"
+                ) from e
         if "error" in answer:
             raise InvalidParameterError(so.field, answer["error"])
         _remember(self._good, so.key)
+
+    def _ask(self, so: StructuredOutput) -> dict[str, Any]:
+        conn = self._child_conn()
+        request = {"kind": so.kind, "spec": so.spec, "field": so.field, "strict": so.strict}
+        conn.send_bytes(json.dumps(request).encode())
+        if not conn.poll(self.timeout_s):
+            self.num_timeouts += 1
+            log.warning("a %s grammar did not compile within %g s", so.kind, self.timeout_s)
+            self._kill()
+            _remember(self._timed_out, so.key)
+            raise self._too_slow(so)
+        return dict(json.loads(conn.recv_bytes()))
 
     def _child_conn(self) -> Connection:
         """The live child's pipe, starting a child (and waiting until it is ready)."""
@@ -143,8 +159,11 @@ class GrammarChecker:
         self._proc, self._conn = None, None
 
     def close(self) -> None:
-        with self._lock:
-            self._kill()
+        """Stop the child without waiting for a check in progress (that check then ends
+        UNAVAILABLE)."""
+        proc = self._proc
+        if proc is not None:
+            proc.kill()
 
 
 def _remember(lru: OrderedDict[str, None], key: str) -> None:

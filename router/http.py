@@ -327,9 +327,11 @@ class OpenAIApp:
                 act = await router.admit(greq)
                 fmt.admitted(act.request.prompt_token_ids, greq)
                 runs.append(_Run(router, act, router.run(act)))
-        except RequestFailed as e:
+        except BaseException as e:  # whatever stops the admissions frees the admitted
             await asyncio.gather(*(run.release() for run in runs))
-            raise from_failed(e, names) from e
+            if isinstance(e, RequestFailed):
+                raise from_failed(e, names) from e
+            raise
 
         async def release_all() -> None:
             await asyncio.gather(*(run.release() for run in runs))
@@ -339,10 +341,15 @@ class OpenAIApp:
             if opts.stream:
                 handed_off = True
                 return SSEResponse(self._batch_events(runs, fmts), release_all, _SSE_HEADERS)
-            collect = asyncio.gather(
-                *(self._collect(r, f) for r, f in zip(runs, fmts, strict=True))
-            )
-            return JSONResponse(merged(await until_disconnect(request, collect)))
+            pairs = zip(runs, fmts, strict=True)
+            tasks = [asyncio.ensure_future(self._collect(r, f)) for r, f in pairs]
+            try:  # one choice failing ends the others (their streams are released below)
+                bodies = await until_disconnect(request, asyncio.gather(*tasks))
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            return JSONResponse(merged(bodies))
         except RequestFailed as e:
             raise from_failed(e) from e
         except ClientGone:
@@ -421,7 +428,10 @@ class OpenAIApp:
             while resp is not None:
                 if resp.HasField("chunk"):
                     c = resp.chunk
-                    if fmt.tools is not None:
+                    if fmt.streams_arguments:
+                        if c.text:
+                            yield sse(fmt.arguments_chunk(c.text))
+                    elif fmt.tools is not None:
                         held.append(c.text)
                     elif c.text or c.logprobs or (fmt.has_prompt_part and not fmt.prompt_sent):
                         yield sse(

@@ -35,6 +35,8 @@ def field_names(body: dict[str, Any], chat: bool) -> dict[str, str]:
     names = {"prompt": "messages"} if chat else {}
     if field := structured_field(body):
         names[STRUCTURED_FIELD] = field
+    elif chat and body.get("tool_choice") not in (None, "none", "auto"):
+        names[STRUCTURED_FIELD] = "tools"  # a forced call's grammar is its tool's schema
     return names
 
 

@@ -999,3 +999,22 @@ def test_bad_words_never_complete(make_engine: MakeEngine) -> None:
     assert one[0] not in got
     assert all(tuple(got[i : i + 2]) != two for i in range(len(got) - 1))
     assert got[:3] == toks[:3] and got != toks  # the same until the first ban bites
+
+
+def test_the_grammar_wins_over_bans_that_leave_it_no_token(make_engine: MakeEngine) -> None:
+    """min_tokens past a complete grammar (only EOS is allowed then, and min_tokens bans
+    it), and allowed_token_ids the grammar never allows: the row falls back to the
+    grammar's own mask, so the request ends on its grammar instead of sampling a token its
+    matcher refuses (which would kill the engine thread)."""
+    eng = make_engine()
+    tok = eng.tokenizer
+    assert tok is not None
+    choice = StructuredOutput("choice", '["yes", "no"]')
+    prompt = rand_prompt(random.Random(9), 12)
+    late = greedy(max_tokens=8, ignore_eos=False, min_tokens=8, structured=choice)
+    allowed = tuple(tok.encode("zzz qqq", False))
+    outside = greedy(max_tokens=8, ignore_eos=False, structured=choice, allowed_token_ids=allowed)
+    for params in (late, outside):
+        (out,) = eng.generate([prompt], params)
+        assert out.text in ("yes", "no") and out.finish_reason is FinishReason.STOP, out.text
+    assert not eng.has_unfinished()

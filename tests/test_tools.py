@@ -330,3 +330,23 @@ def test_tokenize_renders_the_tools_as_chat_does(client: Any, server: ServeProce
     assert json.loads(raw)["count"] == r.usage.prompt_tokens
     status, _, bare = server.request("POST", "/tokenize", {"messages": messages})
     assert json.loads(bare)["count"] < r.usage.prompt_tokens
+
+
+def test_malformed_tools_and_model_output_never_raise() -> None:
+    """Shapes a client or a model can send that are not OpenAI's: a 400 naming the field,
+    or text that is not a call; never an exception (a 500, or a stream without its end)."""
+    from router.openai.tools import template_message
+
+    for body, param in (
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "add"}}, "tool_choice"),
+        ({"tools": [TOOLS[1], TOOLS[1]], "tool_choice": "required"}, "tools"),
+    ):
+        with pytest.raises(HTTPError) as e:
+            plan_tools(body, True, "hermes", True)
+        assert e.value.param == param
+    odd = '<tool_call>{"name": ["add"], "arguments": {}}</tool_call>'
+    assert parse_hermes(odd, NAMES) == (odd, [])
+    assert parse_mistral("[TOOL_CALLS] 5", NAMES) == ("[TOOL_CALLS] 5", [])
+    assert parse_llama3_json('{"name": {"x": 1}}', NAMES) == ('{"name": {"x": 1}}', [])
+    m = {"role": "assistant", "content": "", "tool_calls": [{"function": "add"}, "x"]}
+    assert template_message(m) == m

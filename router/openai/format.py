@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +86,7 @@ class Formatter:
     prompt_ids: tuple[int, ...] = ()
     prompt_text: str = ""
     prompt_sent: bool = False  # streamed: the prompt's part went out with the first chunk
+    _call_id: str = ""  # a streamed named call's id, once its first fragment went out
     _offset: int = 0  # completions logprobs: text offset of the next token
 
     @property
@@ -245,11 +247,36 @@ class Formatter:
             out["usage"] = None
         return out
 
+    @property
+    def streams_arguments(self) -> bool:
+        """A named tool call streams its arguments as they come: the whole output is them."""
+        return self.tools is not None and self.tools.mode == "named"
+
+    def arguments_chunk(self, text: str) -> dict[str, Any]:
+        """A named call's next fragment of arguments; the first also carries its id, type
+        and name (OpenAI's streamed tool-call shape)."""
+        assert self.tools is not None
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+        if not self._call_id:
+            self._call_id = f"chatcmpl-tool-{uuid.uuid4().hex}"
+            call = {
+                "index": 0,
+                "id": self._call_id,
+                "type": "function",
+                "function": {"name": self.tools.named, "arguments": text},
+            }
+        chunk = self.chunk("", [])
+        chunk["choices"][0]["delta"] = {"tool_calls": [call]}
+        return chunk
+
     def tool_chunks(self, text: str, c: gen.GenerateComplete) -> list[dict[str, Any]]:
         """A streamed tool request's ending, once its whole text is in: the content (if
         any), one delta per call in OpenAI's shape (`index`, `id`, `function.name` and the
         whole `arguments`), and the finish chunk (`tool_calls` when there is a call)."""
         assert self.tools is not None
+        if self.streams_arguments:  # its arguments went out as they came
+            out = [] if self._call_id else [self.arguments_chunk("")]
+            return [*out, self.chunk("", [], _tool_finish([self._call_id], finish_reason(c)))]
         content, calls = self.tools.parse(text)
         out = [self.chunk(content, [])] if content else []
         for i, call in enumerate(calls):

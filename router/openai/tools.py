@@ -123,8 +123,12 @@ class ToolPlan:
         if self.mode == "named":
             return "", [ToolCall(self.named, _compact(text))]
         if self.mode == "required":
-            items = _complete_items(text)
-            return "", [ToolCall(i["name"], json.dumps(i["parameters"])) for i in items]
+            items = [i for i in _complete_items(text) if isinstance(i, dict)]
+            return "", [
+                ToolCall(str(i["name"]), json.dumps(i["parameters"]))
+                for i in items
+                if "name" in i and "parameters" in i
+            ]
         if self.mode == "auto" and self.parser is not None:
             return PARSE[self.parser](text, {t.function.name for t in self.tools})
         return text, []
@@ -158,7 +162,10 @@ def _compact(text: str) -> str:
 
 
 def _call(obj: Any, names: set[str], args_key: str) -> ToolCall | None:
-    if not isinstance(obj, dict) or obj.get("name") not in names:
+    """A call to an offered tool, or None (the model wrote something else)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    if obj["name"] not in names:
         return None
     args = obj.get(args_key, obj.get("arguments", {}))
     return ToolCall(str(obj["name"]), args if isinstance(args, str) else json.dumps(args))
@@ -217,6 +224,8 @@ def parse_mistral(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
         items, _ = json.JSONDecoder().raw_decode(text[start + len("[TOOL_CALLS]") :].strip())
     except ValueError:
         return text, []
+    if not isinstance(items, list):
+        return text, []
     calls = [c for c in (_call(i, names, "arguments") for i in items) if c is not None]
     return (text[:start].strip() if calls else text), calls
 
@@ -233,8 +242,11 @@ def plan_tools(
     choice = part.tool_choice
     if choice is None:
         choice = "auto" if tools and auto_enabled else "none"
+    if len({t.function.name for t in tools}) < len(tools):
+        raise bad_request("tools", "each tool needs a name of its own")
     if isinstance(choice, dict):
-        name = choice.get("function", {}).get("name") if choice.get("type") == "function" else None
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) and choice.get("type") == "function" else None
         if not isinstance(name, str):
             raise bad_request("tool_choice", "a named choice is {type: function, function: {name}}")
         if name not in {t.function.name for t in tools}:
@@ -268,9 +280,14 @@ def template_message(m: dict[str, Any]) -> dict[str, Any]:
     calls = m.get("tool_calls")
     if not calls:
         return m
+    if not isinstance(calls, list):
+        return m
     out = []
     for c in calls:
-        f = dict(c.get("function", {}))
+        if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+            out.append(c)  # not OpenAI's shape: the template sees it as sent
+            continue
+        f = dict(c["function"])
         if isinstance(f.get("arguments"), str):
             with contextlib.suppress(ValueError):
                 f["arguments"] = json.loads(f["arguments"])
