@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 PACKAGES := engine kv_transfer pool_api worker_common prefill_workers decode_workers router pdserve
 export PDSERVE_HOME ?= $(CURDIR)/.venv/pdserve-home
 
-.PHONY: install demo test lint bench bench-engine bench-transfer bench-prefix bench-serving bench-structured bench-peers redis chaos
+.PHONY: install demo test lint bench bench-engine bench-transfer bench-prefix bench-serving bench-structured bench-peers bench-peers-api redis chaos
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -55,6 +55,10 @@ bench-serving: $(STAMP)
 
 bench-structured: $(STAMP)
 	$(BIN)/python benchmarks/structured.py
+
+# The API side by side with vLLM's CPU build: shapes and greedy tokens (benchmarks/peers_api.py).
+bench-peers-api: $(STAMP)
+	$(BIN)/python benchmarks/peers_api.py
 
 # Load while faults are injected (kill -9 of workers, of a router and of redis-server, a
 # 40 s SIGSTOP of a prefill and of a decode worker, cancels, a stalled transfer, 2x
