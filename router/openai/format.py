@@ -140,14 +140,14 @@ class Formatter:
                 str(t.token_id): {
                     "logprob": _finite(t.logprob),
                     "rank": r,
-                    "decoded_token": self._token(t.token_id),
+                    "decoded_token": self._text_of(t.token_id),
                 }
                 for r, t in enumerate(lp.top, start=1)
             }
             entry[str(lp.token_id)] = {
                 "logprob": _finite(lp.logprob),
                 "rank": lp.rank,
-                "decoded_token": self._token(lp.token_id),
+                "decoded_token": self._text_of(lp.token_id),
             }
             out.append(entry)
         return out
@@ -164,6 +164,13 @@ class Formatter:
 
     def _token(self, token_id: int) -> str:
         if self.tokenizer is None or self.token_ids_as_tokens:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _text_of(self, token_id: int) -> str:
+        """The token's own text (vLLM's prompt_logprobs `decoded_token`, which
+        return_tokens_as_token_ids does not change)."""
+        if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
