@@ -51,7 +51,7 @@ from engine.structured import StructuredOutput  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from pdserve.client import Client, make_request  # noqa: E402
 from pdserve.models import DEFAULT_MODEL, resolve_model  # noqa: E402
-from tests.structured_data import MORE_PROMPTS, SCHEMAS  # noqa: E402
+from tests.structured_data import MORE_PROMPTS, SCHEMAS, SLOW_SCHEMA  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 CONCURRENCY = 8
@@ -135,20 +135,6 @@ def load(
 
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         return list(pool.map(run, range(len(prompts))))
-
-
-# ~8 s to compile for this tokenizer: 20 anyOf alternatives of 40 pattern properties
-SLOW_SCHEMA = {
-    "anyOf": [
-        {
-            "type": "object",
-            "properties": {
-                f"p{i}": {"type": "string", "pattern": "[a-z]{1,500}"} for i in range(40)
-            },
-        }
-        for _ in range(20)
-    ]
-}
 
 
 def edge_cost(target: str, prompt: list[int], n: int = 12) -> dict[str, Any]:

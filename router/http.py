@@ -21,7 +21,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -188,7 +188,6 @@ class OpenAIApp:
         body = await read_json(request, self.body_limits)
         request_id, response_id = _ids(request, body, chat=False)
         opts = StreamOptions.of(body)
-        names = field_names(body, chat=False)
         prompts = batch_prompts(body)
         if prompts is not None:  # one request per prompt, answered as one (vLLM's shape)
             greqs = [
@@ -198,13 +197,13 @@ class OpenAIApp:
                 for i, p in enumerate(prompts)
             ]
             fmts = [self._formatter(False, response_id, opts).asked(body) for _ in greqs]
-            return await self.generate_batch(request, greqs, fmts, opts, names)
+            return await self.generate_batch(request, greqs, fmts, opts, body)
         if body.get("add_special_tokens") is False:  # tokenized here: off the event loop
             greq = await asyncio.to_thread(completion_request, body, request_id, self.router)
         else:
             greq = completion_request(body, request_id)
         fmt = self._formatter(False, response_id, opts).asked(body)
-        return await self.generate(request, greq, fmt, opts, names)
+        return await self.generate(request, greq, fmt, opts, body)
 
     async def chat_completions(self, request: Request) -> Response:
         self.authorize(request)
@@ -216,7 +215,7 @@ class OpenAIApp:
         greq, tools = await asyncio.to_thread(chat_request_and_tools, self.router, body, request_id)
         fmt = self._formatter(True, response_id, opts).asked(body)
         fmt.tools = tools
-        return await self.generate(request, greq, fmt, opts, field_names(body, chat=True))
+        return await self.generate(request, greq, fmt, opts, body)
 
     def _card(self) -> dict[str, Any]:
         return {
@@ -281,13 +280,15 @@ class OpenAIApp:
         greq: gen.GenerateRequest,
         fmt: Formatter,
         opts: StreamOptions,
-        names: Mapping[str, str] | None = None,
+        body: dict[str, Any],
     ) -> Response:
+        """`body`: what an admission refusal names its fields after (`field_names`, worked
+        out only on that path)."""
         router = self.router
         try:
             act = await router.admit(greq)
         except RequestFailed as e:
-            raise from_failed(e, names) from e
+            raise from_failed(e, field_names(body, fmt.chat)) from e
         fmt.admitted(act.request.prompt_token_ids, greq)
         run = _Run(router, act, router.run(act))
         handed_off = False
@@ -316,7 +317,7 @@ class OpenAIApp:
         greqs: list[gen.GenerateRequest],
         fmts: list[Formatter],
         opts: StreamOptions,
-        names: Mapping[str, str],
+        body: dict[str, Any],
     ) -> Response:
         """`generate` for a list of prompts: each admitted and run on its own, answered as
         one response (router/openai/batch.py); any refusal frees those already admitted."""
@@ -330,7 +331,7 @@ class OpenAIApp:
         except BaseException as e:  # whatever stops the admissions frees the admitted
             await asyncio.gather(*(run.release() for run in runs))
             if isinstance(e, RequestFailed):
-                raise from_failed(e, names) from e
+                raise from_failed(e, field_names(body, chat=False)) from e
             raise
 
         async def release_all() -> None:
@@ -385,10 +386,7 @@ class OpenAIApp:
                 if item is None:
                     done += 1
                 elif item.HasField("chunk"):
-                    c = item.chunk
-                    fmt = fmts[i]
-                    if c.text or c.logprobs or (fmt.has_prompt_part and not fmt.prompt_sent):
-                        chunk = fmt.chunk(c.text, list(c.logprobs), prompt=list(c.prompt_logprobs))
+                    if (chunk := fmts[i].of_chunk(item.chunk)) is not None:
                         yield sse(indexed(chunk, i))
                 else:
                     runs[i].completed = True
@@ -433,10 +431,8 @@ class OpenAIApp:
                             yield sse(fmt.arguments_chunk(c.text))
                     elif fmt.tools is not None:
                         held.append(c.text)
-                    elif c.text or c.logprobs or (fmt.has_prompt_part and not fmt.prompt_sent):
-                        yield sse(
-                            fmt.chunk(c.text, list(c.logprobs), prompt=list(c.prompt_logprobs))
-                        )
+                    elif (chunk := fmt.of_chunk(c)) is not None:
+                        yield sse(chunk)
                 else:
                     run.completed = True
                     if fmt.tools is not None:

@@ -119,3 +119,17 @@ MORE_PROMPTS = [
     "Give me data about a mountain as JSON.",
     "Describe a restaurant as JSON.",
 ]
+
+# A pathological schema: 20 anyOf alternatives of 40 pattern properties, about 8 s to compile
+# for the default model's tokenizer (measured): what the edge's compile-time bound is for.
+SLOW_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {
+            "type": "object",
+            "properties": {
+                f"p{i}": {"type": "string", "pattern": "[a-z]{1,500}"} for i in range(40)
+            },
+        }
+        for _ in range(20)
+    ]
+}

@@ -34,7 +34,7 @@ from prefill_workers.worker import PrefillWorker
 from protos.pdserve.v1 import generation_pb2 as gen
 from router.active import RequestFailed
 from tests.in_process import run_with_workers
-from tests.structured_data import PROMPTS, SCHEMAS
+from tests.structured_data import PROMPTS, SCHEMAS, SLOW_SCHEMA
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -214,19 +214,6 @@ def test_a_token_one_that_breaks_the_grammar_is_refused_and_frees_its_blocks(
 
 
 # ---- the edge -----------------------------------------------------------------------------
-SLOW_SCHEMA = {  # ~8 s to compile for this tokenizer (measured): a pathological anyOf
-    "anyOf": [
-        {
-            "type": "object",
-            "properties": {
-                f"p{i}": {"type": "string", "pattern": "[a-z]{1,500}"} for i in range(40)
-            },
-        }
-        for _ in range(20)
-    ]
-}
-
-
 def test_a_grammar_that_is_wrong_or_too_slow_is_refused_at_the_edge(real_dir: Path) -> None:
     """A regex that does not parse is INVALID_ARGUMENT naming the field; a schema whose
     compile outlasts the bound (1 s here) too, at the bound, with the other requests served

@@ -1103,14 +1103,12 @@ def scenario_router_mismatch(ch: Chaos) -> ScenarioResult:
     workers, which serve another model: its start fails (non-zero exit, within
     `mismatch_bound_s`) in one line naming both models, before it listens; the rig's workers
     are left as they were (none restarted, none added) and its router serves on."""
-    from dataclasses import replace as dc_replace
-
     from pdserve.tools.faults import RouterProcess
 
     cfg, rig = ch.cfg, ch.rig
     theirs = rig.cfg.model.model
     pids = {name: rig.pid(name) for name in rig.actors()}
-    other = dc_replace(rig.cfg, model=dc_replace(rig.cfg.model, model=cfg.mismatch_model))
+    other = replace(rig.cfg, model=replace(rig.cfg.model, model=cfg.mismatch_model))
     proc = RouterProcess(other, rig.gcs_address())
     t0 = time.perf_counter()
     refused = ""

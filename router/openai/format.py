@@ -112,24 +112,10 @@ class Formatter:
             self.prompt_text = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
 
     def _echo_logprobs(self, plps: Sequence[gen.TokenLogprob]) -> dict[str, Any]:
-        """The prompt's tokens as completions' logprobs entries (the first has none)."""
-        out: dict[str, list[Any]] = {
-            "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []
-        }  # fmt: skip
+        """The prompt's tokens as completions' logprobs entries (the first has none; each
+        top list also names the prompt's own token, as vLLM's echo does)."""
         entries: list[gen.TokenLogprob | None] = [None, *plps]
-        for token_id, lp in zip(self.prompt_ids, entries, strict=False):
-            s = self._token(token_id)
-            out["tokens"].append(s)
-            out["text_offset"].append(self._offset)
-            self._offset += len(s)
-            if lp is None:
-                out["token_logprobs"].append(None)
-                out["top_logprobs"].append(None)
-                continue
-            out["token_logprobs"].append(_finite(lp.logprob))
-            top = {self._token(t.token_id): _finite(t.logprob) for t in lp.top}
-            out["top_logprobs"].append({**top, s: _finite(lp.logprob)})
-        return out
+        return self._completion_entries(list(zip(self.prompt_ids, entries, strict=False)), True)
 
     def _vllm_prompt_logprobs(self, plps: Sequence[gen.TokenLogprob]) -> list[Any]:
         """vLLM's `prompt_logprobs`: None, then per position {token id: {logprob, rank,
@@ -187,14 +173,29 @@ class Formatter:
         return {"content": content, "refusal": None}
 
     def _completion_logprobs(self, lps: list[gen.TokenLogprob]) -> dict[str, Any]:
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for lp in lps:
-            s = self._token(lp.token_id)
+        return self._completion_entries([(lp.token_id, lp) for lp in lps], False)
+
+    def _completion_entries(
+        self, entries: list[tuple[int, gen.TokenLogprob | None]], own_in_top: bool
+    ) -> dict[str, Any]:
+        """Completions' logprobs lists for (token id, its logprob or None) in text order;
+        text offsets count on from the last call's."""
+        tokens: list[str] = []
+        token_lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for token_id, lp in entries:
+            s = self._token(token_id)
             tokens.append(s)
-            token_lps.append(_finite(lp.logprob))
-            tops.append({self._token(t.token_id): _finite(t.logprob) for t in lp.top})
             offsets.append(self._offset)
             self._offset += len(s)
+            if lp is None:
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            token_lps.append(_finite(lp.logprob))
+            top = {self._token(t.token_id): _finite(t.logprob) for t in lp.top}
+            tops.append({**top, s: _finite(lp.logprob)} if own_in_top else top)
         return {
             "tokens": tokens,
             "token_logprobs": token_lps,
@@ -275,6 +276,13 @@ class Formatter:
         chunk = self.chunk("", [])
         chunk["choices"][0]["delta"] = {"tool_calls": [call]}
         return chunk
+
+    def of_chunk(self, c: gen.GenerateChunk) -> dict[str, Any] | None:
+        """The streamed chunk of a router chunk; None when it carries nothing to send (no
+        text, no logprobs, and the prompt's part, if asked, already sent)."""
+        if c.text or c.logprobs or (self.has_prompt_part and not self.prompt_sent):
+            return self.chunk(c.text, list(c.logprobs), prompt=list(c.prompt_logprobs))
+        return None
 
     def tool_chunks(self, text: str, c: gen.GenerateComplete) -> list[dict[str, Any]]:
         """A streamed tool request's ending, once its whole text is in: the content (if

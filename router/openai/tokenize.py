@@ -28,7 +28,7 @@ from router.openai.protocol import (
     refuse_unsupported,
     render_chat,
 )
-from router.openai.tools import ToolsPart
+from router.openai.tools import ToolsPart, rendered
 from router.validation import check_model as served_model
 
 
@@ -90,8 +90,7 @@ def tokenize(router: ChatRouter, body: dict[str, Any]) -> dict[str, Any]:
         check_model(router, chat.model)
         # the tools, as chat renders them for the model (vLLM's /tokenize takes them too)
         tools = ToolsPart.of(body).tools
-        rendered = [t.model_dump(exclude_none=True) for t in tools] if tools else None
-        ids = render_chat(router, chat, rendered)
+        ids = render_chat(router, chat, rendered(tools) if tools else None)
     else:
         text = TokenizeText.of(body)
         _no_token_strs(text.return_token_strs)

@@ -23,6 +23,7 @@ import contextlib
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -90,7 +91,7 @@ class ToolPlan:
         """The tools as HF's apply_chat_template(tools=...) receives them."""
         if self.mode == "none":
             return None
-        return [t.model_dump(exclude_none=True) for t in self.tools]
+        return rendered(self.tools)
 
     def grammar(self) -> gen.StructuredOutput | None:
         """The constraint that forces the calls (required, named), else None."""
@@ -152,6 +153,11 @@ def _complete_items(text: str) -> list[Any]:
             break
         out.append(item)
     return out
+
+
+def rendered(tools: Sequence[Tool]) -> list[dict[str, Any]]:
+    """Tools as HF's apply_chat_template(tools=...) takes them."""
+    return [t.model_dump(exclude_none=True) for t in tools]
 
 
 def _compact(text: str) -> str:
