@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from engine.block_manager import NoFreeBlocksError
 from engine.engine import LLMEngine
 from engine.request import FinishReason, GrammarRejected, Request, RequestOutput
+from engine.sampling import InvalidParameterError
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.wire import TransferError
 from pool_api import token_stream
@@ -83,13 +84,14 @@ def _delta(req: Request, out: RequestOutput, error: str = "") -> token_stream.ts
             num_cached_tokens=req.num_cached_tokens,
             error=error,
             prompt_logprobs=out.prompt_logprobs,
+            index=out.index,
         )
     )
 
 
 def _ending(request_id: str) -> RequestOutput:
-    """An output that ends a request's stream with finish reason abort."""
-    return RequestOutput(request_id, (), "", True, FinishReason.ABORT)
+    """An output that ends a request's stream (every choice) with finish reason abort."""
+    return RequestOutput(request_id, (), "", True, FinishReason.ABORT, last=True)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -182,16 +184,17 @@ class DecodeWorker(WorkerBase):
             req = entry[0]
             self.num_requests_total += 1
             try:
-                out = self.engine.add_prefilled(req, s.first_token_id)
-            except GrammarRejected as e:
-                self.num_grammar_rejections += 1
+                outs = self.engine.add_prefilled(req, s.first_token_ids)
+            except (GrammarRejected, InvalidParameterError) as e:
+                self.num_grammar_rejections += isinstance(e, GrammarRejected)
                 self._end_unrouted(s.request_id, conn, str(e))
                 return
             if req.params.structured is not None:
                 self.num_first_tokens_checked += 1  # the prefill side's, by this matcher
             self._routes[req.request_id] = _Route(req, conn)
-            if out.finished:  # the first token was already final (the router knows it)
-                self._emit([RequestOutput(out.request_id, (), "", True, out.finish_reason)])
+            # Choices whose first token was already final end now (the router sent that
+            # token from the prefill result, so their endings carry none).
+            self._emit([replace(o, new_token_ids=(), text_delta="") for o in outs if o.finished])
 
         await self.loop.run(admit)
 
@@ -354,7 +357,7 @@ class DecodeWorker(WorkerBase):
                 continue
             frames.setdefault(route.conn, []).append(_delta(route.request, out, error))
             route.last_sent_s = time.monotonic()
-            if out.finished:
+            if out.last:
                 del self._routes[out.request_id]
                 self._hand_to_actor_loop(out.request_id)
         for conn, deltas in frames.items():
@@ -388,7 +391,6 @@ class DecodeWorker(WorkerBase):
         thread, the blocks' one owner."""
         self.loop.call(lambda: self.engine.release(request_id))
 
-
     def _forget_lapsed(self) -> None:
         """Drop reservations the receiver no longer knows (its lease ran out and freed the
         blocks) that nobody will `start` or release, e.g. because their router died."""
@@ -404,8 +406,6 @@ class DecodeWorker(WorkerBase):
         return {
             StatKey.KV_BYTES_RECEIVED_TOTAL.value: float(self.receiver.bytes_received_total),
             StatKey.KV_BLOCKS_SHARED_TOTAL.value: float(self.receiver.blocks_shared_total),
-            StatKey.GRAMMAR_FIRST_TOKENS_CHECKED_TOTAL.value: float(
-                self.num_first_tokens_checked
-            ),
+            StatKey.GRAMMAR_FIRST_TOKENS_CHECKED_TOTAL.value: float(self.num_first_tokens_checked),
             StatKey.GRAMMAR_REJECTIONS_TOTAL.value: float(self.num_grammar_rejections),
         }

@@ -127,6 +127,25 @@ class BlockManager:
         table.extend(new)
         return new
 
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]]:
+        """Give `child_id` the first `num_tokens` of `parent_id`'s table (n > 1 choices of one
+        prompt): its full blocks shared (one more reference each), and a partly filled last
+        block copied, since the child writes its next token there. Returns the (source,
+        copy) block pairs whose K/V the caller must copy; raises NoFreeBlocksError (changing
+        nothing) when there is no block for a copy."""
+        assert child_id not in self._tables, f"{child_id} already holds blocks"
+        table = self._tables[parent_id]
+        full, partial = divmod(num_tokens, self.block_size)
+        assert full + bool(partial) <= len(table), f"{parent_id}: fewer blocks than tokens"
+        if partial and not self.num_free_blocks:
+            raise NoFreeBlocksError(f"{child_id}: needs 1 block for its fork, 0 free")
+        shared = table[:full]
+        for b in shared:
+            self._take_ref(b)
+        copies = [(table[full], self._pop_free())] if partial else []
+        self._tables[child_id] = shared + [dst for _, dst in copies]
+        return copies
+
     def commit(self, request_id: str, hashes: Sequence[int]) -> None:
         """Register `hashes[j]` for block j of the table: its K/V is now computed and final."""
         table = self._tables[request_id]

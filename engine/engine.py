@@ -16,7 +16,7 @@ Every seam between the engine and KV transfer, in one list (the workers and
 - `blocks.block_table(request_id)` and `cache` (`PagedKVCache`): the source pages a sender
   reads and the destination pages a receiver writes, by block id.
 - `make_request` (its prefix hashes let a receiver share cached blocks), then, once a
-  transport filled the reserved blocks, `add_prefilled(request, first_token_id)`: a decode
+  transport filled the reserved blocks, `add_prefilled(request, first_token_ids)`: a decode
   worker's request joins the running batch without recomputing its prompt.
 """
 
@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 
 from engine import cpu
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, NoFreeBlocksError
 from engine.config import (
     CacheConfig,
     ConfigError,
@@ -45,6 +45,7 @@ from engine.kv_cache import DTYPES, PagedKVCache
 from engine.model import LlamaModel
 from engine.prefix_hash import namespace_seed
 from engine.request import (
+    CHOICE_SEP,
     FinishReason,
     GrammarRejected,
     Request,
@@ -52,7 +53,13 @@ from engine.request import (
     RequestStatus,
 )
 from engine.runner import ModelRunner
-from engine.sampling import InvalidParameterError, SamplingParams, TokenLogprob, sample
+from engine.sampling import (
+    InvalidParameterError,
+    SamplingParams,
+    TokenLogprob,
+    sample,
+    skip_draw,
+)
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.structured import GrammarBackend
 from engine.tokenizer import Tokenizer
@@ -190,7 +197,9 @@ class LLMEngine:
             cache_config.decode_workspace_mib << 20,
             self.max_model_len,
         )
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # by sequence id (`request.choice_id`)
+        # n > 1: a request's choices while any of them is unfinished, by the request's id
+        self.groups: dict[str, list[Request]] = {}
         self.layer_hook: StepLayerHook | None = None  # the KV seam (module docstring)
         self.eos_token_ids = tokenizer.eos_token_ids if tokenizer else model_config.eos_token_ids
         # structured outputs (engine.structured); None: no tokenizer, so no grammar
@@ -246,10 +255,12 @@ class LLMEngine:
     ) -> Request:
         """`grammar`: `params.structured` compiled (`self.grammars.compile`, off this
         thread); when None, a constrained request compiles here, on the engine thread."""
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.groups:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
+        if CHOICE_SEP in request_id:
+            raise InvalidParameterError("request_id", "must not contain control characters")
         self.validate(prompt_token_ids, params, prefill_only)
-        matcher = None
+        matcher = compiled = None
         if params.structured is not None:
             if self.grammars is None:
                 raise InvalidParameterError(
@@ -267,6 +278,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             prefill_only=prefill_only,
             matcher=matcher,
+            grammar=compiled,
         )
 
     def add_request(
@@ -285,39 +297,122 @@ class LLMEngine:
         self.scheduler.add(req)
         return req
 
-    def add_prefilled(self, req: Request, first_token_id: int) -> RequestOutput:
-        """Admit a request whose prompt K/V already fills its blocks (see `reserve`)."""
+    def add_prefilled(
+        self, req: Request, first_token_ids: Sequence[int]
+    ) -> list[RequestOutput]:
+        """Admit a request whose prompt K/V already fills its blocks (see `reserve`), with
+        the first token of each of its `params.n` choices (sampled by the prefill side).
+        One output per choice; a constrained choice's matcher checks its token here, before
+        this engine runs anything for it (never recomputed): GrammarRejected ends them all."""
         assert self.blocks.has(req.request_id), f"{req.request_id}: reserve blocks first"
+        if len(first_token_ids) != req.params.n:
+            self.blocks.free(req.request_id)
+            raise InvalidParameterError(
+                "n", f"{len(first_token_ids)} first tokens for {req.params.n} choices"
+            )
         if req.params.prompt_logprobs is not None:  # the prefill side computed and sent them:
             req.prompt_logprobs = [None] * len(req.prompt_token_ids)  # none to compute here
-        try:
-            # A constrained request's matcher checks the prefill side's token #1 here,
-            # before this engine runs anything for it (never recomputed).
-            req.append_token(first_token_id, None)
-        except GrammarRejected:
-            self.blocks.free(req.request_id)
-            raise
         req.num_computed_tokens = len(req.prompt_token_ids)
         self.blocks.commit(req.request_id, req.computed_hashes())
         self.requests[req.request_id] = req
-        reason = req.check_stop(self.max_model_len)
-        if reason is not None:
-            self._finish(req, reason)
+        seqs = [req, *self._fork(req)]
+        try:
+            for seq, token_id in zip(seqs, first_token_ids, strict=True):
+                skip_draw(seq.sampling_state(), self.model_config.vocab_size)
+                seq.append_token(token_id, None)
+        except GrammarRejected:
+            for seq in seqs:
+                self._finish(seq, FinishReason.ABORT)
+            raise
+        outputs = []
+        for seq, token_id in zip(seqs, first_token_ids, strict=True):
+            reason = seq.check_stop(self.max_model_len)
+            if reason is not None:
+                self._finish(seq, reason)
+            else:
+                self._join(seq)
+            # Same hold-back as the prefill worker applied to this token's text, so the
+            # decode side's later deltas continue exactly where the prefill side's ended.
+            delta = seq.take_text_delta(final=reason is not None)
+            outputs.append(self._output(seq, (token_id,), delta))
+        return outputs
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """The other choices of a request whose prompt pass just ended (n > 1), each with
+        its own detokenizer, matcher and seed. They share the prompt's full blocks; a partly
+        filled last block is copied for each, as each writes its next token there. A
+        prefill-only request's choices take no blocks (they end with their first token);
+        one that finds no block for its copy waits to recompute its tail (a preemption)."""
+        n = parent.params.n
+        if n == 1:
+            return []
+        tokenizer, grammars = self.tokenizer, self.grammars
+        children = [
+            parent.fork(
+                i,
+                tokenizer.detokenizer() if tokenizer else None,
+                grammars.matcher(parent.grammar)
+                if grammars is not None and parent.grammar is not None
+                else None,
+            )
+            for i in range(1, n)
+        ]
+        self.groups[parent.request_id] = [parent, *children]
+        for child in children:
+            if parent.prefill_only:
+                continue
+            self.requests[child.request_id] = child
+            try:
+                copies = self.blocks.fork(
+                    parent.request_id, child.request_id, parent.num_computed_tokens
+                )
+            except NoFreeBlocksError:
+                child.num_computed_tokens = 0  # `_join` queues it to recompute
+                continue
+            if copies:
+                src, dst = zip(*copies, strict=True)
+                self.cache.copy_blocks(list(src), self.cache, list(dst))
+        return children
+
+    def _join(self, seq: Request) -> None:
+        """A sequence with its first token (and no stop) joins the running batch; a fork that
+        got no blocks waits to recompute instead."""
+        self.scheduler.remove(seq)
+        if self.blocks.has(seq.request_id):
+            self.scheduler.add_running(seq)
         else:
-            self.scheduler.add_running(req)
-        # Same hold-back as the prefill worker applied to this token's text, so the decode
-        # side's later deltas continue exactly where the prefill side's first one ended.
-        delta = req.take_text_delta(final=reason is not None)
+            self.scheduler.requeue(seq)
+
+    def _output(
+        self,
+        seq: Request,
+        token_ids: tuple[int, ...],
+        delta: str,
+        logprobs: tuple[TokenLogprob, ...] = (),
+        prompt_logprobs: tuple[TokenLogprob | None, ...] = (),
+    ) -> RequestOutput:
         return RequestOutput(
-            req.request_id, (first_token_id,), delta, req.is_finished, req.finish_reason
+            seq.group_id,
+            token_ids,
+            delta,
+            seq.is_finished,
+            seq.finish_reason,
+            logprobs,
+            prompt_logprobs,
+            seq.index,
+            seq.is_finished and seq.group_id not in self.groups,
         )
 
     def abort(self, request_id: str) -> bool:
-        req = self.requests.get(request_id)
-        if req is None:
-            return False
-        self._finish(req, FinishReason.ABORT)
-        return True
+        """End a request (every choice of it) here and free its blocks."""
+        one = self.requests.get(request_id)
+        seqs = self.groups.get(request_id) or ([one] if one is not None else [])
+        found = False
+        for seq in seqs:
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT)
+                found = True
+        return found
 
     def release(self, request_id: str) -> None:
         """Free the blocks a request holds outside the scheduler: a prefill-only request's,
@@ -418,6 +513,9 @@ class LLMEngine:
             r.num_computed_tokens = r.num_tokens
         for r in [c.request for c in out.prefill] + list(out.decode):
             self.blocks.commit(r.request_id, r.computed_hashes())
+        sampled, rows = self._with_choices(sampled)
+        if len(rows) > logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
         tokens, logprobs = sample(logits, [r.sampling_state() for r in sampled])
         outputs = []
         max_len = self.max_model_len
@@ -431,22 +529,25 @@ class LLMEngine:
                 self._finish(req, reason, keep_blocks=True)
             elif reason is not None:
                 self._finish(req, reason)
-            elif req.status is RequestStatus.WAITING:
-                self.scheduler.waiting.remove(req)
-                self.scheduler.add_running(req)
-            first = len(req.output_token_ids) == 1 and req.params.prompt_logprobs is not None
-            outputs.append(
-                RequestOutput(
-                    req.request_id,
-                    (tok,),
-                    delta,
-                    req.is_finished,
-                    req.finish_reason,
-                    (lp,) if lp else (),
-                    tuple(req.prompt_logprobs) if first else (),
-                )
-            )
+            elif req.status is RequestStatus.WAITING:  # its prompt (or its fork) just ended
+                self._join(req)
+            first = len(req.output_token_ids) == 1 and req.index == 0
+            wanted = req.params.prompt_logprobs is not None
+            plps = tuple(req.prompt_logprobs) if first and wanted else ()
+            outputs.append(self._output(req, (tok,), delta, (lp,) if lp else (), plps))
         return outputs
+
+    def _with_choices(self, sampled: list[Request]) -> tuple[list[Request], list[int]]:
+        """`sampled` with the other choices of each request whose prompt pass just ended
+        (n > 1) after it, and for each sequence the logits row it samples from: a choice's
+        first token comes from its request's row (one prompt pass for all n)."""
+        seqs: list[Request] = []
+        rows: list[int] = []
+        for j, req in enumerate(sampled):
+            forked = self._fork(req) if req.forks_now else []
+            seqs += [req, *forked]
+            rows += [j] * (1 + len(forked))
+        return seqs, rows
 
     def _finish(self, req: Request, reason: FinishReason | None, keep_blocks: bool = False) -> None:
         self.scheduler.remove(req)
@@ -454,6 +555,9 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         if not keep_blocks and self.blocks.has(req.request_id):
             self.blocks.free(req.request_id)
+        group = self.groups.get(req.group_id)
+        if group is not None and all(seq.is_finished for seq in group):
+            del self.groups[req.group_id]
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]

@@ -24,6 +24,15 @@ class GrammarRejected(ValueError):
     request's grammar does not accept: the two sides' grammars differ."""
 
 
+CHOICE_SEP = "\x1f"  # a choice's sequence id: f"{request_id}{CHOICE_SEP}{index}"
+
+
+def choice_id(request_id: str, index: int) -> str:
+    """The engine's id of choice `index` of a request (choice 0 keeps the request's id).
+    Request ids may not contain the separator (the router and the engine refuse it)."""
+    return request_id if index == 0 else f"{request_id}{CHOICE_SEP}{index}"
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # needs (more) prefill
     RUNNING = "running"  # in the decode batch
@@ -68,11 +77,52 @@ class Request:
     # prompt_logprobs: one entry per prompt position (the first is None: nothing precedes
     # it), filled by the prompt pass (`LLMEngine`); complete once it has len(prompt) entries
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    # n > 1 (`SamplingParams.n`): this sequence is choice `index` of request `group_id`,
+    # whose prompt pass choice 0 ran (`LLMEngine._fork`); `grammar` is the compiled grammar
+    # each choice's own matcher comes from
+    index: int = 0
+    group_id: str = ""
+    grammar: Any = None
 
     def __post_init__(self) -> None:
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+        if not self.group_id:
+            self.group_id = self.request_id
+        if self.params.seed is not None:  # choice i draws from seed + i (vLLM's rule)
+            self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
         self.refresh_hashes()
+
+    @property
+    def forks_now(self) -> bool:
+        """Its prompt pass just ended and its other choices are still to be made."""
+        return self.params.n > 1 and self.index == 0 and not self.output_token_ids
+
+    def fork(self, index: int, detokenizer: IncrementalDetokenizer | None, matcher: Any) -> Request:
+        """Choice `index` of this request, made when its prompt pass ended: the same prompt
+        (its K/V computed, its blocks the caller shares), nothing sampled yet."""
+        assert not self.output_token_ids, "choices fork before the first token"
+        return Request(
+            request_id=choice_id(self.request_id, index),
+            prompt_token_ids=self.prompt_token_ids,  # never mutated: shared
+            params=self.params,
+            hash_seed=self.hash_seed,
+            block_size=self.block_size,
+            detokenizer=detokenizer,
+            eos_token_ids=self.eos_token_ids,
+            prefill_only=self.prefill_only,
+            num_computed_tokens=self.num_computed_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            arrival_s=self.arrival_s,
+            prefill_s=self.prefill_s,
+            matcher=matcher,
+            index=index,
+            group_id=self.request_id,
+            grammar=self.grammar,
+            block_hashes=list(self.block_hashes),
+            # choice 0 carries the prompt's logprobs: none to compute for this one
+            prompt_logprobs=[None] * len(self.prompt_token_ids)
+            if self.params.prompt_logprobs is not None
+            else [],
+        )
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -196,6 +246,9 @@ class RequestOutput:
     new_logprobs: tuple[TokenLogprob, ...] = ()
     # with its first token: each prompt token's (`SamplingParams.prompt_logprobs`)
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
+    index: int = 0  # the choice (n > 1); `request_id` is the request's, not the choice's
+    # every choice of the request has finished (n = 1: the same as `finished`)
+    last: bool = False
 
 
 def _stop_string_overlap(text: str, stops: tuple[str, ...]) -> int:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 GREEDY_EPS = 1e-5  # temperatures below this are greedy
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each logit_bias value
+MAX_N = 256  # sequences of one request the engine takes (the router's bound is lower)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ class SamplingParams:
     # never sampled, a longer one's last token not right after the rest of it
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # sequences from this prompt's one pass (OpenAI's n, or best_of where the router keeps
+    # the best n): each samples its own first token from the same logits, and choice i
+    # with a seed draws from seed + i
+    n: int = 1
 
     @property
     def greedy(self) -> bool:
@@ -136,6 +141,7 @@ class SamplingParams:
                 self.seed is None or 0 <= self.seed < 2**63,
                 f"must be in [0, 2^63), got {self.seed}",
             ),
+            ("n", 1 <= self.n <= MAX_N, f"must be in [1, {MAX_N}], got {self.n}"),
         ]
         return checks + self._token_checks(vocab_size)
 
@@ -300,6 +306,14 @@ def _sample_row(row: torch.Tensor, s: SamplingState) -> int:
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i.
     noise = torch.empty_like(probs).exponential_(generator=s.generator)
     return int((probs / noise).argmax())
+
+
+def skip_draw(state: SamplingState, vocab_size: int) -> None:
+    """Advance a seeded request's generator past the draw `sample` made for a token sampled
+    elsewhere (a prefill worker's token #1): the decode side's next draws are then the
+    colocated engine's, so a seeded request gives the same tokens either way."""
+    if state.generator is not None and not state.params.greedy:
+        torch.empty(vocab_size).exponential_(generator=state.generator)
 
 
 def _apply_penalties(row: torch.Tensor, s: SamplingState) -> None:

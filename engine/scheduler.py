@@ -130,6 +130,11 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.blocks.free(req.request_id)
+        self.requeue(req)
+
+    def requeue(self, req: Request) -> None:
+        """Put a request holding no blocks back at the front of the queue, to recompute its
+        K/V (a preempted one, or a choice forked when no block was free for its copy)."""
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1

@@ -41,12 +41,32 @@ def make_request(
 
 
 @dataclass
+class Choice:
+    """One choice of a request with n > 1 (chunks by `index`)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+
+
+@dataclass
 class Completion:
     request_id: str = ""
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # choice 0's (n = 1: the request's)
     text: str = ""
     complete: gen.GenerateComplete | None = None
     chunk_times_s: list[float] = field(default_factory=list)  # client clock per chunk
+    choices: dict[int, Choice] = field(default_factory=dict)  # every choice, by index
+
+    def add(self, c: gen.GenerateChunk) -> None:
+        choice = self.choices.setdefault(c.index, Choice())
+        choice.token_ids.extend(c.token_ids)
+        choice.text += c.text
+        if c.finish_reason:
+            choice.finish_reason = FINISH_NAMES[c.finish_reason]
+        if c.index == 0:
+            self.token_ids.extend(c.token_ids)
+            self.text += c.text
 
     @property
     def finish_reason(self) -> str:
@@ -64,6 +84,11 @@ class Completion:
             "token_ids": self.token_ids,
             "text": self.text,
             **done,
+            **(
+                {"choices": [vars(self.choices[i]) for i in sorted(self.choices)]}
+                if len(self.choices) > 1
+                else {}
+            ),
         }
 
 
@@ -173,8 +198,7 @@ class Client:
             out.request_id = resp.request_id
             out.chunk_times_s.append(time.perf_counter())
             if resp.HasField("chunk"):
-                out.token_ids.extend(resp.chunk.token_ids)
-                out.text += resp.chunk.text
+                out.add(resp.chunk)
             else:
                 out.complete = resp.complete
         return out

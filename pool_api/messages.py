@@ -18,6 +18,7 @@ from engine.sampling import SamplingParams, TokenLogprob
 __all__ = [
     "DecodeStart",
     "FinishReason",
+    "FirstToken",
     "IndexUpdate",
     "PrefillResult",
     "PrefillTask",
@@ -63,13 +64,19 @@ class PrefillTask:
 
 
 @dataclass(frozen=True)
+class FirstToken:
+    """The first token of one choice, sampled from the prompt pass's logits."""
+
+    token_id: int
+    text: str  # its text delta
+    logprob: TokenLogprob | None
+    finish_reason: FinishReason | None  # STOP or LENGTH: it already ended the choice
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     request_id: str
-    first_token_id: int
-    text: str  # the first token's text delta
-    logprob: TokenLogprob | None
-    finished: bool  # the first token already ended the request (EOS, max_tokens=1, ...)
-    finish_reason: FinishReason | None  # STOP or LENGTH when finished
+    choices: tuple[FirstToken, ...]  # one per choice (SamplingParams.n), by index
     num_cached_tokens: int  # prompt tokens reused from the prefill worker's prefix cache
     queue_ms: float  # arrival on the worker until its prefill step began
     prefill_ms: float  # the prompt pass (all chunks)
@@ -79,6 +86,15 @@ class PrefillResult:
     transfer_total_ms: float = 0.0  # first KV push until acknowledged (overlaps the pass)
     # SamplingParams.prompt_logprobs: one per prompt position (the first None)
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
+
+    @property
+    def finished(self) -> bool:
+        """The first tokens already ended every choice (EOS, max_tokens=1, ...)."""
+        return all(c.finish_reason is not None for c in self.choices)
+
+    @property
+    def first_token_ids(self) -> tuple[int, ...]:
+        return tuple(c.token_id for c in self.choices)
 
 
 @dataclass(frozen=True)
@@ -96,20 +112,21 @@ class DecodeStart:
 
     request_id: str
     transfer_id: str
-    first_token_id: int
+    first_token_ids: tuple[int, ...]  # one per choice (SamplingParams.n)
     sink: TokenSink  # where its tokens go (the router's token sink)
     transfer_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)
 class TokenBatch:
-    """New tokens of one request since its previous delta (`pool_api.token_stream`)."""
+    """New tokens of one choice of a request since its previous delta
+    (`pool_api.token_stream`)."""
 
     request_id: str
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
-    finished: bool = False
+    finished: bool = False  # the choice ended (an error or an abort ends the request)
     finish_reason: FinishReason | None = None  # set when finished
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
@@ -117,6 +134,7 @@ class TokenBatch:
     error: str = ""  # the request failed on the worker (e.g. its transfer broke)
     first_token_s: float | None = None  # worker clock (perf_counter) of the first token
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # with the first token, when asked
+    index: int = 0  # the choice (SamplingParams.n > 1)
 
 
 class StatKey(str, enum.Enum):

@@ -81,6 +81,7 @@ def delta(batch: TokenBatch) -> tspb.TokenDelta:
         error=batch.error,
         logprobs=[logprob_pb(lp) for lp in batch.logprobs],
         prompt_logprobs=prompt_logprobs_pb(batch.prompt_logprobs),
+        index=batch.index,
     )
     if batch.finish_reason is not None:
         d.finish_reason = FINISH_TO_PROTO[batch.finish_reason]
@@ -100,6 +101,7 @@ def batch_of(d: tspb.TokenDelta) -> TokenBatch:
         finish_reason=_FINISH_OF_PROTO.get(d.finish_reason) if d.finished else None,
         num_cached_tokens=d.num_cached_tokens,
         error=d.error,
+        index=d.index,
     )
 
 

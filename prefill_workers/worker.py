@@ -34,7 +34,7 @@ from engine.scheduler import SchedulerOutput
 from kv_transfer.sender import DEFAULT_MAX_CHANNELS, KVSender, OutboundTransfer, SenderLeases
 from kv_transfer.wire import TransferError, TransferRejected
 from pool_api.config import WorkerConfig
-from pool_api.messages import PrefillResult, PrefillTask, Role, StatKey
+from pool_api.messages import FirstToken, PrefillResult, PrefillTask, Role, StatKey
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from worker_common import WorkerBase, check_owner
 
@@ -156,14 +156,17 @@ class PrefillWorker(WorkerBase):
                     self.sender.drop_channel(job.ticket.channel_address, channel)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """A prompt pass ended: its choices' first tokens (all in this step's outputs, the
+        last one marked `last`) go to a finisher thread with the job."""
         self._on_engine_thread()
         for out in outputs:
             job = self.jobs.get(out.request_id)
-            if job is None or not out.finished:
+            if job is None or not out.last:
                 continue
             rid = out.request_id
+            firsts = [o for o in outputs if o.request_id == rid]
             self.leases.hold(rid, self._releaser(rid))
-            self._finisher.submit(self._complete, job, out)
+            self._finisher.submit(self._complete, job, firsts)
 
     def _fail_all(self, error: BaseException) -> None:
         for job in list(self.jobs.values()):
@@ -218,9 +221,20 @@ class PrefillWorker(WorkerBase):
         self.num_transfer_bytes += num_bytes
 
     # ---- finisher threads ----------------------------------------------------------------
-    def _complete(self, job: _Job, out: RequestOutput) -> None:
-        """Wait for the decode side's acknowledgement, then release and answer."""
+    def _complete(self, job: _Job, firsts: list[RequestOutput]) -> None:
+        """Wait for the decode side's acknowledgement, then release and answer. `firsts`:
+        each choice's first token, by index."""
         req = job.request
+        firsts = sorted(firsts, key=lambda o: o.index)
+        choices = tuple(
+            FirstToken(
+                o.new_token_ids[0],
+                o.text_delta,
+                o.new_logprobs[0] if o.new_logprobs else None,
+                o.finish_reason,
+            )
+            for o in firsts
+        )
         if job.aborted:
             # Nothing to finish: finishing an aborted transfer fails, and the sender then
             # drops the pair's channel under every other transfer in flight on it.
@@ -229,7 +243,7 @@ class PrefillWorker(WorkerBase):
         done_s = time.perf_counter()
         error = ""
         failed = False
-        finished = out.finish_reason is not None
+        finished = all(c.finish_reason is not None for c in choices)
         try:
             if job.error:
                 raise TransferError(f"{req.request_id}: {job.error}")
@@ -255,11 +269,7 @@ class PrefillWorker(WorkerBase):
         queue_s = (req.first_token_s or done_s) - job.arrival_s - req.prefill_s
         result = PrefillResult(
             request_id=req.request_id,
-            first_token_id=out.new_token_ids[0],
-            text=out.text_delta,
-            logprob=out.new_logprobs[0] if out.new_logprobs else None,
-            finished=finished,
-            finish_reason=out.finish_reason,
+            choices=choices,
             num_cached_tokens=req.num_cached_tokens,
             queue_ms=max(queue_s, 0.0) * 1e3,
             prefill_ms=req.prefill_s * 1e3,
@@ -267,7 +277,7 @@ class PrefillWorker(WorkerBase):
             error=error,
             transfer_bytes=sent,
             transfer_total_ms=total_ms,
-            prompt_logprobs=out.prompt_logprobs,
+            prompt_logprobs=firsts[0].prompt_logprobs,  # choice 0 carries them
         )
         if not job.future.done():
             job.future.set_result(result)

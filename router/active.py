@@ -88,6 +88,12 @@ class ActiveRequest:
     failure: grpc.StatusCode | None = None
     pushed: PushedStream | None = None  # its token stream (opened before its worker starts)
     placement: Placement | None = None  # None: not placed yet
+    # n > 1 or best_of > 1: the choices returned (`n`; the workers run `request.params.n`
+    # sequences, which is best_of when given), and each sequence's finish reason once it
+    # ended (router.flow, by index)
+    n: int = 1
+    asked_logprobs: bool = False  # the client asked for logprobs (best_of asks on its own)
+    choices_ended: dict[int, FinishReason] = field(default_factory=dict)
 
     @property
     def request_id(self) -> str:
@@ -96,6 +102,15 @@ class ActiveRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.prompt_token_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences its workers run (choices, or best_of's candidates)."""
+        return self.request.params.n
+
+    @property
+    def all_ended(self) -> bool:
+        return len(self.choices_ended) == self.num_seqs
 
 
 class RequestObserver:

@@ -137,6 +137,12 @@ class LimitSettings:
     )
     max_stop_strings: int = setting(16, "stop strings per request", ge=0)
     max_stop_chars: int = setting(256, "characters of one stop string", ge=1)
+    max_n: int = setting(
+        16,
+        "choices of one request (n, and best_of: the sequences decoded from its one prompt pass)",
+        ge=1,
+        le=256,
+    )
     max_connections: int = setting(
         1024,
         "open connections on each port (HTTP and gRPC alike); one more is refused at once "

@@ -27,6 +27,7 @@ from pool_api.version import package_version
 from protos.pdserve.v1 import generation_pb2 as gen
 from router import responses
 from router.active import ActiveRequest, Observers, RequestFailed
+from router.choices import best_of
 from router.clients import DecodeClient, PrefillClient, quietly
 from router.config import RouterConfig
 from router.flow import RequestFlow
@@ -221,7 +222,12 @@ class Router:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"queue full ({self.cfg.policy.max_queue_len} requests waiting)",
             )
-        act = ActiveRequest(wr, time.perf_counter())
+        act = ActiveRequest(
+            wr,
+            time.perf_counter(),
+            n=request.sampling.n or 1,
+            asked_logprobs=request.sampling.HasField("logprobs"),
+        )
         self.active[wr.request_id] = act
         self.num_queued += 1
         return act
@@ -229,7 +235,10 @@ class Router:
     def run(self, act: ActiveRequest) -> AsyncIterator[gen.GenerateResponse]:
         """Drive one admitted request; yields its responses (`router.flow`), or ends with
         UNAVAILABLE "server shutting down" once a drain's grace ran out."""
-        return self._until_stopped(act, self.flow.run(act))
+        stream = self.flow.run(act)
+        if act.num_seqs > act.n:
+            stream = best_of(act, stream)
+        return self._until_stopped(act, stream)
 
     async def _until_stopped(
         self, act: ActiveRequest, stream: AsyncIterator[gen.GenerateResponse]
@@ -270,7 +279,11 @@ class Router:
         text: str,
         logprobs: Sequence[TokenLogprob],
         prompt_logprobs: Sequence[TokenLogprob | None] = (),
+        index: int = 0,
+        finish: FinishReason | None = None,
     ) -> gen.GenerateResponse:
+        if finish is not None:
+            act.choices_ended[index] = finish
         now = time.perf_counter()
         self.metrics.on_tokens(act, len(ids), now)
         if act.first_sent_s is None and ids:
@@ -278,7 +291,7 @@ class Router:
             self._dequeue(act)
         act.last_sent_s = now
         act.num_sent += len(ids)
-        return responses.chunk(act.request_id, ids, text, logprobs, prompt_logprobs)
+        return responses.chunk(act.request_id, ids, text, logprobs, prompt_logprobs, index, finish)
 
     def complete(self, act: ActiveRequest, reason: FinishReason) -> gen.GenerateResponse:
         if act.finish_reason is None:

@@ -80,6 +80,8 @@ class Responder(Protocol):
         text: str,
         logprobs: Sequence[TokenLogprob],
         prompt_logprobs: Sequence[TokenLogprob | None] = (),
+        index: int = 0,
+        finish: FinishReason | None = None,
     ) -> gen.GenerateResponse: ...
 
     def complete(self, act: ActiveRequest, reason: FinishReason) -> gen.GenerateResponse: ...
@@ -234,14 +236,23 @@ class RequestFlow:
                 yield self.out.complete(act, FinishReason.ABORT)
                 return
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {res.error}")
-        logprobs = (res.logprob,) if res.logprob else ()
-        yield self.out.chunk(act, (res.first_token_id,), res.text, logprobs, res.prompt_logprobs)
+        multi = act.num_seqs > 1
+        for i, c in enumerate(res.choices):
+            yield self.out.chunk(
+                act,
+                (c.token_id,),
+                c.text,
+                (c.logprob,) if c.logprob else (),
+                res.prompt_logprobs if i == 0 else (),
+                index=i,
+                finish=c.finish_reason if multi else None,  # n = 1: the completion says it
+            )
         if res.finished:
-            yield self.out.complete(act, res.finish_reason or FinishReason.STOP)
+            yield self.out.complete(act, res.choices[0].finish_reason or FinishReason.STOP)
             return
         sink = self._push_to(act, decode_worker)
         await decode_worker.client.start(
-            DecodeStart(act.request_id, act.transfer_id, res.first_token_id, sink=sink)
+            DecodeStart(act.request_id, act.transfer_id, res.first_token_ids, sink=sink)
         )
         async for resp in self._relay(act, decode_worker):
             yield resp
@@ -401,16 +412,45 @@ class RequestFlow:
                     raise RequestFailed(grpc.StatusCode.UNAVAILABLE, batch.error)
                 if batch.num_cached_tokens:
                     act.cached_tokens = batch.num_cached_tokens
-                if batch.token_ids or batch.text:
+                reason = (batch.finish_reason or FinishReason.STOP) if batch.finished else None
+                if reason is not None and (act.aborted or reason is FinishReason.ABORT):
+                    reason = FinishReason.ABORT  # an abort ends every choice
+                elif act.num_seqs > 1:
+                    for resp in self._choice_chunk(act, batch, reason):
+                        yield resp
+                    if act.all_ended:
+                        yield self.out.complete(act, act.choices_ended[0])
+                        return
+                    continue
+                if (batch.token_ids or batch.text) and act.num_seqs == 1:
                     yield self.out.chunk(
                         act, batch.token_ids, batch.text, batch.logprobs, batch.prompt_logprobs
                     )
-                if batch.finished:
-                    reason = batch.finish_reason or FinishReason.STOP
-                    yield self.out.complete(act, FinishReason.ABORT if act.aborted else reason)
+                if reason is not None:
+                    yield self.out.complete(act, reason)
                     return
         finally:
             decode_worker.untrack(rid)
+
+    def _choice_chunk(
+        self, act: ActiveRequest, batch: TokenBatch, reason: FinishReason | None
+    ) -> list[gen.GenerateResponse]:
+        """n > 1: a choice's tokens, its finish reason on its last chunk. A choice that
+        already ended (its first token did, as the prefill result said) sends nothing."""
+        if batch.index in act.choices_ended:
+            return []
+        if not (batch.token_ids or batch.text or reason is not None):
+            return []
+        chunk = self.out.chunk(
+            act,
+            batch.token_ids,
+            batch.text,
+            batch.logprobs,
+            batch.prompt_logprobs,
+            index=batch.index,
+            finish=reason,
+        )
+        return [chunk]
 
     async def _next_pushed(
         self, act: ActiveRequest, decode_worker: WorkerLoad[DecodeClient], stream: PushedStream

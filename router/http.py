@@ -41,10 +41,11 @@ from router.core import Router
 from router.http_errors import field_names, from_failed
 from router.http_guard import uvicorn_options as connection_limits
 from router.metrics import RouterMetrics
-from router.openai.batch import batch_prompts, indexed, merged
+from router.openai.batch import batch_prompts, merged
 from router.openai.batch import usage_chunk as batch_usage_chunk
 from router.openai.body import BodyLimits, read_json
-from router.openai.format import Formatter, finish_reason, sse
+from router.openai.choices import Choices, collected
+from router.openai.format import Formatter, sse
 from router.openai.protocol import (
     HTTPError,
     StreamOptions,
@@ -54,6 +55,7 @@ from router.openai.protocol import (
     completion_request,
 )
 from router.openai.tokenize import detokenize, tokenize
+from router.openai.tools import ToolPlan
 from router.ports import bind_socket
 from router.tls import ServerTLS
 
@@ -173,15 +175,36 @@ class OpenAIApp:
         return self.router.serviceable()
 
     # ---- endpoints
-    def _formatter(self, chat: bool, response_id: str, opts: StreamOptions) -> Formatter:
-        return Formatter(
-            chat,
-            response_id,
-            self.model,
-            self.router.tokenizer,
-            opts.include_usage,
-            token_ids_as_tokens=opts.return_tokens_as_token_ids,
-        )
+    def _choices(
+        self,
+        chat: bool,
+        response_id: str,
+        opts: StreamOptions,
+        body: dict[str, Any],
+        greq: gen.GenerateRequest,
+        base: int = 0,
+        tools: ToolPlan | None = None,
+    ) -> Choices:
+        """A formatter for each of the request's `n` choices; `base`: its first choice's
+        index in the response (a batch of prompts numbers them across the prompts)."""
+        s = greq.sampling
+        if opts.stream and s.HasField("best_of") and s.best_of > (s.n or 1):
+            raise bad_request(
+                "best_of", "best_of > n cannot be streamed (the best are known at the end)"
+            )
+        fmts = []
+        for _ in range(max(s.n, 1)):
+            fmt = Formatter(
+                chat,
+                response_id,
+                self.model,
+                self.router.tokenizer,
+                opts.include_usage,
+                token_ids_as_tokens=opts.return_tokens_as_token_ids,
+            ).asked(body)
+            fmt.tools = tools
+            fmts.append(fmt)
+        return Choices(fmts, base)
 
     async def completions(self, request: Request) -> Response:
         self.authorize(request)
@@ -196,14 +219,18 @@ class OpenAIApp:
                 )
                 for i, p in enumerate(prompts)
             ]
-            fmts = [self._formatter(False, response_id, opts).asked(body) for _ in greqs]
-            return await self.generate_batch(request, greqs, fmts, opts, body)
+            n = max(greqs[0].sampling.n, 1)
+            sets = [
+                self._choices(False, response_id, opts, body, g, base=i * n)
+                for i, g in enumerate(greqs)
+            ]
+            return await self.generate_batch(request, greqs, sets, opts, body)
         if body.get("add_special_tokens") is False:  # tokenized here: off the event loop
             greq = await asyncio.to_thread(completion_request, body, request_id, self.router)
         else:
             greq = completion_request(body, request_id)
-        fmt = self._formatter(False, response_id, opts).asked(body)
-        return await self.generate(request, greq, fmt, opts, body)
+        choices = self._choices(False, response_id, opts, body, greq)
+        return await self.generate(request, greq, choices, opts, body)
 
     async def chat_completions(self, request: Request) -> Response:
         self.authorize(request)
@@ -213,9 +240,8 @@ class OpenAIApp:
         # The template render and tokenization run off the event loop (the tokenizer lets go
         # of the GIL), so a huge chat does not stall every other request and /health.
         greq, tools = await asyncio.to_thread(chat_request_and_tools, self.router, body, request_id)
-        fmt = self._formatter(True, response_id, opts).asked(body)
-        fmt.tools = tools
-        return await self.generate(request, greq, fmt, opts, body)
+        choices = self._choices(True, response_id, opts, body, greq, tools=tools)
+        return await self.generate(request, greq, choices, opts, body)
 
     def _card(self) -> dict[str, Any]:
         return {
@@ -278,7 +304,7 @@ class OpenAIApp:
         self,
         request: Request,
         greq: gen.GenerateRequest,
-        fmt: Formatter,
+        choices: Choices,
         opts: StreamOptions,
         body: dict[str, Any],
     ) -> Response:
@@ -288,8 +314,8 @@ class OpenAIApp:
         try:
             act = await router.admit(greq)
         except RequestFailed as e:
-            raise from_failed(e, field_names(body, fmt.chat)) from e
-        fmt.admitted(act.request.prompt_token_ids, greq)
+            raise from_failed(e, field_names(body, choices.fmts[0].chat)) from e
+        choices.admitted(act.request.prompt_token_ids, greq)
         run = _Run(router, act, router.run(act))
         handed_off = False
         try:
@@ -297,11 +323,11 @@ class OpenAIApp:
                 first = await until_disconnect(request, _first(run.stream))
                 handed_off = True
                 return SSEResponse(
-                    self._events(run, first, fmt),
+                    self._events(run, first, choices),
                     run.release,
                     headers={**_SSE_HEADERS, "X-Request-Id": act.request.request_id},
                 )
-            body = await until_disconnect(request, self._collect(run, fmt))
+            body = await until_disconnect(request, self._collect(run, choices))
             return JSONResponse(body, headers={"X-Request-Id": act.request.request_id})
         except RequestFailed as e:
             raise from_failed(e) from e
@@ -315,7 +341,7 @@ class OpenAIApp:
         self,
         request: Request,
         greqs: list[gen.GenerateRequest],
-        fmts: list[Formatter],
+        sets: list[Choices],
         opts: StreamOptions,
         body: dict[str, Any],
     ) -> Response:
@@ -324,9 +350,9 @@ class OpenAIApp:
         router = self.router
         runs: list[_Run] = []
         try:
-            for greq, fmt in zip(greqs, fmts, strict=True):
+            for greq, choices in zip(greqs, sets, strict=True):
                 act = await router.admit(greq)
-                fmt.admitted(act.request.prompt_token_ids, greq)
+                choices.admitted(act.request.prompt_token_ids, greq)
                 runs.append(_Run(router, act, router.run(act)))
         except BaseException as e:  # whatever stops the admissions frees the admitted
             await asyncio.gather(*(run.release() for run in runs))
@@ -341,8 +367,8 @@ class OpenAIApp:
         try:
             if opts.stream:
                 handed_off = True
-                return SSEResponse(self._batch_events(runs, fmts), release_all, _SSE_HEADERS)
-            pairs = zip(runs, fmts, strict=True)
+                return SSEResponse(self._batch_events(runs, sets), release_all, _SSE_HEADERS)
+            pairs = zip(runs, sets, strict=True)
             tasks = [asyncio.ensure_future(self._collect(r, f)) for r, f in pairs]
             try:  # one choice failing ends the others (their streams are released below)
                 bodies = await until_disconnect(request, asyncio.gather(*tasks))
@@ -359,9 +385,9 @@ class OpenAIApp:
             if not handed_off:
                 await release_all()
 
-    async def _batch_events(self, runs: list[_Run], fmts: list[Formatter]) -> AsyncIterator[bytes]:
-        """The choices' chunks as they come, each numbered by its prompt; one usage chunk
-        (summed) and `[DONE]` once every choice finished."""
+    async def _batch_events(self, runs: list[_Run], sets: list[Choices]) -> AsyncIterator[bytes]:
+        """The choices' chunks as they come, numbered across the prompts; one usage chunk
+        (summed) and `[DONE]` once every request completed."""
         queue: asyncio.Queue[tuple[int, gen.GenerateResponse | RequestFailed | None]] = (
             asyncio.Queue()
         )
@@ -377,6 +403,9 @@ class OpenAIApp:
         tasks = [asyncio.ensure_future(pump(i, run)) for i, run in enumerate(runs)]
         completes: list[gen.GenerateComplete] = []
         try:
+            for choices in sets:
+                for chunk in choices.opening():
+                    yield sse(chunk)
             done = 0
             while done < len(runs):
                 i, item = await queue.get()
@@ -385,61 +414,41 @@ class OpenAIApp:
                     break
                 if item is None:
                     done += 1
-                elif item.HasField("chunk"):
-                    if (chunk := fmts[i].of_chunk(item.chunk)) is not None:
-                        yield sse(indexed(chunk, i))
-                else:
+                    continue
+                for chunk in sets[i].streamed(item):
+                    yield sse(chunk)
+                if item.HasField("complete"):
                     runs[i].completed = True
                     completes.append(item.complete)
-                    yield sse(indexed(fmts[i].chunk("", [], finish_reason(item.complete)), i))
             else:
-                if fmts[0].include_usage:
-                    yield sse(batch_usage_chunk(fmts[0], completes))
+                if sets[0].fmts[0].include_usage:
+                    yield sse(batch_usage_chunk(sets[0].fmts[0], completes))
             yield sse("[DONE]")
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _collect(self, run: _Run, fmt: Formatter) -> dict[str, Any]:
-        text: list[str] = []
-        lps: list[gen.TokenLogprob] = []
-        prompt: list[gen.TokenLogprob] = []
-        async for resp in run.stream:
-            if resp.HasField("chunk"):
-                text.append(resp.chunk.text)
-                lps.extend(resp.chunk.logprobs)
-                prompt.extend(resp.chunk.prompt_logprobs)
-            else:
-                run.completed = True
-                return fmt.full("".join(text), lps, resp.complete, prompt)
-        raise RequestFailed(grpc.StatusCode.INTERNAL, "the request ended without completing")
+    async def _collect(self, run: _Run, choices: Choices) -> dict[str, Any]:
+        body = await collected(choices, run.stream)
+        if body is None:
+            raise RequestFailed(grpc.StatusCode.INTERNAL, "the request ended without completing")
+        run.completed = True
+        return body
 
     async def _events(
-        self, run: _Run, first: gen.GenerateResponse | None, fmt: Formatter
+        self, run: _Run, first: gen.GenerateResponse | None, choices: Choices
     ) -> AsyncIterator[bytes]:
         try:
-            if fmt.chat:
-                yield sse(fmt.chunk("", [], role=True))
+            for chunk in choices.opening():
+                yield sse(chunk)
             resp: gen.GenerateResponse | None = first
-            held: list[str] = []  # with tools in play: the text, read for calls at the end
             while resp is not None:
-                if resp.HasField("chunk"):
-                    c = resp.chunk
-                    if fmt.streams_arguments:
-                        if c.text:
-                            yield sse(fmt.arguments_chunk(c.text))
-                    elif fmt.tools is not None:
-                        held.append(c.text)
-                    elif (chunk := fmt.of_chunk(c)) is not None:
-                        yield sse(chunk)
-                else:
+                for chunk in choices.streamed(resp):
+                    yield sse(chunk)
+                if resp.HasField("complete"):
                     run.completed = True
-                    if fmt.tools is not None:
-                        for chunk in fmt.tool_chunks("".join(held), resp.complete):
-                            yield sse(chunk)
-                    else:
-                        yield sse(fmt.chunk("", [], finish_reason(resp.complete)))
+                    fmt = choices.fmts[0]
                     if fmt.include_usage:
                         yield sse(fmt.usage_chunk(resp.complete))
                     break

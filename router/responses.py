@@ -17,7 +17,10 @@ def chunk(
     text: str,
     logprobs: Sequence[TokenLogprob],
     prompt_logprobs: Sequence[TokenLogprob | None] = (),
+    index: int = 0,
+    finish: FinishReason | None = None,
 ) -> gen.GenerateResponse:
+    """`index`, `finish`: the choice, and (n > 1) its finish reason on its last chunk."""
     return gen.GenerateResponse(
         request_id=request_id,
         chunk=gen.GenerateChunk(
@@ -25,6 +28,8 @@ def chunk(
             text=text,
             logprobs=[logprob_pb(lp) for lp in logprobs],
             prompt_logprobs=prompt_logprobs_pb(prompt_logprobs),
+            index=index,
+            finish_reason=FINISH_TO_PROTO[finish] if finish is not None else None,
         ),
     )
 
@@ -53,5 +58,10 @@ def complete(act: ActiveRequest, reason: FinishReason) -> gen.GenerateResponse:
             ),
             prefill_worker=act.prefill.name if act.prefill else "",
             decode_worker=act.decode.name if act.decode else "",
+            choice_finish_reasons=(
+                [FINISH_TO_PROTO[act.choices_ended.get(i, reason)] for i in range(act.num_seqs)]
+                if act.num_seqs > 1
+                else []
+            ),
         ),
     )

@@ -79,6 +79,7 @@ class EdgeLimits:
     max_stop_strings: int = 16
     max_stop_chars: int = 256
     max_stop_token_ids: int = 256
+    max_n: int = 16
 
     @classmethod
     def of(cls, cfg: RouterConfig, max_model_len: int) -> EdgeLimits:
@@ -88,6 +89,7 @@ class EdgeLimits:
             max_stop_strings=cfg.limits.max_stop_strings,
             max_stop_chars=cfg.limits.max_stop_chars,
             max_stop_token_ids=MAX_STOP_TOKEN_IDS,
+            max_n=cfg.limits.max_n,
         )
 
     def check(self, request: gen.GenerateRequest) -> None:
@@ -105,6 +107,14 @@ class EdgeLimits:
             what = f"your prompt has {len(request.token_ids.ids)} tokens"
             raise ContextLengthError("prompt", too_long_message(self.max_prompt_tokens, what))
         s = request.sampling
+        n = _int(s, "n") or 1
+        best_of = _int(s, "best_of")
+        if not 1 <= n <= self.max_n:
+            raise InvalidParameterError("n", f"must be in [1, {self.max_n}], got {n}")
+        if best_of is not None and not n <= best_of <= self.max_n:
+            raise InvalidParameterError(
+                "best_of", f"must be in [n={n}, {self.max_n}], got {best_of}"
+            )
         if len(s.stop) > self.max_stop_strings:
             raise InvalidParameterError("stop", f"at most {self.max_stop_strings} stop strings")
         if any(len(x) > self.max_stop_chars for x in s.stop):
@@ -149,9 +159,11 @@ def sampling_from_proto(
     """Unset optional scalars take the checkpoint's generation defaults where it has them,
     else OpenAI's (temperature 1.0, not 0; max_tokens 16)."""
     defaults = defaults or GenerationDefaults()
-    n = _int(s, "n")
-    if n is not None and n != 1:
-        raise InvalidParameterError("n", f"only n=1 is supported, got {n}")
+    n = _int(s, "n") or 1
+    best_of = _int(s, "best_of") or n
+    logprobs = _int(s, "logprobs")
+    if best_of > n and logprobs is None:
+        logprobs = 0  # the router ranks sequences by their tokens' logprobs (not returned)
     max_tokens = _int(s, "max_tokens")
     if max_tokens is None:
         max_tokens = defaults.max_tokens or _DEFAULT_MAX_TOKENS
@@ -170,8 +182,9 @@ def sampling_from_proto(
         ignore_eos=s.HasField("ignore_eos") and s.ignore_eos,
         stop=tuple(s.stop),
         stop_token_ids=tuple(int(t) for t in s.stop_token_ids),
-        logprobs=_int(s, "logprobs"),
+        logprobs=logprobs,
         prompt_logprobs=_int(s, "prompt_logprobs"),
+        n=best_of,
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items())),
         allowed_token_ids=(
             tuple(int(t) for t in s.allowed_token_ids.ids)

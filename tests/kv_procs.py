@@ -702,7 +702,7 @@ def decode_after_transfer(
     with receiver.lock:
         res = receiver.take(transfer_id)
         assert res.state is ReservationState.COMPLETE
-        engine.add_prefilled(req, first)
+        engine.add_prefilled(req, [first])
     while not req.is_finished:
         with receiver.lock:
             engine.step()

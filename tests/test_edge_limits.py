@@ -225,7 +225,7 @@ def _http_cases() -> list[tuple[str, str, str, Any]]:
     add("c", "prompt", ("", [], [[1, 2]], [-1], [10**6], [1.5], None, 5, {"a": 1}, SURROGATE))
     add("c", "stream_options", ("x", {"include_usage": "yes"}, []))
     add("c", "echo", (True,))
-    add("c", "best_of", (2,))
+    add("c", "best_of", (0, 17))
     add("c", "suffix", ("x",))
     add("c", "logit_bias", ({"1": 1},))
     add("chat", "messages", (
@@ -313,7 +313,7 @@ def _grpc_cases() -> list[tuple[str, str, dict[str, Any]]]:
         "seed": (-1, 2**63 - 1),
         "max_tokens": (0, -1, 2**31 - 1),
         "min_tokens": (-1, 100, 2**31 - 1),
-        "n": (0, 2, -1),
+        "n": (0, 17, -1),
         "logprobs": (-1, 21, 1000),
         "stop": (["a"] * 17, ["x" * 300], [""], ["\ud800"]),
         "stop_token_ids": ([-1], [10**9], [2**31 - 1], [1] * 257),

@@ -750,7 +750,7 @@ def test_prefill_decode_handoff_matches_colocated(make_engine: MakeEngine, with_
     n = -(-len(STOP_PROMPT) // dec.cache_config.block_size)
     pre.cache.copy_blocks(pre.blocks.block_table("x")[:n], dec.cache, list(dst[:n]))
     pre.release("x")
-    head = dec.add_prefilled(req, first.new_token_ids[0])
+    [head] = dec.add_prefilled(req, first.new_token_ids)
     assert head.text_delta == first.text_delta  # both sides hold back the same tail
     rest = stream(dec, "x")
     assert list(first.new_token_ids) + [t for o in rest for t in o.new_token_ids] == (

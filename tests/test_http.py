@@ -232,7 +232,9 @@ def test_context_length_error_verbatim(oa: Any, tokenizer: Tokenizer) -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"prompt": "hi", "n": 2}, "n"),
+        ({"prompt": "hi", "n": 17}, "n"),
+        ({"prompt": "hi", "n": 3, "best_of": 2}, "best_of"),
+        ({"prompt": "hi", "n": 2, "best_of": 3, "stream": True}, "best_of"),
         ({"prompt": "hi", "temperature": -1.0}, "temperature"),
         ({"prompt": "hi", "temperature": "hot"}, "temperature"),
         ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),

@@ -209,7 +209,7 @@ def test_a_token_one_that_breaks_the_grammar_is_refused_and_frees_its_blocks(
     engine.blocks.allocate("bad-first", [], len(ids) + 1)
     bad = engine.tokenizer.encode("hello", False)[0]
     with pytest.raises(GrammarRejected, match="breaks its grammar"):
-        engine.add_prefilled(req, bad)
+        engine.add_prefilled(req, [bad])
     assert engine.blocks.num_free_blocks == free_before and not engine.has_unfinished()
 
 

@@ -77,7 +77,8 @@ def test_every_refused_field_is_a_400_naming_it() -> None:
 HONOURED = {
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "logprobs",
-    "top_logprobs", "n", "stream", "stream_options", "top_k", "min_p", "repetition_penalty",
+    "top_logprobs", "n", "best_of", "stream", "stream_options", "top_k", "min_p",
+    "repetition_penalty",
     "min_tokens", "ignore_eos", "stop_token_ids", "cache_salt", "add_special_tokens",
     "add_generation_prompt", "continue_final_message", "return_tokens_as_token_ids",
     "request_id", "logit_bias", "response_format", "structured_outputs", "guided_json",

@@ -1,5 +1,6 @@
-"""A list of prompts in one /v1/completions call, answered as vLLM answers it: one choice per
-prompt, in order, `index` numbered across them, usage summed. Each prompt is its own
+"""A list of prompts in one /v1/completions call, answered as vLLM answers it: n choices per
+prompt, in order, `index` numbered across them (prompt i's choice j is i * n + j), usage
+summed. Each prompt is its own
 request to the router (routed, prefix-cached and released on its own); this module only
 splits the body and merges the answers."""
 
@@ -28,10 +29,10 @@ def batch_prompts(body: dict[str, Any]) -> list[Any] | None:
 
 
 def merged(bodies: list[dict[str, Any]]) -> dict[str, Any]:
-    """One response of the per-prompt responses: their choices numbered in order, usage
-    summed (the prompts are each counted once)."""
+    """One response of the per-prompt responses: their choices (already numbered across
+    the prompts) in order, usage summed (each prompt counted once)."""
     out = dict(bodies[0])
-    out["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+    out["choices"] = [c for b in bodies for c in b["choices"]]
     out["usage"] = summed([b["usage"] for b in bodies])
     return out
 
@@ -44,12 +45,6 @@ def summed(usages: list[dict[str, Any]]) -> dict[str, Any]:
             total[k] += u[k]
         cached += u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
     return {**total, "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def indexed(chunk: dict[str, Any], index: int) -> dict[str, Any]:
-    """A streamed chunk of one prompt's choice, numbered as that choice."""
-    chunk["choices"] = [{**c, "index": index} for c in chunk["choices"]]
-    return chunk
 
 
 def usage_chunk(fmt: Formatter, completes: list[gen.GenerateComplete]) -> dict[str, Any]:

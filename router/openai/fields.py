@@ -4,7 +4,7 @@ OpenAI's completions and chat completions fields and vLLM's extras, each either 
 (router/openai/protocol.py maps it), accepted and harmless (`HARMLESS`: it cannot change
 the output, so it is read and dropped, as OpenAI drops `user`), or refused here with a 400
 naming it unless its value is one that changes nothing (`REFUSED`: `echo: false`, `n`
-checks aside, `best_of: 1`, `function_call: none`, ...). A field in neither table and not
+checks aside, `function_call: none`, ...). A field in neither table and not
 honoured is unknown: ignored, as vLLM does.
 
 `unsupported` runs before the prompt is parsed, in the order of `REFUSED`; a null is the
@@ -66,7 +66,6 @@ REFUSED: tuple[Refused, ...] = (
     # OpenAI
     Refused("echo", CHAT, _is(False), "echo on chat must be false (completions honour it)",
             True),
-    Refused("best_of", BOTH, _is(1), "best_of must be 1", 2),
     Refused("suffix", COMPLETIONS, _empty, "no suffix", "tail"),
     Refused("functions", CHAT, _empty, "the legacy functions: send tools", [{"name": "f"}]),
     Refused("function_call", CHAT, _no_function_call, "the legacy function_call: send tool_choice",

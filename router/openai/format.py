@@ -29,6 +29,17 @@ def finish_reason(c: gen.GenerateComplete) -> str:
     return _FINISH[c.finish_reason]
 
 
+def finish_name(reason: int) -> str:
+    """A proto finish reason as OpenAI names it."""
+    return _FINISH[reason]  # type: ignore[index]
+
+
+def choice_finish(c: gen.GenerateComplete, index: int) -> str:
+    """Choice `index`'s finish reason as OpenAI names it (n > 1: the completion's entry)."""
+    reasons = c.choice_finish_reasons
+    return _FINISH[reasons[index] if index < len(reasons) else c.finish_reason]
+
+
 def _finite(x: float) -> float:
     """JSON has no -inf: a token the sampler could never pick gets a very low logprob."""
     return x if math.isfinite(x) else -9999.0
@@ -277,28 +288,32 @@ class Formatter:
         chunk["choices"][0]["delta"] = {"tool_calls": [call]}
         return chunk
 
-    def of_chunk(self, c: gen.GenerateChunk) -> dict[str, Any] | None:
+    def of_chunk(
+        self, c: gen.GenerateChunk, prompt: Sequence[gen.TokenLogprob] = ()
+    ) -> dict[str, Any] | None:
         """The streamed chunk of a router chunk; None when it carries nothing to send (no
-        text, no logprobs, and the prompt's part, if asked, already sent)."""
+        text, no logprobs, and the prompt's part, if asked, already sent). `prompt`: the
+        request's prompt logprobs when this choice's chunks do not carry them (n > 1)."""
         if c.text or c.logprobs or (self.has_prompt_part and not self.prompt_sent):
-            return self.chunk(c.text, list(c.logprobs), prompt=list(c.prompt_logprobs))
+            plps = list(c.prompt_logprobs) or list(prompt)
+            return self.chunk(c.text, list(c.logprobs), prompt=plps)
         return None
 
-    def tool_chunks(self, text: str, c: gen.GenerateComplete) -> list[dict[str, Any]]:
+    def tool_chunks(self, text: str, finish: str | None) -> list[dict[str, Any]]:
         """A streamed tool request's ending, once its whole text is in: the content (if
         any), one delta per call in OpenAI's shape (`index`, `id`, `function.name` and the
         whole `arguments`), and the finish chunk (`tool_calls` when there is a call)."""
         assert self.tools is not None
         if self.streams_arguments:  # its arguments went out as they came
             out = [] if self._call_id else [self.arguments_chunk("")]
-            return [*out, self.chunk("", [], _tool_finish([self._call_id], finish_reason(c)))]
+            return [*out, self.chunk("", [], _tool_finish([self._call_id], finish))]
         content, calls = self.tools.parse(text)
         out = [self.chunk(content, [])] if content else []
         for i, call in enumerate(calls):
             chunk = self.chunk("", [])
             chunk["choices"][0]["delta"] = {"tool_calls": [call.to_openai(index=i)]}
             out.append(chunk)
-        out.append(self.chunk("", [], _tool_finish(calls, finish_reason(c))))
+        out.append(self.chunk("", [], _tool_finish(calls, finish)))
         return out
 
     def usage_chunk(self, c: gen.GenerateComplete) -> dict[str, Any]:
@@ -313,9 +328,12 @@ class Formatter:
         lps: list[gen.TokenLogprob],
         c: gen.GenerateComplete,
         prompt: Sequence[gen.TokenLogprob] = (),
+        index: int = 0,
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
-        finish: str | None = finish_reason(c)
+        """The whole response with this choice; `index`: which one (n > 1: its finish
+        reason is the completion's entry for it)."""
+        choice: dict[str, Any] = {"index": index}
+        finish: str | None = choice_finish(c, index)
         echoed, entries, vllm = (
             self.prompt_part(prompt) if self.has_prompt_part else ("", None, None)
         )

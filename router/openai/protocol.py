@@ -301,6 +301,7 @@ class Sampling(RequestPart):
     top_k: Int32 | None = None
     min_tokens: Int32 | None = None
     n: Int32 | None = None
+    best_of: Int32 | None = None
     seed: Int64 | None = None
     ignore_eos: StrictBool | None = None
     stop: Stop | None = None
@@ -315,7 +316,7 @@ class Sampling(RequestPart):
                 setattr(s, key, v)
         if self.top_k is not None and self.top_k not in (-1, 0):  # vLLM: -1 or 0 disables
             s.top_k = self.top_k
-        for key in ("min_tokens", "n", "seed"):
+        for key in ("min_tokens", "n", "best_of", "seed"):
             if (iv := getattr(self, key)) is not None:
                 setattr(s, key, iv)
         if max_tokens is not None:

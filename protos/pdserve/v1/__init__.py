@@ -13,4 +13,7 @@ the version of the wires pdserve owns between its own processes."""
 #      version-1 sender would ignore (it would sample token #1 unconstrained); workers also
 #      report their grammar backend, and workers of different backends never pair. The
 #      token stream's deltas carry prompt logprobs (a version-1 router would drop them).
-WIRE_VERSION = 2
+#   3  n > 1: the token stream's deltas carry the choice index (a version-2 router would
+#      run a request's choices together as one), and prefill results one first token per
+#      choice.
+WIRE_VERSION = 3

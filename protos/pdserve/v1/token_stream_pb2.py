@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import generation_pb2 as protos_dot_pdserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$protos/pdserve/v1/token_stream.proto\x12\npdserve.v1\x1a\"protos/pdserve/v1/generation.proto\"H\n\x10TokenStreamHello\x12\x0e\n\x06secret\x18\x01 \x01(\x0c\x12\x0e\n\x06worker\x18\x02 \x01(\t\x12\x14\n\x0cwire_version\x18\x03 \x01(\r\"\x8d\x02\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"g\n\x10TokenStreamFrame\x12+\n\x05hello\x18\x01 \x01(\x0b\x32\x1c.pdserve.v1.TokenStreamHello\x12&\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.TokenDeltab\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$protos/pdserve/v1/token_stream.proto\x12\npdserve.v1\x1a\"protos/pdserve/v1/generation.proto\"H\n\x10TokenStreamHello\x12\x0e\n\x06secret\x18\x01 \x01(\x0c\x12\x0e\n\x06worker\x18\x02 \x01(\t\x12\x14\n\x0cwire_version\x18\x03 \x01(\r\"\x9c\x02\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\n \x01(\r\"g\n\x10TokenStreamFrame\x12+\n\x05hello\x18\x01 \x01(\x0b\x32\x1c.pdserve.v1.TokenStreamHello\x12&\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.TokenDeltab\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENSTREAMHELLO']._serialized_start=88
   _globals['_TOKENSTREAMHELLO']._serialized_end=160
   _globals['_TOKENDELTA']._serialized_start=163
-  _globals['_TOKENDELTA']._serialized_end=432
-  _globals['_TOKENSTREAMFRAME']._serialized_start=434
-  _globals['_TOKENSTREAMFRAME']._serialized_end=537
+  _globals['_TOKENDELTA']._serialized_end=447
+  _globals['_TOKENSTREAMFRAME']._serialized_start=449
+  _globals['_TOKENSTREAMFRAME']._serialized_end=552
 # @@protoc_insertion_point(module_scope)
