@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 PACKAGES := engine kv_transfer pool_api worker_common prefill_workers decode_workers router pdserve
 export PDSERVE_HOME ?= $(CURDIR)/.venv/pdserve-home
 
-.PHONY: install demo test lint bench bench-engine bench-transfer bench-prefix bench-serving bench-structured bench-peers bench-peers-api redis chaos
+.PHONY: install demo test lint bench bench-engine bench-transfer bench-prefix bench-serving bench-structured bench-choices bench-peers bench-peers-api redis chaos
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -55,6 +55,11 @@ bench-serving: $(STAMP)
 
 bench-structured: $(STAMP)
 	$(BIN)/python benchmarks/structured.py
+
+# n > 1: n choices from one prompt pass against n = 1, TTFT and decode tokens/s, both modes
+# (benchmarks/choices.py).
+bench-choices: $(STAMP)
+	$(BIN)/python benchmarks/choices.py
 
 # The API side by side with vLLM's CPU build: shapes and greedy tokens (benchmarks/peers_api.py).
 bench-peers-api: $(STAMP)

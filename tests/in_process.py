@@ -119,6 +119,19 @@ def asgi_call(
 ) -> tuple[int, dict[str, str], bytes]:
     """One request through the ASGI app, no server: (status, headers, body)."""
     import asyncio
+
+    return asyncio.run(asgi_request(app, method, path, body, headers))
+
+
+async def asgi_request(
+    app: Any,
+    method: str,
+    path: str,
+    body: dict[str, Any] | bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], bytes]:
+    """`asgi_call` on the running event loop (a started Router's)."""
+    import asyncio
     import json
 
     raw = json.dumps(body).encode() if isinstance(body, dict) else (body or b"")
@@ -150,7 +163,7 @@ def asgi_call(
         "client": ("127.0.0.1", 1),
         "server": ("127.0.0.1", 80),
     }
-    asyncio.run(app(scope, receive, send))
+    await app(scope, receive, send)
     start = sent[0]
     out = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     got = {k.decode().lower(): v.decode() for k, v in start.get("headers", [])}

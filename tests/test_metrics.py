@@ -105,9 +105,9 @@ def test_counts_after_n_requests(server: ServeProcess, stub: gen_grpc.Generation
         )
         prompt_tokens += responses[-1].complete.usage.prompt_tokens
         completion_tokens += responses[-1].complete.usage.completion_tokens
-    # one rejected at admission (n=2), one refused for its key: neither is a request served
+    # one rejected at admission (n over max_n), one refused for its key: neither is served
     auth = {"Authorization": f"Bearer {API_KEY}"}
-    assert server.request("POST", "/v1/completions", {"prompt": "x", "n": 2}, auth)[0] == 400
+    assert server.request("POST", "/v1/completions", {"prompt": "x", "n": 17}, auth)[0] == 400
     assert server.request("POST", "/v1/completions", {"prompt": "x"})[0] == 401
 
     n = N_HTTP + N_GRPC

@@ -8,7 +8,8 @@ router's gRPC and HTTP servers) and runs the scenarios in sequence, each a load 
 - cancel: 200 streams, each cut short (client cancel or `Abort`) at a point planned in one
   of four stages (before prefill, prefill, transfer, decode) from a calibration run's timings;
 - kill-prefill / kill-decode: 100 requests; kill -9 of the process of the prefill / decode
-  worker the router has the most requests on, once 25 of them ended;
+  worker the router has the most requests on, once 25 of them ended; kill-decode-n4 the
+  same with n = 4 seeded choices per request (each forked on its decode worker);
 - freeze-decode / freeze-prefill: 100 requests spread over the freeze; SIGSTOP of the worker
   the router has the most requests on for 40 s (`--freeze-s`), then SIGCONT: its requests
   end within 10 s, none as an abort, and the rest of the service serves meanwhile;
@@ -108,6 +109,7 @@ class ChaosConfig:
         "cancel",
         "kill-prefill",
         "kill-decode",
+        "kill-decode-n4",
         "freeze-decode",
         "freeze-prefill",
         "redis",
@@ -229,7 +231,15 @@ def random_prompt(rng: random.Random, n: int, vocab_size: int) -> list[int]:
     return [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(n)]
 
 
-def request_of(ids: list[int], request_id: str, max_tokens: int) -> gen.GenerateRequest:
+def request_of(
+    ids: list[int], request_id: str, max_tokens: int, n: int = 1
+) -> gen.GenerateRequest:
+    """Greedy; with `n` > 1, n seeded choices (sampled: each its own tokens)."""
+    if n > 1:
+        return make_request(
+            ids, request_id=request_id, temperature=1.0, seed=len(ids), n=n,
+            max_tokens=max_tokens, ignore_eos=True,
+        )  # fmt: skip
     return make_request(
         ids, request_id=request_id, temperature=0.0, max_tokens=max_tokens, ignore_eos=True
     )
@@ -490,14 +500,15 @@ class Chaos:
         return Driver(self.rig.target, self.cfg.hang_bound_s, self.rig, self.cfg.progress)
 
     def request(
-        self, tag: str, ids: list[int] | None = None, max_tokens: int | None = None
+        self, tag: str, ids: list[int] | None = None, max_tokens: int | None = None, n: int = 1
     ) -> gen.GenerateRequest:
         self._n += 1
         ids = ids or random_prompt(self.rng, self.cfg.prompt_len, self.vocab_size)
-        return request_of(ids, f"chaos-{tag}-{self._n}", max_tokens or self.cfg.output_len)
+        return request_of(ids, f"chaos-{tag}-{self._n}", max_tokens or self.cfg.output_len, n)
 
-    def shots(self, tag: str, n: int) -> list[Shot]:
-        return [Shot(self.request(tag)) for _ in range(n)]
+    def shots(self, tag: str, count: int, n: int = 1) -> list[Shot]:
+        """`count` requests of `n` choices each."""
+        return [Shot(self.request(tag, n=n)) for _ in range(count)]
 
     def quiesce(self) -> Quiescence:
         """After the load: wait out the lease (and a reaper period) for anything held."""
@@ -647,16 +658,18 @@ async def _aim_streaming(
         await asyncio.sleep(0.002)
 
 
-def scenario_kill(ch: Chaos, role: str) -> ScenarioResult:
+def scenario_kill(ch: Chaos, role: str, n: int = 1) -> ScenarioResult:
     """kill -9 of a `role` worker's process once `kill_after` requests ended: of the one
     the router has the most requests on (waiting for one to have any; the requests on it
     right before the kill are the fault's proof). Both pools' workers share the load, but
-    routing by free KV blocks may leave one of them without a request for a while."""
+    routing by free KV blocks may leave one of them without a request for a while. `n`:
+    choices per request (n > 1: each request's choices are forked sequences there)."""
     cfg = ch.cfg
-    names = [n for n in ch.rig.actors() if f"-{role}-" in n]
-    pids = {n: ch.rig.pid(n) for n in names}
+    names = [w for w in ch.rig.actors() if f"-{role}-" in w]
+    pids = {w: ch.rig.pid(w) for w in names}
     d = ch.driver()
-    shots = ch.shots(f"kill-{role}", cfg.num_kill)
+    row = f"kill-{role}" + (f"-n{n}" if n > 1 else "")
+    shots = ch.shots(row, cfg.num_kill, n)
     fault: dict[str, float] = {}
     hit: list[str] = []
     victim: list[str] = []
@@ -677,9 +690,7 @@ def scenario_kill(ch: Chaos, role: str) -> ScenarioResult:
 
     outs = asyncio.run(body())
     t_kill, name = fault["at"], victim[0]
-    res = ScenarioResult(
-        f"kill-{role}", f"kill -9 {name} (pid {int(fault['pid'])})", outs, fault_s=[t_kill]
-    )
+    res = ScenarioResult(row, f"kill -9 {name} (pid {int(fault['pid'])})", outs, fault_s=[t_kill])
     res.recover_s = None if math.isnan(fault["recover"]) else fault["recover"]
     res.quiescence = ch.quiesce()
     in_flight = [o for o in outs if o.sent_s <= t_kill and (o.ended_s or math.inf) > t_kill]
@@ -1458,6 +1469,7 @@ SCENARIOS: dict[str, Callable[[Chaos], ScenarioResult]] = {
     "cancel": scenario_cancel,
     "kill-prefill": lambda ch: scenario_kill(ch, "prefill"),
     "kill-decode": lambda ch: scenario_kill(ch, "decode"),
+    "kill-decode-n4": lambda ch: scenario_kill(ch, "decode", n=4),
     "freeze-decode": lambda ch: scenario_freeze(ch, "decode"),
     "freeze-prefill": lambda ch: scenario_freeze(ch, "prefill"),
     "redis": scenario_redis,
