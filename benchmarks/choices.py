@@ -47,6 +47,10 @@ from protos.pdserve.v1 import generation_pb2 as gen  # noqa: E402
 from protos.pdserve.v1 import generation_pb2_grpc as gen_grpc  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
+WORDS = (
+    "Story", "Tale", "Note", "Report", "Letter", "Poem", "Essay", "Sketch",
+    "Memo", "Diary", "Legend", "Fable", "Account", "Chronicle", "Record", "Summary",
+)  # fmt: skip
 NS = (1, 2, 4, 8)
 MAX_TOKENS = 64
 TOPIC = (
@@ -56,11 +60,12 @@ TOPIC = (
 
 
 def prompts(tok: Tokenizer, count: int) -> list[list[int]]:
-    """Chat-templated prompts of about 250 tokens, each its own (no shared prefix cache
-    beyond the template's head)."""
+    """Chat-templated prompts of about 250 tokens, each used once and each its own from its
+    first words: no prefix-cache hit beyond the template's head, so TTFT is a whole prompt
+    pass."""
     return [
         tok.encode_chat(
-            [{"role": "user", "content": f"Story {i}. " + TOPIC * 5 + "Tell me about it."}]
+            [{"role": "user", "content": f"{WORDS[i % 16]} {i}. " + TOPIC * 5 + "Tell me."}]
         )
         for i in range(count)
     ]
@@ -97,12 +102,12 @@ def run_mode(target: str, ids: list[list[int]], rounds: int, bar: tqdm) -> dict[
     client = Client(target, timeout_s=600)
     samples: dict[int, list[dict[str, float]]] = {n: [] for n in NS}
     try:
-        one(client, ids[-1], 4, "warmup")
+        one(client, ids[-1], 4, "warmup")  # the last prompt: the rounds use the others
         before = prefill_requests(target)
         k = 0
         for r in range(rounds):
             for n in NS if r % 2 == 0 else reversed(NS):  # ABBA: drift hits every n alike
-                samples[n].append(one(client, ids[k % len(ids)], n, f"choices-{k}"))
+                samples[n].append(one(client, ids[k], n, f"choices-{k}"))
                 k += 1
                 bar.update()
         passes = prefill_requests(target) - before
@@ -147,15 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(RESULTS_DIR / "choices-latest.json"))
     p.add_argument("--modes", default="disaggregated,colocated")
-    p.add_argument("--rounds", type=int, default=6, help="requests of each n per mode")
+    p.add_argument("--rounds", type=int, default=8, help="requests of each n per mode")
     args = p.parse_args(argv)
     model_dir = resolve_model(DEFAULT_MODEL)
-    ids = prompts(Tokenizer.from_dir(model_dir), 8)
+    ids = prompts(Tokenizer.from_dir(model_dir), args.rounds * len(NS) + 1)
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "model": DEFAULT_MODEL,
-        "prompt_tokens": [len(x) for x in ids],
+        "prompt_tokens": [min(len(x) for x in ids), max(len(x) for x in ids)],
         "max_tokens": MAX_TOKENS,
         "modes": {},
     }

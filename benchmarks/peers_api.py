@@ -49,6 +49,12 @@ CASES: dict[str, dict[str, Any]] = {
     "min_tokens with a stop string": {"prompt": TEXT, "min_tokens": 6, "stop": ["."]},
     "echo with logprobs": {"prompt": TEXT, "echo": True, "logprobs": 1, "max_tokens": 1},
     "prompt_logprobs": {"prompt": TEXT, "prompt_logprobs": 2, "max_tokens": 2},
+    "n=3 (greedy: three equal choices)": {"prompt": TEXT, "n": 3},
+    "a list of prompts with n=2": {"prompt": [TEXT, "1, 2, 3,"], "n": 2},
+    "n=2 with echo and prompt_logprobs": {
+        "prompt": TEXT, "n": 2, "echo": True, "prompt_logprobs": 1, "max_tokens": 2,
+    },
+    "best_of=2": {"prompt": TEXT, "best_of": 2},
 }
 
 
