@@ -40,6 +40,7 @@ from pdserve.models import DEFAULT_MODEL, resolve_model  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results" / "peers_api-latest.json"
 TEXT = "The city of Paris is the capital of France. It lies on the river"
 BASE = {"temperature": 0, "max_tokens": 12, "logprobs": 0, "return_tokens_as_token_ids": True}
+SAMPLED = {"temperature": 0.8, "seed": 3}
 CASES: dict[str, dict[str, Any]] = {
     "one prompt": {"prompt": TEXT},
     "a list of prompts": {"prompt": [TEXT, "Name three primary colors:", "1, 2, 3,"]},
@@ -49,11 +50,15 @@ CASES: dict[str, dict[str, Any]] = {
     "min_tokens with a stop string": {"prompt": TEXT, "min_tokens": 6, "stop": ["."]},
     "echo with logprobs": {"prompt": TEXT, "echo": True, "logprobs": 1, "max_tokens": 1},
     "prompt_logprobs": {"prompt": TEXT, "prompt_logprobs": 2, "max_tokens": 2},
-    "n=3 (greedy: three equal choices)": {"prompt": TEXT, "n": 3},
-    "a list of prompts with n=2": {"prompt": [TEXT, "1, 2, 3,"], "n": 2},
-    "n=2 with echo and prompt_logprobs": {
-        "prompt": TEXT, "n": 2, "echo": True, "prompt_logprobs": 1, "max_tokens": 2,
+    # vLLM refuses n > 1 when greedy ("n must be 1 when using greedy sampling"): these
+    # sample (seeded), so their tokens differ between the two (each its own RNG); the
+    # shapes and the number of choices are what compare
+    "n=3 (sampled)": {"prompt": TEXT, "n": 3, **SAMPLED},
+    "a list of prompts with n=2 (sampled)": {"prompt": [TEXT, "1, 2, 3,"], "n": 2, **SAMPLED},
+    "n=2 with echo and prompt_logprobs (sampled)": {
+        "prompt": TEXT, "n": 2, "echo": True, "prompt_logprobs": 1, "max_tokens": 2, **SAMPLED,
     },
+    "n=3 greedy": {"prompt": TEXT, "n": 3},
     "best_of=2": {"prompt": TEXT, "best_of": 2},
 }
 

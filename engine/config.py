@@ -20,7 +20,13 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "SmolLM3ForCausalLM": "smollm3",
+    "Gemma3ForCausalLM": "gemma3",
 }
+MODEL_TYPES = {"gemma3_text": "gemma3"}  # a `model_type` spelled otherwise than pdserve's name
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
@@ -31,13 +37,19 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. ``rope_type`` is ``default``, ``linear`` or ``llama3``."""
+    """RoPE frequency scaling, one of `ROPE_TYPES` (engine.rope computes each)."""
 
     rope_type: str = "default"
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3, yarn, dynamic
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn: cos/sin scale (None: from factor)
+    mscale: float | None = None  # yarn (DeepSeek's spelling of the scale)
+    mscale_all_dim: float | None = None
+    truncate: bool = True  # yarn: round the ramp's bounds to whole dimensions
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,21 @@ class ModelConfig:
     dtype: str  # checkpoint dtype name, one of DTYPE_NAMES
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Per layer, which RoPE it applies: "global" (`rope_theta`, `rope_scaling`), "local"
+    # (`local_rope_theta`, `local_rope_scaling`: Gemma 3's sliding layers) or "none" (NoPE:
+    # SmolLM3's every fourth layer); empty: every layer global.
+    layer_rope: tuple[str, ...] = ()
+    local_rope_theta: float = 10000.0
+    local_rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_tanh
+    # Gemma 3's block: norms scale by (1 + w) in float32, the attention and MLP outputs are
+    # normed before their residual adds, embeddings are scaled by sqrt(hidden_size)
+    gemma_norms: bool = False
+    query_scale: float | None = None  # attention's scale (None: head_dim ** -0.5)
+
+    def rope_of(self, layer: int) -> str:
+        return self.layer_rope[layer] if self.layer_rope else "global"
 
     @property
     def q_size(self) -> int:
@@ -108,12 +135,28 @@ class ModelConfig:
             if key not in raw:
                 raise ConfigError(f"config.json: missing required key {key!r}")
         num_heads, num_kv_heads, head_dim = _read_heads(raw)
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"config.json: hidden_act={raw.get('hidden_act')!r}; only silu")
-        rope_theta, scaling = _read_rope(raw)
+        act_key = "hidden_activation" if "hidden_activation" in raw else "hidden_act"
+        act = raw.get(act_key, "silu")
+        if act not in ACTIVATIONS:
+            raise ConfigError(
+                f"config.json: {act_key}={act!r}; supported: {', '.join(sorted(ACTIVATIONS))}"
+            )
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if raw.get(key) is not None:
+                raise ConfigError(f"config.json: {key}={raw[key]!r} is not supported (null only)")
+        if raw.get("use_bidirectional_attention"):
+            raise ConfigError(
+                "config.json: use_bidirectional_attention=true (an embedding model) is not "
+                "supported: pdserve serves causal decoders"
+            )
         num_layers = int(raw["num_hidden_layers"])
+        (rope_theta, scaling), local, layer_rope = _read_rope(raw, arch, num_layers)
         eos_ids = _read_eos(raw)
         bos = raw.get("bos_token_id")
+        max_pos = int(raw.get("max_position_embeddings", 4096))
+        if scaling.rope_type in ("yarn", "dynamic"):  # served past the trained context
+            max_pos = max(max_pos, int(scaling.original_max_position_embeddings * scaling.factor))
+        scalar = raw.get("query_pre_attn_scalar") if arch == "gemma3" else None
         return cls(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
@@ -126,13 +169,20 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch == "gemma3")),
             attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
             sliding_windows=_read_sliding_windows(raw, arch, num_layers),
             dtype=_read_dtype(raw),
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=eos_ids,
+            layer_rope=layer_rope,
+            local_rope_theta=local[0],
+            local_rope_scaling=local[1],
+            qk_norm=arch in ("qwen3", "gemma3"),
+            hidden_act=ACTIVATIONS[act],
+            gemma_norms=arch == "gemma3",
+            query_scale=float(scalar) ** -0.5 if scalar else None,
         )
 
     def fingerprint(self) -> str:
@@ -158,6 +208,7 @@ def _read_architecture(raw: dict[str, Any]) -> str:
     if arch is not None:
         return arch
     model_type = raw.get("model_type")
+    model_type = MODEL_TYPES.get(str(model_type), model_type)
     if model_type in SUPPORTED_ARCHITECTURES.values():
         return str(model_type)
     raise ConfigError(
@@ -189,36 +240,102 @@ def _read_eos(raw: dict[str, Any]) -> tuple[int, ...]:
     return (int(eos),) if eos is not None else ()
 
 
-def _read_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
-    """Both spellings: old (`rope_theta`, `rope_scaling`) and transformers 5 (`rope_parameters`)."""
+Rope = tuple[float, RopeScaling]
+
+
+def _read_rope(
+    raw: dict[str, Any], arch: str, num_layers: int
+) -> tuple[Rope, Rope, tuple[str, ...]]:
+    """(global rope, local rope, per-layer kind) from either spelling: old (`rope_theta`,
+    `rope_scaling`, Gemma 3's `rope_local_base_freq`) or transformers 5's
+    `rope_parameters`, flat or per layer type (`full_attention`, `sliding_attention`)."""
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
-        params = params["full_attention"]
-    scaling_raw = raw.get("rope_scaling")
-    if params is not None:
-        theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        scaling_raw = params
+        full = _rope_from(params["full_attention"], raw, "rope_parameters.full_attention")
+        local_raw = params.get("sliding_attention")
+        local = (
+            _rope_from(local_raw, raw, "rope_parameters.sliding_attention")
+            if isinstance(local_raw, dict)
+            else full
+        )
     else:
-        theta = float(raw.get("rope_theta", 10000.0))
-    if not scaling_raw:
-        return theta, RopeScaling()
-    rope_type = str(scaling_raw.get("rope_type") or scaling_raw.get("type") or "default")
+        scaling_raw = params if params is not None else raw.get("rope_scaling")
+        where = "rope_parameters" if params is not None else "rope_scaling"
+        full = _rope_from(scaling_raw or {}, raw, where)
+        local = (float(raw.get("rope_local_base_freq", 10000.0)), RopeScaling())
+    kinds = _read_layer_types(raw, num_layers)
+    if arch == "gemma3":
+        layer_rope = tuple("local" if k == "sliding_attention" else "global" for k in kinds)
+    elif arch == "smollm3":
+        layer_rope = tuple("global" if use else "none" for use in _smollm3_rope(raw, num_layers))
+    else:
+        layer_rope = ()
+    return full, local, layer_rope
+
+
+def _rope_from(d: dict[str, Any], raw: dict[str, Any], where: str) -> Rope:
+    """One RoPE (theta and scaling) from a `rope_scaling` / `rope_parameters` dict."""
+    theta = float(d.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = str(d.get("rope_type") or d.get("type") or "default")
     if rope_type == "default":
         return theta, RopeScaling()
-    if rope_type not in ("linear", "llama3"):
+    if rope_type not in ROPE_TYPES:
         raise ConfigError(
-            f"config.json: rope type {rope_type!r} is not supported "
-            "(supported: default, linear, llama3)"
+            f"config.json: {where}.rope_type={rope_type!r} is not supported "
+            f"(supported: {', '.join(ROPE_TYPES)})"
         )
+    max_pos = int(raw.get("max_position_embeddings", 4096))
+    default_original = max_pos if rope_type in ("yarn", "dynamic") else 8192
+    original = int(d.get("original_max_position_embeddings") or default_original)
+    factor = d.get("factor")
+    if factor is None and rope_type == "yarn":
+        factor = max_pos / original  # DeepSeek's spelling: the ratio of the two
+    beta_fast, beta_slow = d.get("beta_fast"), d.get("beta_slow")
     return theta, RopeScaling(
         rope_type=rope_type,
-        factor=float(scaling_raw.get("factor", 1.0)),
-        low_freq_factor=float(scaling_raw.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(scaling_raw.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            scaling_raw.get("original_max_position_embeddings", 8192)
-        ),
+        factor=float(factor if factor is not None else 1.0),
+        low_freq_factor=float(d.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(d.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=original,
+        beta_fast=float(beta_fast or 32.0),
+        beta_slow=float(beta_slow or 1.0),
+        attention_factor=_opt_float(d.get("attention_factor")),
+        mscale=_opt_float(d.get("mscale")),
+        mscale_all_dim=_opt_float(d.get("mscale_all_dim")),
+        truncate=bool(d.get("truncate", True)),
     )
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _read_layer_types(raw: dict[str, Any], num_layers: int) -> list[str]:
+    """`layer_types`, or Gemma 3's older `sliding_window_pattern` (every n-th layer full)."""
+    kinds = raw.get("layer_types")
+    if isinstance(kinds, list) and len(kinds) == num_layers:
+        return [str(k) for k in kinds]
+    pattern = raw.get("sliding_window_pattern")
+    if isinstance(pattern, int) and pattern > 0:
+        return [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(num_layers)
+        ]
+    return ["full_attention"] * num_layers
+
+
+def _smollm3_rope(raw: dict[str, Any], num_layers: int) -> list[bool]:
+    """Which layers apply RoPE: `no_rope_layers` (1: yes) or, without it, all but every
+    `no_rope_layer_interval`-th (transformers' default: 4)."""
+    flags = raw.get("no_rope_layers")
+    if isinstance(flags, list):
+        if len(flags) != num_layers:
+            raise ConfigError(
+                f"config.json: no_rope_layers has {len(flags)} entries for {num_layers} layers"
+            )
+        return [bool(f) for f in flags]
+    interval = int(raw.get("no_rope_layer_interval") or 4)
+    return [(i + 1) % interval != 0 for i in range(num_layers)]
 
 
 def _read_sliding_windows(
@@ -227,12 +344,12 @@ def _read_sliding_windows(
     window = raw.get("sliding_window")
     if window is None:
         return (None,) * num_layers
-    if arch == "qwen2" and not raw.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3", "smollm3") and not raw.get("use_sliding_window", False):
         return (None,) * num_layers
-    layer_types = raw.get("layer_types")
-    if isinstance(layer_types, list) and len(layer_types) == num_layers:
-        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
-    if arch == "qwen2":
+    kinds = _read_layer_types(raw, num_layers)
+    if "layer_types" in raw or "sliding_window_pattern" in raw:
+        return tuple(int(window) if t == "sliding_attention" else None for t in kinds)
+    if arch in ("qwen2", "qwen3"):
         first = int(raw.get("max_window_layers", num_layers))
         return tuple(int(window) if i >= first else None for i in range(num_layers))
     return (int(window),) * num_layers

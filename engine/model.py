@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2), top to bottom, over a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Gemma 3), top to bottom,
+over a paged KV cache.
 
 One forward serves both phases. The caller packs every token of the step into one ``[T]``
 batch (prefill: several prompts' chunks back to back; decode: one token per running request)
@@ -10,6 +11,12 @@ Weights are plain tensors (no nn.Module): Q/K/V are fused into one ``[q + 2kv, d
 and gate/up into one ``[2 * ffn, d]`` matrix at load time (`engine.weights`), so each layer
 runs four matmuls (five on CPU: `OneDnnProjections` runs gate and up apart so that SiLU and
 the product ride in their epilogues). HF tensor names live only in the loader.
+
+The variants, each a `ModelConfig` field: q/k norms over each head before RoPE (Qwen3,
+Gemma 3); per-layer RoPE, global, local (another base) or none (SmolLM3's NoPE layers,
+`engine.rope`); Gemma 3's block (norms scaling by 1 + w in float32, attention and MLP outputs
+normed before their residual adds, embeddings scaled by sqrt(d), a GELU gate, its own
+attention scale).
 """
 
 from __future__ import annotations
@@ -24,33 +31,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig, RopeScaling
-from engine.cpu import onednn_bf16_supported
+from engine.config import ModelConfig
 from engine.decode_workspace import DecodeWorkspace
 from engine.kv_cache import PagedKVCache
+from engine.model_weights import LayerWeights, ModelWeights
+from engine.projections import OneDnnProjections, Projections
+from engine.rope import Rotary
+
+__all__ = ["LayerWeights", "LlamaModel", "ModelWeights", "OneDnnProjections", "Projections"]
 
 LayerHook = Callable[[int], None]
 """Called with the layer index right after that layer's K/V has been written to the cache."""
-
-
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor  # [d]
-    qkv: torch.Tensor  # [q + 2kv, d]
-    qkv_bias: torch.Tensor | None  # [q + 2kv] (Qwen2)
-    o: torch.Tensor  # [d, q]
-    post_norm: torch.Tensor  # [d]
-    gate_up: torch.Tensor  # [2 * ffn, d]
-    down: torch.Tensor  # [d, ffn]
-
-
-@dataclass
-class ModelWeights:
-    embed: torch.Tensor  # [V, d]
-    layers: list[LayerWeights]
-    norm: torch.Tensor  # [d]
-    lm_head: torch.Tensor  # [V, d]; the same storage as `embed` when tied
-    fingerprint: str = ""
 
 
 @dataclass
@@ -142,174 +133,6 @@ class AttentionMetadata:
         return self._masks[window]
 
 
-class Rotary:
-    """cos/sin tables for RoPE, computed in float32 as HF does, then cast to the model dtype.
-
-    HF rotates with ``x * cos + cat(-x2, x1) * sin``. The tables keep ``sin`` with its first
-    half negated (`sin_signed`), so the rotation is ``x * cos + roll(x, D/2) * sin_signed``:
-    the same products bit for bit (negation is exact), one fewer pass over ``x``.
-    """
-
-    def __init__(
-        self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        dim = cfg.head_dim
-        inv_freq = 1.0 / (
-            cfg.rope_theta
-            ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
-        )
-        inv_freq = _scale_inv_freq(inv_freq, cfg.rope_scaling)
-        pos = torch.arange(max_positions, device=device).float()
-        freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
-        half = dim // 2
-        self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
-
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin at `positions`, ``[T, 1, D]`` each (once per forward)."""
-        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D] (may be a strided view) -> rotated, contiguous [T, heads, D]."""
-        swapped = x.roll(x.shape[-1] // 2, dims=-1)  # cat(x2, x1)
-        swapped.mul_(sin_signed)
-        return torch.mul(x, cos).add_(swapped)
-
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D] -> rotated [T, heads, D]."""
-        return self.rotate(x, *self.tables(positions))
-
-
-def _scale_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
-    if s.rope_type == "linear":
-        return inv_freq / s.factor
-    if s.rope_type != "llama3":
-        return inv_freq
-    # Llama 3.1: long wavelengths divided by `factor`, short kept, smooth ramp between.
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class Projections:
-    """The model's matmuls in eager PyTorch: `F.linear` plus separate elementwise ops.
-
-    The reference path (any device, any dtype). `OneDnnProjections` is the CPU fast path;
-    `LlamaModel` picks one at construction. Both own the residual update: they take the
-    residual stream ``x`` and return it with the sublayer's output added.
-    """
-
-    def __init__(self, weights: ModelWeights) -> None:
-        self.w = weights
-
-    def qkv(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        """[T, d] -> [T, q + 2kv]."""
-        lw = self.w.layers[i]
-        return F.linear(h, lw.qkv, lw.qkv_bias)
-
-    def o_residual(self, i: int, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x + o @ Wo^T; o [T, q], x [T, d] (updated in place: the GEMM accumulates into x)."""
-        return x.addmm_(o, self.w.layers[i].o.t())
-
-    def mlp_residual(self, i: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x + down(silu(gate(h)) * up(h)); h, x [T, d]."""
-        lw = self.w.layers[i]
-        gate, up = torch.mm(h, lw.gate_up.t()).chunk(2, dim=-1)  # [T, ffn] views
-        return x.addmm_(F.silu(gate).mul_(up), lw.down.t())
-
-    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, d] -> [N, V] in the model dtype."""
-        return F.linear(x, self.w.lm_head)
-
-
-@dataclass
-class _PackedLayer:
-    qkv: torch.Tensor  # oneDNN blocked layout (opaque `torch._mkldnn` tensors)
-    o: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
-
-
-class OneDnnProjections(Projections):
-    """CPU matmuls through oneDNN with weights repacked once and epilogues fused.
-
-    Why: with plain ``[out, in]`` weights each `F.linear` call leaves oneDNN to bring the
-    weight into its blocked (AMX / AVX-512) layout as it goes, and every SiLU, product and
-    residual add is one more pass over the activations. Here each matrix is reordered once at
-    load (`mkldnn._reorder_linear_weight`) and the elementwise tails run inside the matmul as
-    oneDNN post-ops (`mkldnn._linear_pointwise`, what TorchInductor's CPU backend emits):
-
-        gate = silu(h @ Wg^T)            "swish" post-op
-        act  = (h @ Wu^T) * gate         binary "mul" post-op
-        x    = x + act @ Wd^T            binary "add" post-op (likewise for o_proj)
-
-    Why it is the default: packed projections were faster than `Projections` for decode at
-    every batch size and thread count measured, and at least at parity for prefill, so there
-    is no case for switching paths by phase (figures: docs/benchmarks.md, "Packed oneDNN
-    projections").
-
-    The products are the same; rounding differs: a post-op sees the float32 accumulator, so
-    bfloat16 output is rounded once where eager rounds after each op, and float32 results
-    move by rounding only (well inside the 1e-4 logit tolerance against HF). The packed
-    copies are extra memory, one more copy of every matrix; the plain weights stay for
-    everything else (`LlamaModel(onednn=False)` skips them).
-    """
-
-    def __init__(self, weights: ModelWeights) -> None:
-        super().__init__(weights)
-        pack = torch.ops.mkldnn._reorder_linear_weight
-        self.packed = []
-        for lw in weights.layers:
-            gate, up = lw.gate_up.chunk(2)  # [ffn, d] each
-            self.packed.append(
-                _PackedLayer(
-                    qkv=pack(lw.qkv),
-                    o=pack(lw.o),
-                    gate=pack(gate.contiguous()),
-                    up=pack(up.contiguous()),
-                    down=pack(lw.down),
-                )
-            )
-        self.lm_head_packed = pack(weights.lm_head)
-
-    @staticmethod
-    def available(device: torch.device, dtype: torch.dtype) -> bool:
-        return (
-            device.type == "cpu"
-            and (dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16_supported()))
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        )
-
-    def qkv(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        bias = self.w.layers[i].qkv_bias
-        return torch.ops.mkldnn._linear_pointwise(h, self.packed[i].qkv, bias, "none", [], "")
-
-    def o_residual(self, i: int, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise.binary(o, x, self.packed[i].o, None, "add")
-
-    def mlp_residual(self, i: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        p = self.packed[i]
-        linear = torch.ops.mkldnn._linear_pointwise
-        gate = linear(h, p.gate, None, "swish", [], "")  # silu(h @ Wg^T), [T, ffn]
-        act = linear.binary(h, gate, p.up, None, "mul")  # (h @ Wu^T) * gate
-        return linear.binary(act, x, p.down, None, "add")  # x + act @ Wd^T
-
-    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.lm_head_packed, None, "none", [], "")
-
-
 _malloc_tuned = False
 
 
@@ -351,6 +174,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return normed.mul_(weight)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight1: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma 3's RMSNorm: ``(xf * rsqrt(mean(xf^2) + eps) * (1 + w)).to(dtype)``, all in
+    float32 and rounded once; `weight1` is ``1 + w`` in float32 (`engine.weights`)."""
+    xf = x.float()
+    rstd = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return (xf * rstd).mul_(weight1).to(x.dtype)
+
+
 class LlamaModel:
     """Forward pass over packed tokens; reads and writes the paged cache it is handed."""
 
@@ -366,13 +197,33 @@ class LlamaModel:
         self.w = weights
         self.dtype = weights.embed.dtype
         self.device = weights.embed.device
-        self.rotary = Rotary(cfg, max_positions, self.dtype, self.device)
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        ropes = {
+            "global": (cfg.rope_theta, cfg.rope_scaling),
+            "local": (cfg.local_rope_theta, cfg.local_rope_scaling),
+        }
+        self.rotaries = {
+            kind: Rotary(cfg.head_dim, *ropes[kind], max_positions, self.dtype, self.device)
+            for kind in sorted({cfg.rope_of(i) for i in range(cfg.num_layers)} - {"none"})
+        }
+        self.scale = cfg.query_scale or 1.0 / math.sqrt(cfg.head_dim)
+        self.embed_scale = (
+            torch.tensor(cfg.hidden_size**0.5, dtype=self.dtype) if cfg.gemma_norms else None
+        )
         if self.device.type == "cpu":
             keep_freed_memory()
         if onednn is None:
             onednn = OneDnnProjections.available(self.device, self.dtype)
-        self.proj: Projections = OneDnnProjections(weights) if onednn else Projections(weights)
+        kind = OneDnnProjections if onednn else Projections
+        self.proj: Projections = kind(weights, cfg.hidden_act)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """The model's RMSNorm (looked up when called: `pdserve trace` times it)."""
+        return (gemma_rms_norm if self.cfg.gemma_norms else rms_norm)(x, weight, eps)
+
+    @property
+    def rotary(self) -> Rotary:
+        """The global RoPE's tables (every layer's, outside Gemma 3 and SmolLM3)."""
+        return self.rotaries["global"]
 
     @property
     def matmul_path(self) -> str:
@@ -410,7 +261,9 @@ class LlamaModel:
         """`forward`, and the final-normed hidden states of `hidden_rows` [len, d] (prompt
         logprobs: `proj.lm_head` of them, in slices); the last layer is then not pruned."""
         x = self.w.embed[input_ids]  # [T, d]
-        rope = self.rotary.tables(meta.positions)  # shared by every layer
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        ropes = {kind: (r, r.tables(meta.positions)) for kind, r in self.rotaries.items()}
         rows = None
         if meta.prefill is not None and not hidden_rows:
             rows = meta.logit_rows if meta.logit_rows is not None else logits_indices.tolist()
@@ -418,14 +271,15 @@ class LlamaModel:
             rows = None  # every row gives logits (one-token chunks): nothing to prune
         last = len(self.w.layers) - 1
         for i, lw in enumerate(self.w.layers):
+            rope = ropes.get(self.cfg.rope_of(i))  # None: a NoPE layer
             x = self._layer(i, lw, x, meta, cache, rope, rows if i == last else None)
             if layer_hook is not None:
                 layer_hook(i)
         picked = x[torch.tensor(list(hidden_rows), dtype=torch.long, device=x.device)]
-        hidden = rms_norm(picked, self.w.norm, self.cfg.rms_norm_eps)
+        hidden = self.norm(picked, self.w.norm, self.cfg.rms_norm_eps)
         if rows is None:
             x = x[logits_indices]
-        x = rms_norm(x, self.w.norm, self.cfg.rms_norm_eps)  # [N, d]
+        x = self.norm(x, self.w.norm, self.cfg.rms_norm_eps)  # [N, d]
         return self.proj.lm_head(x).float(), hidden  # [N, V], [len(hidden_rows), d]
 
     def _layer(
@@ -435,20 +289,30 @@ class LlamaModel:
         x: torch.Tensor,
         meta: AttentionMetadata,
         cache: PagedKVCache,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[Rotary, tuple[torch.Tensor, torch.Tensor]] | None,
         keep: list[int] | None = None,
     ) -> torch.Tensor:
         """One decoder layer: the residual stream `x` [T, d] in, the updated stream out.
 
         `keep` (a prefill step's last layer): K/V of all T tokens are written, then only
         these rows are carried on; the stream comes out as [len(keep), d]."""
-        cfg = self.cfg
+        cfg, norm, eps = self.cfg, self.norm, self.cfg.rms_norm_eps
         t = x.shape[0]
-        h = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
+        h = norm(x, lw.input_norm, eps)
         qkv = self.proj.qkv(i, h)  # [T, q + 2kv]
-        # q and k sit side by side in qkv: rotate both heads' worth in one pass.
+        # q and k sit side by side in qkv: norm and rotate both heads' worth in one pass.
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, -1)
-        qk = self.rotary.rotate(qk, *rope)  # [T, H + Hkv, D]
+        if lw.q_norm is not None and lw.k_norm is not None:
+            qk = torch.cat(
+                (
+                    norm(qk[:, : cfg.num_heads], lw.q_norm, eps),
+                    norm(qk[:, cfg.num_heads :], lw.k_norm, eps),
+                ),
+                dim=1,
+            )
+        if rope is not None:
+            rotary, tables = rope
+            qk = rotary.rotate(qk, *tables)  # [T, H + Hkv, D]
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [T, H, D], [T, Hkv, D]
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, -1)  # [T, Hkv, D]
         cache.write(i, meta.slot_mapping, k, v)
@@ -465,9 +329,12 @@ class LlamaModel:
             o = self._prefill_attention(i, q, k, v, meta.prefill, cache, window)
         else:
             o = self._decode_attention(i, q, meta, cache, window)
-        x = self.proj.o_residual(i, o, x)  # [T, d]
-        h = rms_norm(x, lw.post_norm, cfg.rms_norm_eps)
-        return self.proj.mlp_residual(i, h, x)
+        if lw.attn_out_norm is None or lw.mlp_out_norm is None:  # Llama's block
+            x = self.proj.o_residual(i, o, x)  # [T, d]
+            return self.proj.mlp_residual(i, norm(x, lw.post_norm, eps), x)
+        x = x + norm(self.proj.o(i, o), lw.attn_out_norm, eps)  # Gemma 3's: sublayers normed
+        h = norm(x, lw.post_norm, eps)
+        return x + norm(self.proj.mlp(i, h), lw.mlp_out_norm, eps)
 
     def _prefill_attention(
         self,

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ConfigError, ModelConfig
-from engine.model import LayerWeights, ModelWeights
+from engine.model_weights import LayerWeights, ModelWeights
 
 _FINGERPRINT_SAMPLE_BYTES = 1 << 16
 # (single file, sharded index) per format, most preferred first
@@ -83,21 +83,33 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             yield from state.items()
 
 
-def load_weights(
-    path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
-) -> ModelWeights:
-    """Load and fuse a checkpoint. Raises ConfigError naming any missing tensor."""
-    root = Path(path)
-    files = checkpoint_files(root)
-    raw = {name: t for name, t in _iter_tensors(files)}
+class _Tensors:
+    """A checkpoint's tensors by HF name, each taken once, cast for the engine."""
 
-    def take(name: str) -> torch.Tensor:
-        if name not in raw:
-            raise ConfigError(f"{root}: checkpoint lacks tensor {name!r}")
-        return raw.pop(name).to(device=device, dtype=dtype)
+    def __init__(
+        self,
+        root: Path,
+        files: list[Path],
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.root, self.cfg, self.dtype, self.device = root, cfg, dtype, device
+        self.raw = {name: t for name, t in _iter_tensors(files)}
 
-    layers = []
-    for i in range(cfg.num_layers):
+    def take(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if name not in self.raw:
+            raise ConfigError(f"{self.root}: checkpoint lacks tensor {name!r}")
+        return self.raw.pop(name).to(device=self.device, dtype=dtype or self.dtype)
+
+    def norm(self, name: str) -> torch.Tensor:
+        """A norm's weight: Gemma 3's as 1 + w in float32 (`model.gemma_rms_norm`)."""
+        if not self.cfg.gemma_norms:
+            return self.take(name)
+        return 1.0 + self.take(name, torch.float32)
+
+    def layer(self, i: int) -> LayerWeights:
+        cfg, take, norm = self.cfg, self.take, self.norm
         p = f"model.layers.{i}."
         qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
         bias = (
@@ -105,29 +117,43 @@ def load_weights(
             if cfg.attention_bias
             else None
         )
-        layers.append(
-            LayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
-                qkv=qkv.contiguous(),
-                qkv_bias=bias,
-                o=take(p + "self_attn.o_proj.weight"),
-                post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat(
-                    [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-                ).contiguous(),
-                down=take(p + "mlp.down_proj.weight"),
-            )
+        gemma = cfg.gemma_norms  # its pre-MLP norm is `pre_feedforward_layernorm`
+        pre_mlp = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
+        return LayerWeights(
+            input_norm=norm(p + "input_layernorm.weight"),
+            qkv=qkv.contiguous(),
+            qkv_bias=bias,
+            o=take(p + "self_attn.o_proj.weight"),
+            post_norm=norm(p + pre_mlp + ".weight"),
+            gate_up=torch.cat(
+                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+            ).contiguous(),
+            down=take(p + "mlp.down_proj.weight"),
+            q_norm=norm(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
+            k_norm=norm(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
+            attn_out_norm=norm(p + "post_attention_layernorm.weight") if gemma else None,
+            mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if gemma else None,
         )
-    embed = take("model.embed_tokens.weight")
+
+
+def load_weights(
+    path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> ModelWeights:
+    """Load and fuse a checkpoint. Raises ConfigError naming any missing tensor."""
+    root = Path(path)
+    files = checkpoint_files(root)
+    t = _Tensors(root, files, cfg, dtype, device)
+    layers = [t.layer(i) for i in range(cfg.num_layers)]
+    embed = t.take("model.embed_tokens.weight")
     if cfg.tie_word_embeddings:
-        raw.pop("lm_head.weight", None)
+        t.raw.pop("lm_head.weight", None)
         lm_head = embed
     else:
-        lm_head = take("lm_head.weight")
+        lm_head = t.take("lm_head.weight")
     return ModelWeights(
         embed=embed,
         layers=layers,
-        norm=take("model.norm.weight"),
+        norm=t.norm("model.norm.weight"),
         lm_head=lm_head,
         fingerprint=checkpoint_fingerprint(cfg, files),
     )

@@ -127,12 +127,97 @@ def _qwen2_config() -> Any:
     )
 
 
+def _qwen3_config() -> Any:
+    # q/k norms over each head; head_dim 32 != hidden / heads (24)
+    return transformers.Qwen3Config(
+        vocab_size=384,
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+
+
+def _smollm3_config() -> Any:
+    # no RoPE on every fourth layer: layer 3 of 4
+    return transformers.SmolLM3Config(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        no_rope_layer_interval=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        pad_token_id=None,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+
+
+def _gemma3_config() -> Any:
+    # 5 sliding layers (window 8, local RoPE base) then a global one (linear scaling)
+    return transformers.Gemma3TextConfig(
+        vocab_size=384,
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        max_position_embeddings=256,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
+    )
+
+
+def _yarn_config() -> Any:
+    # Qwen2.5's long-context setting at a small scale: trained on 32 positions, served to 128
+    return transformers.Qwen2Config(
+        vocab_size=448,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+
+
 # (class, config, seed). Seeds are picked so that every compared greedy trajectory has a
 # top-1/top-2 margin of several times MIN_GREEDY_GAP (asserted below, not assumed).
 MODELS = {
     "llama": (transformers.LlamaForCausalLM, _llama_config, 1),
     "mistral": (transformers.MistralForCausalLM, _mistral_config, 7),
     "qwen2": (transformers.Qwen2ForCausalLM, _qwen2_config, 8),
+    "qwen3": (transformers.Qwen3ForCausalLM, _qwen3_config, 18),
+    "smollm3": (transformers.SmolLM3ForCausalLM, _smollm3_config, 1),
+    "gemma3": (transformers.Gemma3ForCausalLM, _gemma3_config, 1),
+    "yarn": (transformers.Qwen2ForCausalLM, _yarn_config, 3),
 }
 
 
@@ -232,6 +317,27 @@ def _old_keys(src: Path, dst: Path, type_key: str) -> Path:
     return dst
 
 
+def _edited(src: Path, dst: Path, edit: Any) -> Path:
+    """A copy of a checkpoint whose config.json `edit(dict)` changed in place."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def _gemma3_old_keys(cfg: dict[str, Any]) -> None:
+    """Gemma 3's transformers-4 spelling: `rope_theta`, `rope_scaling` (the global layers'),
+    `rope_local_base_freq` (the sliding layers'), `sliding_window_pattern` for the layers."""
+    rope = cfg.pop("rope_parameters")
+    full, local = dict(rope["full_attention"]), rope["sliding_attention"]
+    cfg["rope_theta"] = full.pop("rope_theta")
+    cfg["rope_scaling"] = full
+    cfg["rope_local_base_freq"] = local["rope_theta"]
+    cfg["sliding_window_pattern"] = 6
+    cfg.pop("layer_types")
+
+
 @pytest.fixture(scope="module")
 def variants(
     hf_refs: dict[str, HFReference], tmp_path_factory: pytest.TempPathFactory
@@ -244,6 +350,13 @@ def variants(
         out[f"llama_old_keys_{type_key}"] = ("llama", _old_keys(llama.path, dst, type_key))
     dst = tmp_path_factory.mktemp("old_keys") / "qwen2"
     out["qwen2_old_keys"] = ("qwen2", _old_keys(hf_refs["qwen2"].path, dst, "type"))
+    out["smollm3_interval_only"] = ("smollm3", _edited(
+        hf_refs["smollm3"].path, tmp_path_factory.mktemp("smollm3") / "interval",
+        lambda c: c.pop("no_rope_layers"),
+    ))  # fmt: skip
+    out["gemma3_old_keys"] = ("gemma3", _edited(
+        hf_refs["gemma3"].path, tmp_path_factory.mktemp("gemma3") / "old", _gemma3_old_keys
+    ))  # fmt: skip
     for name in ("llama", "qwen2"):
         sharded = tmp_path_factory.mktemp(f"sharded_{name}")
         hf_refs[name].model.save_pretrained(sharded, max_shard_size="40KB")
@@ -255,11 +368,17 @@ VARIANTS = [
     "llama",
     "mistral",
     "qwen2",
+    "qwen3",
+    "smollm3",
+    "gemma3",
+    "yarn",
     "llama_old_keys_rope_type",
     "llama_old_keys_type",
     "qwen2_old_keys",
     "llama_sharded",
     "qwen2_sharded",
+    "smollm3_interval_only",
+    "gemma3_old_keys",
 ]
 
 
@@ -292,7 +411,22 @@ def test_checkpoint_variants_are_what_they_claim(
     assert ModelConfig.from_hf(old_qwen2) == qwen2
     bias = hf_refs["qwen2"].model.model.layers[0].self_attn.q_proj.bias
     assert bias is not None and float(bias.detach().abs().max()) > 0.1
-    # Prompts plus output run past every window and past several KV blocks.
+    qwen3 = ModelConfig.from_hf(variants["qwen3"][1])
+    assert qwen3.qk_norm and qwen3.head_dim * qwen3.num_heads != qwen3.hidden_size
+    smollm3 = ModelConfig.from_hf(variants["smollm3"][1])
+    assert smollm3.layer_rope == ("global", "global", "global", "none")
+    assert ModelConfig.from_hf(variants["smollm3_interval_only"][1]) == smollm3
+    gemma3 = ModelConfig.from_hf(variants["gemma3"][1])
+    assert gemma3.gemma_norms and gemma3.qk_norm and gemma3.hidden_act == "gelu_tanh"
+    assert gemma3.layer_rope == ("local",) * 5 + ("global",)
+    assert gemma3.sliding_windows == (8,) * 5 + (None,)
+    assert gemma3.rope_scaling.rope_type == "linear" and gemma3.local_rope_theta == 10000.0
+    assert gemma3.query_scale == 24**-0.5 and gemma3.tie_word_embeddings
+    assert ModelConfig.from_hf(variants["gemma3_old_keys"][1]) == gemma3
+    yarn = ModelConfig.from_hf(variants["yarn"][1])
+    assert yarn.rope_scaling.rope_type == "yarn" and yarn.max_position_embeddings == 128
+    # Prompts plus output run past the yarn model's original 32 positions,
+    # past every window and past several KV blocks.
     assert max(PROMPT_LENGTHS) + NEW_TOKENS > 4 * 16
 
 
@@ -362,7 +496,7 @@ def test_fp32_logits_and_greedy_match_hf(
                 assert abs(val - float(hf_lp[i, tok])) <= LOGIT_ATOL, f"{variant} step {i}"
 
 
-@pytest.mark.parametrize("ref_name", ["mistral", "qwen2"])
+@pytest.mark.parametrize("ref_name", ["mistral", "qwen2", "gemma3"])
 def test_greedy_matches_hf_with_chunked_prefill_and_small_blocks(
     ref_name: str, hf_refs: dict[str, HFReference]
 ) -> None:
@@ -378,6 +512,77 @@ def test_greedy_matches_hf_with_chunked_prefill_and_small_blocks(
     )
     reqs = engine.generate(ref.prompts, greedy_params())
     assert [r.output_token_ids for r in reqs] == ref.greedy
+
+
+# ---- RoPE types -------------------------------------------------------------------------
+ROPES = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn_untruncated": {
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+        "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False,
+    },
+    "yarn_attention_factor": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+        "attention_factor": 1.3,
+    },
+    "dynamic": {"rope_type": "dynamic", "factor": 3.0},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(ROPES))
+def test_rope_frequencies_match_transformers(name: str) -> None:
+    """engine.rope's frequencies and cos/sin scale are transformers' own (at the served
+    context, beyond the original one: `dynamic` is fixed for it, as vLLM does)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.rope import inv_freq
+
+    params = {"rope_theta": 10000.0, **ROPES[name]}
+    hf_cfg = transformers.LlamaConfig(
+        hidden_size=128, num_attention_heads=2, head_dim=64, max_position_embeddings=64,
+        rope_parameters=params,
+    )  # fmt: skip
+    cfg = ModelConfig.from_hf_dict(
+        {**hf_cfg.to_dict(), "architectures": ["LlamaForCausalLM"], "vocab_size": 16}
+    )
+    served = cfg.max_position_embeddings
+    assert served > 64 or name in ("linear", "llama3")
+    want, want_scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_cfg, None, seq_len=served)
+    got, scale = inv_freq(64, cfg.rope_theta, cfg.rope_scaling, served)
+    assert torch.allclose(got, want.float(), rtol=1e-6, atol=0), name
+    assert scale == pytest.approx(want_scale, rel=1e-9)
+
+
+def test_dynamic_ntk_matches_hf_when_the_context_is_full(tmp_path: Path) -> None:
+    """transformers re-derives dynamic NTK's base for each forward's longest position;
+    pdserve fixes it for the served context (trained 48 positions x factor 2 = 96). The two
+    agree for a sequence that fills it: logits of a 96-token prompt within 1e-4 at its last
+    position, past the original context."""
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=48,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+        bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    model = transformers.LlamaForCausalLM(hf_cfg).eval()
+    _widen_init(model, 5)
+    model.save_pretrained(tmp_path)
+    engine = LLMEngine.from_config(EngineConfig(model=str(tmp_path), dtype="float32"))
+    assert engine.max_model_len == 96
+    prompt = torch.randint(2, 320, (96,), generator=torch.Generator().manual_seed(5)).tolist()
+    # 95 tokens, so that one is left to generate; HF sees the same 95 positions (< 96) and
+    # derives its base for 95: feed it the whole 96 instead and compare the 95th position's.
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0, -2].float()
+    got = prefill_logits(engine, prompt[:95])
+    # HF's base for 96 positions (the full prompt) is pdserve's for the served 96.
+    assert float((got - want).abs().max()) <= LOGIT_ATOL
 
 
 # ---- bfloat16 ----------------------------------------------------------------------------
@@ -506,3 +711,45 @@ def test_model_init_is_deterministic_per_seed(
     assert (again / "tokenizer.json").read_bytes() == (
         tiny_init_dir / "tokenizer.json"
     ).read_bytes()
+
+
+# ---- through the service -----------------------------------------------------------------
+@pytest.mark.parametrize("ref_name", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+def test_service_greedy_matches_hf(
+    ref_name: str, colocated: bool, hf_refs: dict[str, HFReference], tmp_path: Path
+) -> None:
+    """In-process prefill and decode workers behind a Router (`tests.in_process`): every
+    prompt's greedy tokens are HF's, whether the prompt pass ran on the prefill worker (its
+    K/V shipped to the decode worker) or on the decode worker."""
+    from pdserve.checkpoint import build_tokenizer
+    from pdserve.client import make_request
+    from pdserve.config import ServeConfig
+    from tests.in_process import generate, run_with_workers
+
+    ref = hf_refs[ref_name]
+    path = tmp_path / ref_name  # the checkpoint and a tokenizer, which the router reads
+    shutil.copytree(ref.path, path)
+    build_tokenizer(ref.model.config.vocab_size).save(str(path / "tokenizer.json"))
+    cfg = ServeConfig.load(
+        None,
+        {
+            "model": {"model": str(path)},
+            "transfer": {"transport": "local"},
+            "colocated": colocated,
+            "router": {"policy": {"local_prefill_threshold": 0}},
+        },
+    )
+    got: list[list[int]] = []
+    placements: list[str | None] = []
+
+    async def body(router: Any, prefill: Any, decode: Any) -> None:
+        for prompt in ref.prompts:
+            request = make_request(prompt, temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+            tokens, act = await generate(router, request)
+            got.append(tokens)
+            placements.append(act.placement)
+
+    run_with_workers(cfg, path, body)
+    assert got == ref.greedy
+    assert set(placements) == {"colocated" if colocated else "disaggregated"}

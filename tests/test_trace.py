@@ -287,7 +287,8 @@ def _inputs(engine: LLMEngine, model: LlamaModel, decode: bool) -> trace.LayerIn
 def _run_layer(model: LlamaModel, inp: trace.LayerInputs, x: torch.Tensor) -> torch.Tensor:
     """Layer 0 as `forward` runs it; `x` is consumed (the eager path adds into it)."""
     with torch.inference_mode():
-        return model._layer(0, model.w.layers[0], x, inp.meta, inp.cache, inp.rope, inp.keep)
+        rope = (model.rotary, inp.rope)
+        return model._layer(0, model.w.layers[0], x, inp.meta, inp.cache, rope, inp.keep)
 
 
 def _spy_calls(

@@ -1,0 +1,32 @@
+"""A model's tensors as the engine runs them (fused Q/K/V and gate/up; see engine.weights
+for how HF's tensors become these), shared by the model and its projections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [d]
+    qkv: torch.Tensor  # [q + 2kv, d]
+    qkv_bias: torch.Tensor | None  # [q + 2kv] (Qwen2)
+    o: torch.Tensor  # [d, q]
+    post_norm: torch.Tensor  # [d]
+    gate_up: torch.Tensor  # [2 * ffn, d]
+    down: torch.Tensor  # [d, ffn]
+    q_norm: torch.Tensor | None = None  # [D], over each query head (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None  # [D]
+    attn_out_norm: torch.Tensor | None = None  # [d], Gemma 3: on the attention's output
+    mlp_out_norm: torch.Tensor | None = None  # [d], Gemma 3: on the MLP's output
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, d]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [d]
+    lm_head: torch.Tensor  # [V, d]; the same storage as `embed` when tied
+    fingerprint: str = ""

@@ -1,0 +1,158 @@
+"""The model's matmuls: `Projections` (eager PyTorch, any device and dtype) and
+`OneDnnProjections` (the CPU fast path: weights packed once, elementwise tails fused).
+
+Both own the residual update of Llama's block (`o_residual`, `mlp_residual`: the sublayer's
+output added to the residual stream ``x``); Gemma 3's block norms each sublayer's output
+before adding it, so it takes the plain outputs (`o`, `mlp`). The MLP's gate activation is
+SiLU (fused into oneDNN's matmul as its "swish" post-op) or GELU with the tanh approximation
+(`ModelConfig.hidden_act`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.cpu import onednn_bf16_supported
+from engine.model_weights import ModelWeights
+
+
+def activation(gate: torch.Tensor, act: str) -> torch.Tensor:
+    """The gate's activation, in place where it can be: silu | gelu_tanh."""
+    return F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+
+
+class Projections:
+    """The model's matmuls in eager PyTorch: `F.linear` plus separate elementwise ops.
+
+    The reference path (any device, any dtype). `OneDnnProjections` is the CPU fast path;
+    `LlamaModel` picks one at construction. Both own the residual update: they take the
+    residual stream ``x`` and return it with the sublayer's output added.
+    """
+
+    def __init__(self, weights: ModelWeights, act: str = "silu") -> None:
+        self.w = weights
+        self.act = act
+
+    def qkv(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """[T, d] -> [T, q + 2kv]."""
+        lw = self.w.layers[i]
+        return F.linear(h, lw.qkv, lw.qkv_bias)
+
+    def o_residual(self, i: int, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x + o @ Wo^T; o [T, q], x [T, d] (updated in place: the GEMM accumulates into x)."""
+        return x.addmm_(o, self.w.layers[i].o.t())
+
+    def mlp_residual(self, i: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x + down(act(gate(h)) * up(h)); h, x [T, d]."""
+        return x.addmm_(self._gated(i, h), self.w.layers[i].down.t())
+
+    def _gated(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.mm(h, self.w.layers[i].gate_up.t()).chunk(2, dim=-1)  # [T, ffn]
+        return activation(gate, self.act).mul_(up)
+
+    def o(self, i: int, o: torch.Tensor) -> torch.Tensor:
+        """o @ Wo^T alone (Gemma 3 norms it before the residual add)."""
+        return F.linear(o, self.w.layers[i].o)
+
+    def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """down(act(gate(h)) * up(h)) alone."""
+        return F.linear(self._gated(i, h), self.w.layers[i].down)
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, d] -> [N, V] in the model dtype."""
+        return F.linear(x, self.w.lm_head)
+
+
+@dataclass
+class _PackedLayer:
+    qkv: torch.Tensor  # oneDNN blocked layout (opaque `torch._mkldnn` tensors)
+    o: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+class OneDnnProjections(Projections):
+    """CPU matmuls through oneDNN with weights repacked once and epilogues fused.
+
+    Why: with plain ``[out, in]`` weights each `F.linear` call leaves oneDNN to bring the
+    weight into its blocked (AMX / AVX-512) layout as it goes, and every SiLU, product and
+    residual add is one more pass over the activations. Here each matrix is reordered once at
+    load (`mkldnn._reorder_linear_weight`) and the elementwise tails run inside the matmul as
+    oneDNN post-ops (`mkldnn._linear_pointwise`, what TorchInductor's CPU backend emits):
+
+        gate = silu(h @ Wg^T)            "swish" post-op
+        act  = (h @ Wu^T) * gate         binary "mul" post-op
+        x    = x + act @ Wd^T            binary "add" post-op (likewise for o_proj)
+
+    Why it is the default: packed projections were faster than `Projections` for decode at
+    every batch size and thread count measured, and at least at parity for prefill, so there
+    is no case for switching paths by phase (figures: docs/benchmarks.md, "Packed oneDNN
+    projections").
+
+    The products are the same; rounding differs: a post-op sees the float32 accumulator, so
+    bfloat16 output is rounded once where eager rounds after each op, and float32 results
+    move by rounding only (well inside the 1e-4 logit tolerance against HF). The packed
+    copies are extra memory, one more copy of every matrix; the plain weights stay for
+    everything else (`LlamaModel(onednn=False)` skips them).
+    """
+
+    def __init__(self, weights: ModelWeights, act: str = "silu") -> None:
+        super().__init__(weights, act)
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        self.packed = []
+        for lw in weights.layers:
+            gate, up = lw.gate_up.chunk(2)  # [ffn, d] each
+            self.packed.append(
+                _PackedLayer(
+                    qkv=pack(lw.qkv),
+                    o=pack(lw.o),
+                    gate=pack(gate.contiguous()),
+                    up=pack(up.contiguous()),
+                    down=pack(lw.down),
+                )
+            )
+        self.lm_head_packed = pack(weights.lm_head)
+
+    @staticmethod
+    def available(device: torch.device, dtype: torch.dtype) -> bool:
+        return (
+            device.type == "cpu"
+            and (dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16_supported()))
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        )
+
+    def qkv(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        bias = self.w.layers[i].qkv_bias
+        return torch.ops.mkldnn._linear_pointwise(h, self.packed[i].qkv, bias, "none", [], "")
+
+    def o_residual(self, i: int, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise.binary(o, x, self.packed[i].o, None, "add")
+
+    def mlp_residual(self, i: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        linear = torch.ops.mkldnn._linear_pointwise
+        return linear.binary(self._gated(i, h), x, self.packed[i].down, None, "add")
+
+    def _gated(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """act(h @ Wg^T) * (h @ Wu^T), [T, ffn]: SiLU as the gate's post-op, GELU after it."""
+        p = self.packed[i]
+        linear = torch.ops.mkldnn._linear_pointwise
+        if self.act == "silu":
+            gate = linear(h, p.gate, None, "swish", [], "")
+        else:
+            gate = activation(linear(h, p.gate, None, "none", [], ""), self.act)
+        return linear.binary(h, gate, p.up, None, "mul")  # (h @ Wu^T) * gate
+
+    def o(self, i: int, o: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(o, self.packed[i].o, None, "none", [], "")
+
+    def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        linear = torch.ops.mkldnn._linear_pointwise
+        return linear(self._gated(i, h), self.packed[i].down, None, "none", [], "")
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.lm_head_packed, None, "none", [], "")
