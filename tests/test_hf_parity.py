@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -753,3 +754,44 @@ def test_service_greedy_matches_hf(
     run_with_workers(cfg, path, body)
     assert got == ref.greedy
     assert set(placements) == {"colocated" if colocated else "disaggregated"}
+
+
+# ---- what is refused ---------------------------------------------------------------------
+_BASE = {
+    "architectures": ["Gemma3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 32,
+    "hidden_activation": "gelu_pytorch_tanh",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"hidden_activation": "relu"}, "hidden_activation='relu'"),
+        (
+            {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
+            "rope_parameters.rope_type='longrope'",
+        ),
+        (
+            {"rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "su", "rope_theta": 1e4},
+            }},
+            "rope_parameters.sliding_attention.rope_type='su'",
+        ),
+        ({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}, "Gemma2ForCausalLM"),
+        ({"architectures": ["SmolLM3ForCausalLM"], "hidden_activation": None,
+          "no_rope_layers": [1]}, "no_rope_layers has 1 entries for 2 layers"),
+    ],
+)  # fmt: skip
+def test_an_unsupported_config_is_refused_naming_its_field(
+    edit: dict[str, Any], named: str
+) -> None:
+    from engine.config import ConfigError
+
+    raw = {k: v for k, v in {**_BASE, **edit}.items() if v is not None}
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        ModelConfig.from_hf_dict(raw)

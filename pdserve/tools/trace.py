@@ -832,6 +832,17 @@ def render(
 
 
 # ---- entry point -------------------------------------------------------------------------
+def _check_traceable(mcfg: ModelConfig, model: str) -> None:
+    """The per-op table (`trace_counts.layer_ops`) is Llama's block: refuse other blocks
+    rather than time a layer that is not the one the engine runs."""
+    if mcfg.qk_norm or mcfg.gemma_norms or "none" in mcfg.layer_rope:
+        raise ValueError(
+            f"--model {model!r}: trace's per-op table times Llama's block, and "
+            f"{mcfg.architecture}'s has other pieces (q/k norms, Gemma 3's norms, NoPE "
+            "layers); trace a Llama, Mistral or Qwen2 checkpoint"
+        )
+
+
 def run_trace(args: argparse.Namespace) -> int:
     """`pdserve trace`: measure the roofs, trace prefill and one decode step, print."""
     engine = load_engine(
@@ -839,6 +850,7 @@ def run_trace(args: argparse.Namespace) -> int:
     )
     if engine.tokenizer is None:
         raise ValueError(f"--model {args.model!r}: trace needs a checkpoint with tokenizer.json")
+    _check_traceable(engine.model_config, args.model)
     ids = engine.tokenizer.encode(args.prompt)
     budget = engine.scheduler_config.max_num_batched_tokens
     if len(ids) > budget:
