@@ -77,6 +77,13 @@ class PoolConfig:
         ge=-1,
     )
     num_threads: int = setting(1, "torch intra-op threads per worker (Ray sets 1)", ge=1)
+    cpu_affinity: str = setting(
+        "",
+        "pin each worker to cores, one set per worker separated by ';' (e.g. '0;1', or "
+        "'0-5;6,7' for a 6:2 split); a pinned worker runs as many torch threads as it has "
+        "cores (num_threads is ignored); empty: not pinned",
+        zero="not pinned",
+    )
     stall_timeout_s: float = setting(
         120.0,
         "a worker whose engine has been on one step or call this long is stuck: its stats "
@@ -87,6 +94,33 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         check_settings(self, "pool.")
+        sets = cpu_sets(self.cpu_affinity)
+        if sets and len(sets) < self.num_workers:
+            raise ValueError(
+                f"pool.cpu_affinity={self.cpu_affinity!r}: {len(sets)} core sets for "
+                f"{self.num_workers} workers (one set each)"
+            )
+
+
+def cpu_sets(text: str) -> list[tuple[int, ...]]:
+    """`cpu_affinity`'s core sets: '0-3;4,6' -> [(0, 1, 2, 3), (4, 6)]; ValueError naming
+    the setting when a set is malformed or empty."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        cores: set[int] = set()
+        for item in part.split(","):
+            lo, _, hi = item.strip().partition("-")
+            try:
+                first, last = int(lo), int(hi or lo)
+            except ValueError:
+                raise ValueError(
+                    f"pool.cpu_affinity={text!r}: {item.strip()!r} is not a core or a range"
+                ) from None
+            if first < 0 or last < first:
+                raise ValueError(f"pool.cpu_affinity={text!r}: {item.strip()!r} is empty")
+            cores.update(range(first, last + 1))
+        out.append(tuple(sorted(cores)))
+    return out
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from engine.weights import checkpoint_files, checkpoint_fingerprint
 from kv_transfer.auth import SECRET_ENV
 from kv_transfer.config import TransferConfig
 from pdserve.checkpoint import PRESETS
-from pdserve.config import PoolConfig, ServeConfig
+from pdserve.config import PoolConfig, ServeConfig, cpu_sets
 from pdserve.models import NAMED_MODELS, require_tokenizer, resolve_model
 from pool_api.config import WorkerConfig
 from pool_api.messages import Role
@@ -241,14 +241,18 @@ class Deployment:
         # host "auto" is resolved by each decode actor on its node
         transfer = kv_secret_by_default(cfg.transfer, own_cluster=self.started_ray)
 
-        def worker_cfg(name: str, pool: PoolConfig, role: Role) -> WorkerConfig:
+        def worker_cfg(name: str, pool: PoolConfig, role: Role, i: int) -> WorkerConfig:
+            sets = cpu_sets(pool.cpu_affinity)
+            cpus = sets[i] if sets else ()
+            threads = len(cpus) or pool.num_threads  # pinned: a thread per core
             return WorkerConfig(
                 name=name,
-                engine=ecfg,
+                engine=replace(ecfg, num_threads=threads) if cpus else ecfg,
                 transfer=transfer,
                 index=cfg.index,
                 model_name=served_name(cfg),
-                num_threads=pool.num_threads,
+                num_threads=threads,
+                cpus=cpus,
                 stall_timeout_s=pool.stall_timeout_s,
                 log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
                 role=role,
@@ -262,14 +266,14 @@ class Deployment:
                     ray,
                     PrefillActor,
                     cfg.prefill,
-                    worker_cfg(f"pdserve-prefill-{i}", cfg.prefill, Role.PREFILL),
+                    worker_cfg(f"pdserve-prefill-{i}", cfg.prefill, Role.PREFILL, i),
                 )
                 for i in range(cfg.prefill.num_workers)
             ]
         role = Role.COLOCATED if cfg.colocated else Role.DECODE
         self.decode_actors = [
             self._actor(
-                ray, DecodeActor, cfg.decode, worker_cfg(f"pdserve-decode-{i}", cfg.decode, role)
+                ray, DecodeActor, cfg.decode, worker_cfg(f"pdserve-decode-{i}", cfg.decode, role, i)
             )
             for i in range(cfg.decode.num_workers)
         ]

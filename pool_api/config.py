@@ -85,6 +85,7 @@ class WorkerConfig:
     index: IndexConfig = IndexConfig()
     model_name: str = "model"  # namespaces the prefix index
     num_threads: int = 1  # torch intra-op threads (Ray starts actors with 1)
+    cpus: tuple[int, ...] = ()  # the cores its process is pinned to (() not pinned)
     # A decode stream whose router neither sent a heartbeat nor took a frame this long (it
     # forgot the stream) is aborted and dropped; the router sends a heartbeat for every
     # stream it waited `router.heartbeat_s` on.

@@ -41,6 +41,14 @@ def ranked(chunks: dict[int, list[gen.GenerateChunk]], num_seqs: int) -> list[in
 async def best_of(act: ActiveRequest, stream: Responses) -> Responses:
     """`stream`'s responses with the best `act.n` of its sequences as its choices."""
     hide_logprobs = act.request.params.logprobs == 0 and not act.asked_logprobs
+    try:
+        async for resp in _ranked(act, stream, hide_logprobs):
+            yield resp
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]  # the flow's own cleanup now
+
+
+async def _ranked(act: ActiveRequest, stream: Responses, hide_logprobs: bool) -> Responses:
     chunks: dict[int, list[gen.GenerateChunk]] = {}
     prompt: list[gen.TokenLogprob] = []
     async for resp in stream:

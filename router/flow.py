@@ -395,6 +395,7 @@ class RequestFlow:
         self, act: ActiveRequest, decode_worker: WorkerLoad[DecodeClient]
     ) -> Responses:
         rid = act.request_id
+        decode_ended: set[int] = set()  # choices the decode worker itself ended
         try:
             while True:
                 try:
@@ -416,10 +417,10 @@ class RequestFlow:
                 if reason is not None and (act.aborted or reason is FinishReason.ABORT):
                     reason = FinishReason.ABORT  # an abort ends every choice
                 elif act.num_seqs > 1:
-                    for resp in self._choice_chunk(act, batch, reason):
+                    out = await self._choice_step(act, batch, reason, decode_ended, decode_worker)
+                    for resp in out:
                         yield resp
                     if act.all_ended:
-                        yield self.out.complete(act, act.choices_ended[0])
                         return
                     continue
                 if (batch.token_ids or batch.text) and act.num_seqs == 1:
@@ -432,25 +433,41 @@ class RequestFlow:
         finally:
             decode_worker.untrack(rid)
 
-    def _choice_chunk(
-        self, act: ActiveRequest, batch: TokenBatch, reason: FinishReason | None
+    async def _choice_step(
+        self,
+        act: ActiveRequest,
+        batch: TokenBatch,
+        reason: FinishReason | None,
+        decode_ended: set[int],
+        decode_worker: WorkerLoad[DecodeClient],
     ) -> list[gen.GenerateResponse]:
-        """n > 1: a choice's tokens, its finish reason on its last chunk. A choice that
-        already ended (its first token did, as the prefill result said) sends nothing."""
-        if batch.index in act.choices_ended:
-            return []
-        if not (batch.token_ids or batch.text or reason is not None):
-            return []
-        chunk = self.out.chunk(
-            act,
-            batch.token_ids,
-            batch.text,
-            batch.logprobs,
-            batch.prompt_logprobs,
-            index=batch.index,
-            finish=reason,
-        )
-        return [chunk]
+        """n > 1: a choice's tokens, its finish reason on its last chunk, and the completion
+        once every choice ended. A choice that already ended (its first token did, as the
+        prefill result said) sends nothing more."""
+        out = []
+        if reason is not None:
+            decode_ended.add(batch.index)
+        fresh = batch.index not in act.choices_ended
+        if fresh and (batch.token_ids or batch.text or reason is not None):
+            out.append(
+                self.out.chunk(
+                    act,
+                    batch.token_ids,
+                    batch.text,
+                    batch.logprobs,
+                    batch.prompt_logprobs,
+                    index=batch.index,
+                    finish=reason,
+                )
+            )
+        if act.all_ended:
+            if len(decode_ended) < act.num_seqs:
+                # a choice the prefill result ended still runs there (the two sides' limits
+                # differ): let it go rather than decode it for nobody
+                rid, name = act.request_id, decode_worker.name
+                await quietly(partial(decode_worker.client.abort, rid), "abort", name)
+            out.append(self.out.complete(act, act.choices_ended[0]))
+        return out
 
     async def _next_pushed(
         self, act: ActiveRequest, decode_worker: WorkerLoad[DecodeClient], stream: PushedStream

@@ -45,7 +45,7 @@ from router.openai.batch import batch_prompts, merged
 from router.openai.batch import usage_chunk as batch_usage_chunk
 from router.openai.body import BodyLimits, read_json
 from router.openai.choices import Choices, collected
-from router.openai.format import Formatter, sse
+from router.openai.format import sse
 from router.openai.protocol import (
     HTTPError,
     StreamOptions,
@@ -185,26 +185,11 @@ class OpenAIApp:
         base: int = 0,
         tools: ToolPlan | None = None,
     ) -> Choices:
-        """A formatter for each of the request's `n` choices; `base`: its first choice's
-        index in the response (a batch of prompts numbers them across the prompts)."""
-        s = greq.sampling
-        if opts.stream and s.HasField("best_of") and s.best_of > (s.n or 1):
-            raise bad_request(
-                "best_of", "best_of > n cannot be streamed (the best are known at the end)"
-            )
-        fmts = []
-        for _ in range(max(s.n, 1)):
-            fmt = Formatter(
-                chat,
-                response_id,
-                self.model,
-                self.router.tokenizer,
-                opts.include_usage,
-                token_ids_as_tokens=opts.return_tokens_as_token_ids,
-            ).asked(body)
-            fmt.tools = tools
-            fmts.append(fmt)
-        return Choices(fmts, base)
+        """A formatter for each of the request's `n` choices (`Choices.of`)."""
+        r = self.router
+        max_n = r.limits.edge_limits().max_n
+        return Choices.of(self.model, r.tokenizer, max_n, chat, response_id, opts, body, greq,
+                          base, tools)  # fmt: skip
 
     async def completions(self, request: Request) -> Response:
         self.authorize(request)

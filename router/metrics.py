@@ -324,7 +324,10 @@ class RouterMetrics(RequestObserver):
         self.req_generation.labels(*lv).observe(act.num_sent)
         if act.first_sent_s is not None and act.num_sent > 1:
             decode_s = max(now - act.first_sent_s, 0.0)
-            self.tpot.labels(*lv).observe(decode_s / (act.num_sent - 1))
+            # n > 1: the choices decode side by side; a sequence's tokens set the pace
+            per_seq = act.num_sent / act.num_seqs
+            if per_seq > 1:
+                self.tpot.labels(*lv).observe(decode_s / (per_seq - 1))
 
 
 class _WorkerFamilies:

@@ -97,6 +97,8 @@ class EdgeLimits:
         for name in ("request_id", "model", "cache_salt"):
             if len(getattr(request, name)) > _MAX_NAME_CHARS:
                 raise InvalidParameterError(name, f"must be at most {_MAX_NAME_CHARS} characters")
+        if any(ord(c) < 0x20 for c in request.request_id):  # the engine's choice separator
+            raise InvalidParameterError("request_id", "must not contain control characters")
         if len(request.text) > self.max_prompt_chars:
             what = (
                 f"your prompt has {len(request.text)} characters, and at most "
@@ -107,14 +109,7 @@ class EdgeLimits:
             what = f"your prompt has {len(request.token_ids.ids)} tokens"
             raise ContextLengthError("prompt", too_long_message(self.max_prompt_tokens, what))
         s = request.sampling
-        n = _int(s, "n") or 1
-        best_of = _int(s, "best_of")
-        if not 1 <= n <= self.max_n:
-            raise InvalidParameterError("n", f"must be in [1, {self.max_n}], got {n}")
-        if best_of is not None and not n <= best_of <= self.max_n:
-            raise InvalidParameterError(
-                "best_of", f"must be in [n={n}, {self.max_n}], got {best_of}"
-            )
+        check_choices(s, self.max_n)
         if len(s.stop) > self.max_stop_strings:
             raise InvalidParameterError("stop", f"at most {self.max_stop_strings} stop strings")
         if any(len(x) > self.max_stop_chars for x in s.stop):
@@ -138,6 +133,16 @@ class EdgeLimits:
                 "bad_words",
                 f"at most {MAX_BAD_WORDS} words, each 1 to {MAX_BAD_WORD_CHARS} characters",
             )
+
+
+def check_choices(s: gen.SamplingParams, max_n: int) -> None:
+    """`n` and `best_of` within `router.limits.max_n` (best_of at least n)."""
+    n = _int(s, "n") or 1
+    best_of = _int(s, "best_of")
+    if not 1 <= n <= max_n:
+        raise InvalidParameterError("n", f"must be in [1, {max_n}], got {n}")
+    if best_of is not None and not n <= best_of <= max_n:
+        raise InvalidParameterError("best_of", f"must be in [n={n}, {max_n}], got {best_of}")
 
 
 def echo(value: str) -> str:

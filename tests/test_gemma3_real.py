@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine.config import CacheConfig
 from engine.engine import EngineConfig, LLMEngine
 from engine.sampling import SamplingParams
 from pdserve.client import make_request
@@ -44,6 +45,16 @@ PARAGRAPH = (
 )
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+# Memory: the model is 1.1 GB in float32 (a 262144-token vocabulary), a packed copy as much
+# again and the default KV cache 576 MiB: engines in this process use the plain matmuls
+# (the packed path is the service's, in its workers) and 64 KV blocks, enough for these
+# prompts; the test process's heap keeps its peak (engine.model.keep_freed_memory).
+SMALL_CACHE = CacheConfig(num_blocks=64)
+
+
+def small_engine(model_dir: Path) -> LLMEngine:
+    cfg = EngineConfig(model=str(model_dir), dtype="float32", cache=SMALL_CACHE)
+    return LLMEngine.from_config(cfg, onednn=False)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +65,7 @@ def gemma_dir() -> Path:
 @pytest.fixture(scope="module")
 def engine(gemma_dir: Path) -> Iterator[LLMEngine]:
     before = torch.get_num_threads()
-    yield LLMEngine.from_config(EngineConfig(model=str(gemma_dir), dtype="float32"))
+    yield small_engine(gemma_dir)
     torch.set_num_threads(before)
 
 
@@ -113,7 +124,7 @@ def test_the_gguf_file_gives_the_converted_directorys_tokens(
     gguf = pdserve_home() / "downloads" / NAMED_MODELS["gemma3-270m"].member
     view = resolve_model(str(gguf))
     assert (view / "model.gguf").is_symlink()
-    direct = LLMEngine.from_config(EngineConfig(model=str(view), dtype="float32"))
+    direct = small_engine(view)
     prompts = hf["prompts"][:2]
     assert [r.output_token_ids for r in direct.generate(prompts, GREEDY)] == hf["greedy"][:2]
 
@@ -126,6 +137,7 @@ def test_the_disaggregated_service_gives_the_engines_tokens(
         {
             "model": {"model": str(gemma_dir)},
             "transfer": {"transport": "local"},
+            "cache": {"num_blocks": 64},
             "router": {"policy": {"local_prefill_threshold": 0}},
         },
     )

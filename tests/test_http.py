@@ -244,6 +244,10 @@ def test_context_length_error_verbatim(oa: Any, tokenizer: Tokenizer) -> None:
         ({"prompt": ""}, "prompt"),
         ({"max_tokens": 4}, "prompt"),
         ({"prompt": [1, 2, 1 << 20]}, "prompt_token_ids"),
+        # bounded before anything is built for the choices (a formatter each)
+        ({"prompt": "hi", "n": 2_000_000_000}, "n"),
+        ({"prompt": ["a", "b"], "best_of": 2_000_000_000}, "best_of"),
+        ({"prompt": "hi", "request_id": "a\u001fb"}, "request_id"),
     ],
 )
 def test_completion_bad_requests(server: ServeProcess, body: dict[str, Any], param: str) -> None:
@@ -253,6 +257,12 @@ def test_completion_bad_requests(server: ServeProcess, body: dict[str, Any], par
     assert set(err) == {"message", "type", "param", "code"}
     assert err["type"] == "invalid_request_error"
     assert err["param"] == param, err
+
+
+def test_a_chat_with_too_many_choices_is_refused_at_once(server: ServeProcess) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 2_000_000_000}
+    status, _, raw = server.request("POST", "/v1/chat/completions", body)
+    assert status == 400 and json.loads(raw)["error"]["param"] == "n", raw
 
 
 def test_malformed_bodies(server: ServeProcess, oa: Any) -> None:

@@ -105,9 +105,11 @@ def test_counts_after_n_requests(server: ServeProcess, stub: gen_grpc.Generation
         )
         prompt_tokens += responses[-1].complete.usage.prompt_tokens
         completion_tokens += responses[-1].complete.usage.completion_tokens
-    # one rejected at admission (n over max_n), one refused for its key: neither is served
+    # one rejected at admission (min_tokens over max_tokens), one refused for its key: neither
+    # is served
     auth = {"Authorization": f"Bearer {API_KEY}"}
-    assert server.request("POST", "/v1/completions", {"prompt": "x", "n": 17}, auth)[0] == 400
+    bad = {"prompt": "x", "min_tokens": 100}
+    assert server.request("POST", "/v1/completions", bad, auth)[0] == 400
     assert server.request("POST", "/v1/completions", {"prompt": "x"})[0] == 401
 
     n = N_HTTP + N_GRPC

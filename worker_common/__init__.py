@@ -273,10 +273,26 @@ class WorkerBase(abc.ABC):
 W = TypeVar("W", bound=WorkerBase)
 
 
+def pin(name: str, cpus: tuple[int, ...]) -> None:
+    """Pin this thread, and so every thread it starts later (the engine thread and its
+    OpenMP team), to `cpus` (`pool.cpu_affinity`); () leaves it where the OS puts it.
+    Ray's own threads, started before, stay unpinned: they mostly sleep."""
+    if not cpus:
+        return
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as e:
+        have = sorted(os.sched_getaffinity(0))
+        raise RuntimeError(
+            f"{name}: pool.cpu_affinity gives cores {list(cpus)}, this node has {have}: {e}"
+        ) from e
+
+
 class ActorBase(Generic[W]):
     """The Ray actor shell of a worker: methods only delegate."""
 
     def __init__(self, make_worker: Callable[[WorkerConfig], W], cfg: WorkerConfig) -> None:
+        pin(cfg.name, cfg.cpus)
         torch.set_num_threads(cfg.num_threads)  # Ray starts actors with one thread
         log_to_stderr(cfg.log_level)  # Ray streams it to the driver (pool_api.logs)
         self.worker = make_worker(cfg)

@@ -14,8 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.sampling import InvalidParameterError
+from engine.tokenizer import Tokenizer
 from protos.pdserve.v1 import generation_pb2 as gen
+from router.openai.base import bad_request
 from router.openai.format import Formatter, choice_finish, finish_name
+from router.openai.protocol import StreamOptions
+from router.openai.tools import ToolPlan
+from router.validation import check_choices
 
 
 def renumbered(chunk: dict[str, Any], index: int) -> dict[str, Any]:
@@ -33,6 +39,46 @@ class Choices:
     prompt: list[gen.TokenLogprob] = field(default_factory=list)
     _held: dict[int, list[str]] = field(default_factory=dict)  # tools: text read at the end
     _ended: set[int] = field(default_factory=set)
+
+    @classmethod
+    def of(
+        cls,
+        model: str,
+        tokenizer: Tokenizer | None,
+        max_n: int,
+        chat: bool,
+        response_id: str,
+        opts: StreamOptions,
+        body: dict[str, Any],
+        greq: gen.GenerateRequest,
+        base: int = 0,
+        tools: ToolPlan | None = None,
+    ) -> Choices:
+        """A formatter for each of the request's `n` choices; `base`: its first choice's
+        index in the response (a batch of prompts numbers them across the prompts). `n` and
+        `best_of` are bounded first (a 400 naming the field), before anything is built."""
+        s = greq.sampling
+        try:
+            check_choices(s, max_n)
+        except InvalidParameterError as e:
+            raise bad_request(e.field, str(e)) from e
+        if opts.stream and s.HasField("best_of") and s.best_of > (s.n or 1):
+            raise bad_request(
+                "best_of", "best_of > n cannot be streamed (the best are known at the end)"
+            )
+        fmts = []
+        for _ in range(max(s.n, 1)):
+            fmt = Formatter(
+                chat,
+                response_id,
+                model,
+                tokenizer,
+                opts.include_usage,
+                token_ids_as_tokens=opts.return_tokens_as_token_ids,
+            ).asked(body)
+            fmt.tools = tools
+            fmts.append(fmt)
+        return cls(fmts, base)
 
     def admitted(self, prompt_ids: Sequence[int], request: gen.GenerateRequest) -> None:
         for fmt in self.fmts:
