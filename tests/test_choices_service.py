@@ -103,6 +103,7 @@ def _serve(real_dir: Path, colocated: bool, body: Body) -> None:
             "model": {"model": str(real_dir)},
             "transfer": {"transport": "local"},
             "colocated": colocated,
+            "cache": {"num_blocks": 128},  # room enough; the default 1024 is 754 MiB a worker
             # every prompt pass on the prefill side
             "router": {"policy": {"local_prefill_threshold": 0}},
         },
