@@ -61,6 +61,7 @@ def _prompt_logprobs(real_dir: Path, ids: list[int], colocated: bool) -> list[ge
             "transfer": {"transport": "local"},
             "colocated": colocated,
             "scheduler": {"max_num_batched_tokens": 16},  # chunked: a prompt in 3 passes
+            "cache": {"num_blocks": 128},  # room enough; the default is 754 MiB a worker
         },
     )
     got: list[gen.TokenLogprob] = []

@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 from decode_workers.worker import DecodeWorker
+from engine.config import CacheConfig
 from engine.engine import EngineConfig, LLMEngine
 from engine.request import GrammarRejected
 from engine.sampling import SamplingParams
@@ -55,6 +56,7 @@ def config(model: Path, colocated: bool) -> ServeConfig:
             "model": {"model": str(model)},
             "transfer": {"transport": "local"},
             "colocated": colocated,
+            "cache": {"num_blocks": 128},  # room enough; the default is 754 MiB a worker
         },
     )
 
@@ -162,7 +164,8 @@ def test_token_one_is_checked_on_the_decode_side_never_recomputed(
 # ---- the engine ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(real_dir: Path) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(str(real_dir), dtype="float32"))
+    cache = CacheConfig(num_blocks=128)  # the test process keeps its peak heap
+    return LLMEngine.from_config(EngineConfig(str(real_dir), dtype="float32", cache=cache))
 
 
 def test_a_constrained_row_leaves_the_others_in_its_batch_untouched(
