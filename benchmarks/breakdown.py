@@ -110,9 +110,7 @@ def snapshot(root: int) -> dict[int, dict[str, Any]]:
     return procs
 
 
-def delta(
-    before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]]
-) -> dict[str, Any]:
+def delta(before: dict[int, dict[str, Any]], after: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """CPU seconds spent between two snapshots, per process label and per thread name."""
     out: dict[str, Any] = {}
     for pid, a in after.items():
@@ -270,8 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--start-timeout-s", type=float, default=300.0)
     p.add_argument("--profile", action="store_true", help="a second pass under py-spy")
-    p.add_argument("--omp-ab", type=int, default=0, metavar="ROUNDS",
-                   help="only the OpenMP-team A/B, this many alternating rounds")
+    p.add_argument(
+        "--omp-ab",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="only the OpenMP-team A/B, this many alternating rounds",
+    )
     p.add_argument("--label", default="")
     p.add_argument("--out", type=Path, default=peers.RESULTS_DIR / "breakdown-latest.json")
     args = p.parse_args(argv)
@@ -288,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     name = peers.DEFAULT_MODEL
     wls = peers.workloads(args)
     result: dict[str, Any] = {"mode": args.mode, "label": args.label, "workloads": {}}
-    with peers.server_for(args.mode, cli, model, name, run_dir, args) as srv:
+    with peers.server_for(args.mode, cli, model, name, run_dir, args, "float32") as srv:
         for w in args.workloads:  # warm-up of each shape
             wl = wls[w]
             warm = run_dir / f"warmup-{w}.json"

@@ -66,8 +66,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+if str(ROOT / "benchmarks") not in sys.path:  # the sibling modules (after the packages:
+    sys.path.append(str(ROOT / "benchmarks"))  # benchmarks/engine.py is no `engine`)
 os.environ.setdefault("PDSERVE_HOME", str(ROOT / ".venv" / "pdserve-home"))  # as the Makefile
 
+import peers_goodput  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from pdserve.models import DEFAULT_MODEL, resolve_model  # noqa: E402
@@ -100,7 +103,8 @@ if __name__ == "__main__":  # vLLM spawns its engine process, which imports this
 
     sys.exit(main())
 '''
-SERVERS = ("vllm", "pdserve-colocated", "pdserve-disaggregated")
+SERVERS = ("vllm", "pdserve-colocated", "pdserve-disaggregated", "pdserve-colocated-prefill-first")
+DEFAULT_SERVERS = SERVERS[:3]  # the last: colocated with prefill-first steps, for A/Bs
 WORKLOADS = ("c1", "c8", "prefix")
 METRICS = (  # (key in vllm bench's JSON, label, higher is better)
     ("output_throughput", "output tok/s", True),
@@ -218,7 +222,7 @@ def clean_env() -> dict[str, str]:
 
 
 def vllm_server(
-    cli: Path, model: Path, name: str, run_dir: Path, args: argparse.Namespace
+    cli: Path, model: Path, name: str, run_dir: Path, args: argparse.Namespace, dtype: str
 ) -> Server:
     ncpu = os.cpu_count() or 1
     tmp = BUILD / "vllm-tmp"
@@ -233,28 +237,32 @@ def vllm_server(
     )
     port = free_port()
     cmd = [str(vllm_python()), str(cli), "serve", str(model), "--served-model-name", name,
-           "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", str(args.max_model_len)]  # fmt: skip
-    return Server("vllm", cmd, env, run_dir / "serve-vllm.log", port, args.vllm_start_timeout_s)
+    log = run_dir / f"serve-vllm-{dtype}.log"
+    return Server("vllm", cmd, env, log, port, args.vllm_start_timeout_s)
 
 
 def pdserve_server(
-    mode: str, model: Path, name: str, run_dir: Path, args: argparse.Namespace
+    mode: str, model: Path, name: str, run_dir: Path, args: argparse.Namespace, dtype: str
 ) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(model),
-           "--served-model-name", name, "--dtype", "float32", "--port", str(port),
+           "--served-model-name", name, "--dtype", dtype, "--port", str(port),
            "--grpc-port", "0", "--max-model-len", str(args.max_model_len)]  # fmt: skip
     yaml = ""
-    if mode == "pdserve-colocated":
+    if mode.startswith("pdserve-colocated"):
         ncpu = os.cpu_count() or 1
         yaml += f"decode:\n  num_cpus: {ncpu}\n  num_threads: {ncpu}\n"
         cmd += ["--colocated", "--decode-workers", "1"]
+    if mode.endswith("-prefill-first"):
+        yaml += "scheduler:\n  mixed_steps: false\n"
     if yaml:
-        cfg = run_dir / f"{mode}.yaml"
+        cfg = run_dir / f"{mode}-{dtype}.yaml"
         cfg.write_text(yaml)
         cmd += ["--config", str(cfg)]
-    return Server(mode, cmd, clean_env(), run_dir / f"serve-{mode}.log", port, args.start_timeout_s)
+    log = run_dir / f"serve-{mode}-{dtype}.log"
+    return Server(mode, cmd, clean_env(), log, port, args.start_timeout_s)
 
 
 # ---- the client ------------------------------------------------------------------------------
@@ -323,9 +331,9 @@ ENGINE_SNIPPET = textwrap.dedent(
     import torch
     from engine.engine import EngineConfig, LLMEngine
     from engine.sampling import SamplingParams
-    model, threads, side = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    model, threads, side, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(threads)
-    build = lambda: LLMEngine.from_config(EngineConfig(model=model, dtype="float32"))
+    build = lambda: LLMEngine.from_config(EngineConfig(model=model, dtype=dtype))
     # "thread": built and stepped on one thread, as workers do; "main": built on the main
     # thread first (its OpenMP team stays behind), stepped on another (the A/B's other side)
     built = build() if side == "main" else None
@@ -348,17 +356,20 @@ ENGINE_SNIPPET = textwrap.dedent(
     t.start()
     t.join()
     mid = sorted(rows[1:], key=lambda r: r[1])[1]
-    print(json.dumps({"ttft_ms": mid[0], "tpot_ms": mid[1], "threads": threads, "side": side}))
+    print(json.dumps({"ttft_ms": mid[0], "tpot_ms": mid[1], "threads": threads, "side": side,
+                      "dtype": dtype}))
     """
 )
 
 
-def engine_alone(model: Path, threads: int, log: Path, side: str = "thread") -> dict[str, Any]:
+def engine_alone(
+    model: Path, threads: int, log: Path, side: str = "thread", dtype: str = "float32"
+) -> dict[str, Any]:
     """The engine in a fresh process (its own thread count): 512-token prefill, 64 tokens;
     the median of three runs after a warm-up. `side`: see ENGINE_SNIPPET."""
     with open(log, "w") as f:
         proc = subprocess.run(
-            [sys.executable, "-c", ENGINE_SNIPPET, str(model), str(threads), side],
+            [sys.executable, "-c", ENGINE_SNIPPET, str(model), str(threads), side, dtype],
             cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=f, text=True, timeout=900,
         )  # fmt: skip
     if proc.returncode != 0:
@@ -370,14 +381,16 @@ def engine_alone(model: Path, threads: int, log: Path, side: str = "thread") -> 
 # ---- the run ---------------------------------------------------------------------------------
 @contextlib.contextmanager
 def server_for(
-    kind: str, cli: Path, model: Path, name: str, run_dir: Path, args: argparse.Namespace
-) -> Iterator[Server]:
+    kind: str, cli: Path, model: Path, name: str, run_dir: Path, args: argparse.Namespace,
+    dtype: str,
+) -> Iterator[Server]:  # fmt: skip
     srv = (
-        vllm_server(cli, model, name, run_dir, args)
+        vllm_server(cli, model, name, run_dir, args, dtype)
         if kind == "vllm"
-        else pdserve_server(kind, model, name, run_dir, args)
+        else pdserve_server(kind, model, name, run_dir, args, dtype)
     )
     with srv:
+        say(f"{kind} ({dtype}) up in {srv.start_s:.0f} s")
         yield srv
 
 
@@ -387,24 +400,36 @@ def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     name = Path(args.model).name
     wls = workloads(args)
     chosen = [wls[w] for w in args.workloads]
-    runs: dict[str, dict[str, Any]] = {}
-    engines: list[dict[str, Any]] = []
-    steps = args.rounds * (len(args.servers) * (1 + len(chosen)) + 1)
+    sections: dict[str, dict[str, Any]] = {dt: {"servers": {}, "engines": []} for dt in args.dtypes}
+    steps = args.rounds * len(args.dtypes) * (len(args.servers) * (1 + len(chosen)) + 1)
+    steps += len(args.goodput_servers) * len(peers_goodput.FRACTIONS)
     with tqdm(total=steps, desc="peers", unit="step") as bar:
         for rnd in range(args.rounds):  # servers alternate: a slow spell hits all of them
-            bar.set_postfix_str(f"round {rnd + 1}: engine alone")
-            engines.append(engine_alone(model, os.cpu_count() or 1, run_dir / f"engine-{rnd}.log"))
-            bar.update()
-            for kind in args.servers:
-                run = runs.setdefault(kind, {"start_s": [], "rounds": []})
-                run["rounds"].append(serve_round(kind, rnd, cli, model, name, chosen, run_dir,
-                                                 args, bar, run))  # fmt: skip
-    for run in runs.values():
-        run["workloads"] = {
-            wl.name: median_of([r[wl.name] for r in run["rounds"]]) for wl in chosen
-        }
-    engine = median_of(engines)
-    engine["rounds"] = engines
+            for dt, sec in sections.items():
+                bar.set_postfix_str(f"round {rnd + 1}: engine alone, {dt}")
+                log = run_dir / f"engine-{dt}-{rnd}.log"
+                sec["engines"].append(engine_alone(model, os.cpu_count() or 1, log, dtype=dt))
+                bar.update()
+                for kind in args.servers:
+                    run = sec["servers"].setdefault(kind, {"start_s": [], "rounds": []})
+                    run["rounds"].append(serve_round(kind, rnd, cli, model, name, chosen,
+                                                     run_dir, args, bar, run, dt))  # fmt: skip
+        wl_meta = {
+            w.name: {"concurrency": w.concurrency, "num_prompts": w.num_prompts,
+                     "flags": w.flags, "chat": w.chat}
+            for w in chosen
+        }  # fmt: skip
+        for sec in sections.values():
+            for run in sec["servers"].values():
+                run["workloads"] = {
+                    wl.name: median_of([r[wl.name] for r in run["rounds"]]) for wl in chosen
+                }
+            engines = sec.pop("engines")
+            sec["engine_alone"] = median_of(engines) | {"rounds": engines}
+            sec["workloads"] = wl_meta
+        good = None
+        if args.goodput_servers:
+            good = goodput_run(cli, model, name, run_dir, args, sections, bar)
     return {
         "meta": {
             "when": f"{datetime.now():%Y-%m-%d %H:%M:%S}",
@@ -417,42 +442,66 @@ def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
             "loadavg_end": list(os.getloadavg()),
             "run_dir": str(run_dir.relative_to(ROOT)),
             "label": args.label,
+            "rounds": args.rounds,
         },
-        "model": {"name": args.model, "dtype": "float32", "checkpoint": str(model)},
-        "workloads": {
-            w.name: {
-                "concurrency": w.concurrency,
-                "num_prompts": w.num_prompts,
-                "flags": w.flags,
-                "chat": w.chat,
-            }
-            for w in chosen
-        },
-        "engine_alone": engine,
-        "servers": runs,
+        "model": {"name": args.model, "checkpoint": str(model)},
+        "workloads": wl_meta,
+        "dtypes": sections,
+        "goodput": good,
     }
+
+
+def goodput_run(
+    cli: Path, model: Path, name: str, run_dir: Path, args: argparse.Namespace,
+    sections: dict[str, dict[str, Any]], bar: tqdm,
+) -> dict[str, Any]:  # fmt: skip
+    """The goodput sweep (`peers_goodput`) in the last dtype of the tables (bf16 where the
+    CPU has it: what a user there runs)."""
+    dtype = args.dtypes[-1]
+    sec = sections[dtype]
+    slo = peers_goodput.slos(sec["engine_alone"], args)
+    grid, how = peers_goodput.rates(sec, args)
+    flags = peers_goodput.dataset_flags(args)
+    wl = Workload("goodput", 0, 0, flags)
+
+    def start(kind: str) -> contextlib.AbstractContextManager[Server]:
+        return server_for(kind, cli, model, name, run_dir, args, dtype)
+
+    def bench(srv: Server, extra: list[str], tag: str, n: int) -> dict[str, Any]:
+        out = run_dir / f"{tag}.json"
+        cmd = bench_cmd(cli, srv, model, name, wl, out, args.seed, n)
+        i = cmd.index("--max-concurrency")
+        del cmd[i : i + 2]  # no concurrency cap: the arrivals alone set the load
+        return run_bench([*cmd, *extra], run_dir / f"{tag}.log", args.bench_timeout_s)
+
+    servers = peers_goodput.sweep(args.goodput_servers, start, bench, grid, slo, args, bar)
+    lo, hi = peers_goodput.lens(args)
+    g = {"dtype": dtype, "slo": slo, "rates": grid, "rates_from": how, "lens": f"{lo}-{hi}",
+         "output_len": args.goodput_output_len, "prompts": args.goodput_prompts,
+         "servers": servers}  # fmt: skip
+    g["targets"] = peers_goodput.targets(g)
+    return g
 
 
 def serve_round(
     kind: str, rnd: int, cli: Path, model: Path, name: str, chosen: list[Workload],
-    run_dir: Path, args: argparse.Namespace, bar: tqdm, run: dict[str, Any],
+    run_dir: Path, args: argparse.Namespace, bar: tqdm, run: dict[str, Any], dtype: str,
 ) -> dict[str, Any]:  # fmt: skip
     """One server up, a discarded warm-up of each workload, then each workload measured."""
-    bar.set_postfix_str(f"round {rnd + 1}: {kind} starting")
+    bar.set_postfix_str(f"round {rnd + 1}: {kind} ({dtype}) starting")
     out: dict[str, Any] = {}
-    with server_for(kind, cli, model, name, run_dir, args) as srv:
-        say(f"{kind} up in {srv.start_s:.0f} s (round {rnd + 1})")
+    with server_for(kind, cli, model, name, run_dir, args, dtype) as srv:
         run["start_s"].append(srv.start_s)
         run["cmd"] = srv.cmd[1:]
         for wl in chosen:
-            tag = f"{kind}-{wl.name}-r{rnd}"
+            tag = f"{kind}-{dtype}-{wl.name}-r{rnd}"
             warm = run_dir / f"{tag}-warmup.json"
             cmd = bench_cmd(cli, srv, model, name, wl, warm, args.seed + 1000, 2 * wl.concurrency)
             run_bench(cmd, run_dir / f"{tag}-warmup.log", args.bench_timeout_s)
         bar.update()
         for wl in chosen:
-            bar.set_postfix_str(f"round {rnd + 1}: {kind} {wl.name}")
-            tag = f"{kind}-{wl.name}-r{rnd}"
+            bar.set_postfix_str(f"round {rnd + 1}: {kind} ({dtype}) {wl.name}")
+            tag = f"{kind}-{dtype}-{wl.name}-r{rnd}"
             cmd = bench_cmd(cli, srv, model, name, wl, run_dir / f"{tag}.json", args.seed,
                             wl.num_prompts)  # fmt: skip
             out[wl.name] = summarize(run_bench(cmd, run_dir / f"{tag}.log", args.bench_timeout_s))
@@ -467,6 +516,12 @@ def median_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
         vals = [r[key] for r in rows if isinstance(r.get(key), int | float)]
         out[key] = statistics.median(vals) if vals else rows[0][key]
     return out
+
+
+def bf16_hardware() -> bool:
+    from engine import cpu
+
+    return cpu.has_bf16_hardware()
 
 
 def cpu_flags() -> str:
@@ -508,14 +563,22 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
         ref = s.get("vllm", {}).get("workloads", {}).get(wl, {}).get(key)
         return v / ref if v is not None and ref else None
 
+    def own(kind: str, wl: str) -> float | None:
+        v: float | None = (
+            data["servers"].get(kind, {}).get("workloads", {}).get(wl, {}).get("median_tpot_ms")
+        )
+        return v
+
     col, dis = "pdserve-colocated", "pdserve-disaggregated"
-    tpot_c1 = data["servers"].get(col, {}).get("workloads", {}).get("c1", {}).get("median_tpot_ms")
+    tpot_c1, tpot_c8 = own(col, "c1"), own(col, "c8")
     eng = data["engine_alone"]["tpot_ms"]
     rows = [
         ("colocated c=8 output tok/s / vLLM", r(col, "c8", "output_throughput"), ">=", 1.0),
         ("colocated c=1 TPOT p50 / vLLM", r(col, "c1", "median_tpot_ms"), "<=", 1.0),
         ("colocated c=1 TTFT p50 / vLLM", r(col, "c1", "median_ttft_ms"), "<=", 1.0),
-        ("disaggregated c=8 output tok/s / vLLM", r(dis, "c8", "output_throughput"), ">=", 0.9),
+        ("colocated c=8 TPOT p50 / its c=1 TPOT p50 (mixed steps)",
+         tpot_c8 / tpot_c1 if tpot_c1 and tpot_c8 else None, "<=", 1.25),
+        ("disaggregated c=8 output tok/s / vLLM", r(dis, "c8", "output_throughput"), ">=", 0.8),
         ("colocated c=1 TPOT p50 / engine alone", tpot_c1 / eng if tpot_c1 else None, "<=", 1.15),
         ("colocated shared-prefix TTFT p50 / vLLM", r(col, "prefix", "median_ttft_ms"), "<=", 1.0),
         ("disaggregated shared-prefix TTFT p50 / vLLM", r(dis, "prefix", "median_ttft_ms"),
@@ -553,29 +616,49 @@ def table_text(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def report_text(data: dict[str, Any]) -> str:
+    """Every dtype's table, then the goodput sweep's."""
+    parts = []
+    for dt, sec in data["dtypes"].items():
+        parts += [f"#### {dt}", "", sec["table_md"], ""]
+    g = data.get("goodput")
+    if g:
+        parts += ["#### goodput", "", peers_goodput.table_text(g), "",
+                  "| target | measured | bound | met |", "|---|---|---|---|"]  # fmt: skip
+        for t in g["targets"]:
+            met = {None: "n/a", True: "yes", False: "no"}[t["met"]]
+            exact = "" if t["exact"] else f" (a bound: {t['note']})"
+            parts.append(f"| {t['target']} | {fmt(t['value'], '.2f')}{exact} | {t['bound']} "
+                         f"| {met} |")  # fmt: skip
+    return "\n".join(parts)
+
+
 def plot(data: dict[str, Any], path: Path) -> None:
+    """pdserve / vLLM per workload and metric, a panel per dtype."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kinds = [k for k in data["servers"] if k != "vllm"]
-    rows = [r for r in data["ratios"] if any(r.get(f"{k}/vllm") for k in kinds)]
-    if not rows:
-        return
-    fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) * max(1, len(kinds)) + 1.5))
-    labels = [f"{r['workload']}: {r['metric']}" for r in rows]
+    secs = list(data["dtypes"].items())
+    kinds = [k for k in next(iter(data["dtypes"].values()))["servers"] if k != "vllm"]
+    n = max(len(sec["ratios"]) for _, sec in secs)
+    fig, axes = plt.subplots(1, len(secs), figsize=(7 * len(secs), 0.3 * n * len(kinds) + 1.8),
+                             squeeze=False)  # fmt: skip
     h = 0.8 / max(1, len(kinds))
-    for i, k in enumerate(kinds):
-        vals = [r.get(f"{k}/vllm") or 0.0 for r in rows]
-        ax.barh([j + i * h for j in range(len(rows))], vals, height=h, label=k)
-    ax.axvline(1.0, color="k", lw=1)
-    ax.set_yticks([j + h * (len(kinds) - 1) / 2 for j in range(len(rows))], labels)
-    ax.invert_yaxis()
-    ax.set_xlabel("pdserve / vLLM (throughput: higher is better; latency: lower is better)")
-    ax.set_title(f"{data['model']['name']} fp32, {data['meta']['cpus']} CPUs "
-                 f"({data['meta']['cpu_flags']}), vllm bench serve")  # fmt: skip
-    ax.legend(loc="lower right")
+    for ax, (dt, sec) in zip(axes[0], secs, strict=True):
+        rows = sec["ratios"]
+        for i, k in enumerate(kinds):
+            vals = [r.get(f"{k}/vllm") or 0.0 for r in rows]
+            ax.barh([j + i * h for j in range(len(rows))], vals, height=h, label=k)
+        ax.axvline(1.0, color="k", lw=1)
+        ax.set_yticks([j + h * (len(kinds) - 1) / 2 for j in range(len(rows))],
+                      [f"{r['workload']}: {r['metric']}" for r in rows])  # fmt: skip
+        ax.invert_yaxis()
+        ax.set_xlabel("pdserve / vLLM (throughput: higher is better; latency: lower)")
+        ax.set_title(f"{data['model']['name']} {dt}, {data['meta']['cpus']} CPUs "
+                     f"({data['meta']['cpu_flags']})", fontsize=10)  # fmt: skip
+        ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -587,8 +670,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--servers",
         type=lambda s: s.split(","),
-        default=list(SERVERS),
-        help=f"comma-separated, from {','.join(SERVERS)} (default: all)",
+        default=list(DEFAULT_SERVERS),
+        help=f"comma-separated, from {','.join(SERVERS)} (default: the first three)",
     )
     p.add_argument(
         "--workloads",
@@ -600,10 +683,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--c8-prompts", type=int, default=32, help="requests of the c=8 run")
     p.add_argument("--prefix-prompts", type=int, default=32, help="requests of the prefix run")
     p.add_argument("--num-prefixes", type=int, default=2, help="shared prefixes (prefix run)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="every server's")
+    p.add_argument("--dtypes", type=lambda s: s.split(","), default=None,
+                   help="comma-separated (default: float32, and bfloat16 where the CPU does "
+                   "bf16 in hardware); the goodput sweep runs in the last")  # fmt: skip
+    p.add_argument("--max-model-len", type=int, default=4096, help="every server's")
     p.add_argument("--seed", type=int, default=0, help="vllm bench serve --seed")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="rounds of every server in turn; figures are medians over rounds")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="rounds of every server in turn; figures are medians over rounds",
+    )
     p.add_argument("--start-timeout-s", type=float, default=300.0, help="pdserve start limit")
     p.add_argument(
         "--vllm-start-timeout-s",
@@ -615,8 +705,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--label", default="", help="a note kept in the JSON (e.g. an A/B side)")
     p.add_argument("--out", type=Path, default=None,
                    help="result JSON (default benchmarks/results/peers-latest.json)")  # fmt: skip
+    peers_goodput.add_args(p)
     args = p.parse_args(argv)
-    for s in args.servers:
+    if args.dtypes is None:
+        args.dtypes = ["float32", "bfloat16"] if bf16_hardware() else ["float32"]
+    if args.goodput_servers is None:
+        args.goodput_servers = list(args.servers)
+    for s in [*args.servers, *args.goodput_servers]:
         if s not in SERVERS:
             p.error(f"--servers: {s!r} is not one of {', '.join(SERVERS)}")
     for w in args.workloads:
@@ -633,15 +728,22 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     data = measure(args, run_dir)
     data["meta"]["wall_s"] = time.perf_counter() - t0
-    data["ratios"] = ratios(data)
-    data["targets"] = targets(data)
-    data["table_md"] = table_text(data)
+    for sec in data["dtypes"].values():
+        sec["ratios"] = ratios(sec)
+        sec["targets"] = targets(sec)
+        sec["table_md"] = table_text(sec)
+    data["table_md"] = report_text(data)
     out = args.out or RESULTS_DIR / "peers-latest.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1))
     plot(data, out.with_suffix(".png"))
+    pngs = [out.with_suffix(".png").name]
+    if data["goodput"]:
+        gpng = out.with_name(out.stem.replace("peers", "peers-goodput") + ".png")
+        peers_goodput.plot(data["goodput"], gpng)
+        pngs.append(gpng.name)
     print(data["table_md"])
-    print(f"\nwrote {out} and {out.with_suffix('.png').name}; raw runs in {run_dir}")
+    print(f"\nwrote {out}, {' and '.join(pngs)}; raw runs in {run_dir}")
     return 0
 
 

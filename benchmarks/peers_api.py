@@ -56,7 +56,12 @@ CASES: dict[str, dict[str, Any]] = {
     "n=3 (sampled)": {"prompt": TEXT, "n": 3, **SAMPLED},
     "a list of prompts with n=2 (sampled)": {"prompt": [TEXT, "1, 2, 3,"], "n": 2, **SAMPLED},
     "n=2 with echo and prompt_logprobs (sampled)": {
-        "prompt": TEXT, "n": 2, "echo": True, "prompt_logprobs": 1, "max_tokens": 2, **SAMPLED,
+        "prompt": TEXT,
+        "n": 2,
+        "echo": True,
+        "prompt_logprobs": 1,
+        "max_tokens": 2,
+        **SAMPLED,
     },
     "n=3 greedy": {"prompt": TEXT, "n": 3},
     "best_of=2": {"prompt": TEXT, "best_of": 2},
@@ -125,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     cli = ensure_vllm()
     t0 = time.perf_counter()
-    vllm = run(vllm_server(cli, model, DEFAULT_MODEL, run_dir, args), DEFAULT_MODEL)
-    ours = run(pdserve_server("pdserve", model, DEFAULT_MODEL, run_dir, args), DEFAULT_MODEL)
+    vllm = run(vllm_server(cli, model, DEFAULT_MODEL, run_dir, args, "float32"), DEFAULT_MODEL)
+    ours = run(
+        pdserve_server("pdserve", model, DEFAULT_MODEL, run_dir, args, "float32"), DEFAULT_MODEL
+    )
     cases = compare(vllm, ours)
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),

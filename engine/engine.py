@@ -22,6 +22,7 @@ Every seam between the engine and KV transfer, in one list (the workers and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -150,8 +151,10 @@ class StepResult:
     """What one `LLMEngine.step` did."""
 
     outputs: list[RequestOutput]  # one per request that got a token (or finished)
-    phase: Literal["prefill", "decode"] | None  # None: nothing fit (e.g. waiting on blocks)
-    num_tokens: int  # tokens the forward ran: prompt-chunk tokens, or one per decode row
+    # "mixed": prompt chunks and decode rows in one forward. None: nothing fit (e.g. waiting
+    # on blocks).
+    phase: Literal["prefill", "decode", "mixed"] | None
+    num_tokens: int  # tokens the forward ran: prompt-chunk tokens plus one per decode row
     forward_s: float  # forward and postprocess wall time
 
 
@@ -218,9 +221,7 @@ class LLMEngine:
         weights = load_weights(cfg.model, mcfg, dtype, cfg.device)
         cache = size_kv_cache(cfg.cache, mcfg, dtype, cfg.device)  # after the weights
         max_len = cfg.scheduler.context_len(mcfg)
-        sched = SchedulerConfig(
-            cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, max_len
-        )
+        sched = dataclasses.replace(cfg.scheduler, max_model_len=max_len)
         tokenizer = (
             Tokenizer.from_dir(cfg.model, mcfg, cfg.chat_template)
             if (Path(cfg.model) / "tokenizer.json").exists()
@@ -297,9 +298,7 @@ class LLMEngine:
         self.scheduler.add(req)
         return req
 
-    def add_prefilled(
-        self, req: Request, first_token_ids: Sequence[int]
-    ) -> list[RequestOutput]:
+    def add_prefilled(self, req: Request, first_token_ids: Sequence[int]) -> list[RequestOutput]:
         """Admit a request whose prompt K/V already fills its blocks (see `reserve`), with
         the first token of each of its `params.n` choices (sampled by the prefill side).
         One output per choice; a constrained choice's matcher checks its token here, before
@@ -448,22 +447,18 @@ class LLMEngine:
         if out.is_empty:
             return StepResult([], None, 0, 0.0)
         t0 = time.perf_counter()
-        if out.prefill:
-            hook = self.layer_hook
-            logits = self.runner.prefill(
-                out.prefill, (lambda layer: hook(out, layer)) if hook is not None else None
-            )
-            done = [c.request for c in out.prefill if c.completes_prompt]
-            num_tokens = sum(c.end - c.start for c in out.prefill)
-        else:
-            logits = self.runner.decode(out.decode)
-            done = list(out.decode)
-            num_tokens = len(out.decode)
+        hook = self.layer_hook if out.prefill else None
+        logits = self.runner.step(
+            out.prefill, out.decode, (lambda layer: hook(out, layer)) if hook is not None else None
+        )
+        # Logits rows: prompts that complete, then every decode row (`ModelRunner.step`).
+        done = [c.request for c in out.prefill if c.completes_prompt] + list(out.decode)
+        num_tokens = sum(c.end - c.start for c in out.prefill) + len(out.decode)
         step_s = time.perf_counter() - t0
         outputs = self._postprocess(out, done, logits, step_s)
         if not self.scheduler.running and self.runner.workspace is not None:
             self.runner.workspace.reset()  # every row is stale: give the memory back
-        return StepResult(outputs, "prefill" if out.prefill else "decode", num_tokens, step_s)
+        return StepResult(outputs, out.phase, num_tokens, step_s)
 
     def _prompt_logprobs(self) -> None:
         """Each prompt position's logprob (of the prompt's next token) and top-N, from the

@@ -65,11 +65,17 @@ class PrefillSegment:
 class AttentionMetadata:
     """Where each token of the step writes K/V, and what it attends to.
 
-    Exactly one of `prefill` (list of segments) and decode context is set. Decode context is
-    given as a `DecodeWorkspace` (what the runner uses: no per-step copy of the context),
-    as block tables (`decode_block_tables`: attention gathers whole pages, one 8 KiB row
-    per block instead of one row per token), or as a slot grid (`decode_slots`, any slot
-    layout at all); `decode_ctx_lens` goes with each.
+    A step is prompt chunks (`prefill`, a list of segments), decode rows (`decode_ctx_lens`
+    and a context form), or both: a **mixed step** packs the segments' tokens first, rows
+    ``0 .. num_prefill_tokens-1``, and one token per decode request after them. The linear
+    layers see one matrix either way; attention runs the segments through the prefill path
+    and the decode rows through the decode path, so the decode rows of a mixed step read
+    their context where a decode step reads it (the workspace) and append to it the same way.
+
+    Decode context is given as a `DecodeWorkspace` (what the runner uses: no per-step copy
+    of the context), as block tables (`decode_block_tables`: attention gathers whole pages,
+    one 8 KiB row per block instead of one row per token), or as a slot grid
+    (`decode_slots`, any slot layout at all); `decode_ctx_lens` goes with each.
     """
 
     positions: torch.Tensor  # [T] absolute position of each token
@@ -91,8 +97,13 @@ class AttentionMetadata:
     _lens: list[int] | None = None
 
     @property
-    def is_decode(self) -> bool:
-        return self.prefill is None
+    def num_prefill_tokens(self) -> int:
+        """Rows of the step that belong to prompt chunks (the decode rows follow them)."""
+        return sum(seg.q_len for seg in self.prefill) if self.prefill else 0
+
+    @property
+    def has_decode(self) -> bool:
+        return self.decode_ctx_lens is not None
 
     def ctx_lens(self) -> list[int]:
         """Decode context lengths as Python ints (read once; a device sync on GPU)."""
@@ -264,7 +275,7 @@ class LlamaModel:
         if self.embed_scale is not None:
             x = x * self.embed_scale
         ropes = {kind: (r, r.tables(meta.positions)) for kind, r in self.rotaries.items()}
-        rows = None
+        rows = None  # the rows the last layer keeps (None: all of them)
         if meta.prefill is not None and not hidden_rows:
             rows = meta.logit_rows if meta.logit_rows is not None else logits_indices.tolist()
         if rows is not None and len(rows) == len(input_ids):
@@ -316,25 +327,50 @@ class LlamaModel:
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [T, H, D], [T, Hkv, D]
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, -1)  # [T, Hkv, D]
         cache.write(i, meta.slot_mapping, k, v)
+        tp = meta.num_prefill_tokens
         if meta.decode_workspace is not None:
-            meta.decode_workspace.write(i, k, v)
-        window = cfg.sliding_windows[i]
+            meta.decode_workspace.write(i, k[tp:], v[tp:])  # the decode rows' K/V
         if keep is not None:
-            assert meta.prefill is not None
             x = x[torch.tensor(keep, dtype=torch.long, device=x.device)]  # [N, d]
             if not keep:
                 return x  # a chunk that completes no prompt: K/V was all it had to give
-            o = self._row_attention(i, q, k, v, keep, meta.prefill, cache, window)
-        elif meta.prefill is not None:
-            o = self._prefill_attention(i, q, k, v, meta.prefill, cache, window)
-        else:
-            o = self._decode_attention(i, q, meta, cache, window)
+        o = self._attention(i, q, k, v, meta, cache, keep)
         if lw.attn_out_norm is None or lw.mlp_out_norm is None:  # Llama's block
             x = self.proj.o_residual(i, o, x)  # [T, d]
             return self.proj.mlp_residual(i, norm(x, lw.post_norm, eps), x)
         x = x + norm(self.proj.o(i, o), lw.attn_out_norm, eps)  # Gemma 3's: sublayers normed
         h = norm(x, lw.post_norm, eps)
         return x + norm(self.proj.mlp(i, h), lw.mlp_out_norm, eps)
+
+    def _attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+        keep: list[int] | None,
+    ) -> torch.Tensor:
+        """Attention output [T, H * D] (or [len(keep), H * D]) of the step's rows: the
+        prompt chunks' through the prefill path, then the decode rows' through the decode
+        path. `keep` (the last layer's pruning) lists the prompt rows to compute, followed
+        by every decode row (each decode row gives logits)."""
+        window = self.cfg.sliding_windows[layer]
+        tp = meta.num_prefill_tokens
+        outs = []
+        if meta.prefill is not None:
+            if keep is None:
+                outs.append(self._prefill_attention(layer, q, k, v, meta.prefill, cache, window))
+            else:
+                rows = [r for r in keep if r < tp]
+                assert len(keep) - len(rows) == q.shape[0] - tp, "every decode row is kept"
+                if rows:
+                    segs = meta.prefill
+                    outs.append(self._row_attention(layer, q, k, v, rows, segs, cache, window))
+        if meta.has_decode:
+            outs.append(self._decode_attention(layer, q[tp:], meta, cache, window))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _prefill_attention(
         self,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,63 +51,103 @@ class ModelRunner:
     def prefill(
         self, chunks: Sequence[PrefillChunk], layer_hook: LayerHook | None = None
     ) -> torch.Tensor:
-        """Run one packed prefill step; logits [n, V] for chunks that complete their prompt.
+        """A step of prompt chunks alone: `step` with no decode rows."""
+        return self.step(chunks, (), layer_hook)
+
+    def decode(self, requests: Sequence[Request]) -> torch.Tensor:
+        """A step of decode rows alone: `step` with no prompt chunks."""
+        return self.step((), requests)
+
+    def step(
+        self,
+        chunks: Sequence[PrefillChunk],
+        decode: Sequence[Request],
+        layer_hook: LayerHook | None = None,
+    ) -> torch.Tensor:
+        """Run one packed step: the prompt chunks' tokens, then one token per decode request
+        (a mixed step when both are given). Logits [n, V]: a row per chunk that completes
+        its prompt, in order, then a row per decode request, in the order of `decode`.
+
         Chunks of a request that wants prompt logprobs also leave the hidden states of each
         of their positions in `prompt_hidden` (request id -> (first position, [k, d])),
-        which the engine reads right after this step."""
-        ids, positions, slots, segments, logit_rows = [], [], [], [], []
-        hidden_rows: list[int] = []
-        hidden_of: list[tuple[str, int, int]] = []  # (request, first position, offset)
-        q_start = 0
+        which the engine reads right after this step.
+        """
+        p = self._prefill_inputs(chunks)
+        d = self._decode_inputs(decode)
+        logit_rows = p.logit_rows + list(range(p.num_tokens, p.num_tokens + len(decode)))
+        meta = AttentionMetadata(
+            positions=torch.cat(p.positions + d.positions).to(self.device),
+            slot_mapping=torch.cat(p.slots + d.slots).to(self.device),
+            prefill=p.segments or None,
+            logit_rows=logit_rows,
+            decode_ctx_lens=d.lens,
+            decode_block_tables=d.block_tables,
+            decode_workspace=self.workspace if d.order is not None else None,
+        )
+        args = (
+            torch.cat(p.ids + d.ids).to(self.device),
+            meta,
+            self.cache,
+            torch.tensor(logit_rows, dtype=torch.long, device=self.device),
+        )
+        try:
+            if not p.hidden_rows:  # `forward` itself: what `pdserve trace` times
+                self.prompt_hidden = {}
+                logits = self.model.forward(*args, layer_hook)
+            else:
+                logits, hidden = self.model.forward_with_hidden(*args, p.hidden_rows, layer_hook)
+                bounds = [o for _, _, o in p.hidden_of] + [len(p.hidden_rows)]
+                self.prompt_hidden = {
+                    rid: (start, hidden[bounds[j] : bounds[j + 1]])
+                    for j, (rid, start, _) in enumerate(p.hidden_of)
+                }
+        except BaseException:
+            if d.order is not None and self.workspace is not None:
+                self.workspace.reset()  # rows may be half-written
+            raise
+        if d.order is None or d.order == list(range(len(d.order))):
+            return logits
+        # Decode row r ran requests[order[r]]: put the rows back in the order of `decode`.
+        first = len(p.logit_rows)
+        back = torch.tensor(d.order, device=self.device) + first
+        out = logits.clone()
+        out[back] = logits[first:]
+        return out
+
+    def _prefill_inputs(self, chunks: Sequence[PrefillChunk]) -> _PrefillInputs:
+        """The chunks' tokens packed back to back (tokens 0 .. num_tokens-1 of the step)."""
+        p = _PrefillInputs()
         for c in chunks:
             pos = torch.arange(c.start, c.end)
-            ids.append(torch.tensor(c.request.all_token_ids[c.start : c.end], dtype=torch.long))
-            positions.append(pos)
-            slots.append(self._slots(c.request.request_id, pos))
+            p.ids.append(torch.tensor(c.request.all_token_ids[c.start : c.end], dtype=torch.long))
+            p.positions.append(pos)
+            p.slots.append(self._slots(c.request.request_id, pos))
             context = None
             if c.start:  # the chunk attends to earlier positions: read them from the pages
                 table = self.blocks.block_table(c.request.request_id)
                 context = torch.tensor(
                     table[: ceil_div(c.end, self.block_size)], dtype=torch.long, device=self.device
                 )
-            segments.append(PrefillSegment(q_start, c.end - c.start, c.end, context))
+            q_start = p.num_tokens
+            p.segments.append(PrefillSegment(q_start, c.end - c.start, c.end, context))
             if c.request.wants_prompt_logprobs:
-                hidden_of.append((c.request.request_id, c.start, len(hidden_rows)))
-                hidden_rows.extend(range(q_start, q_start + c.end - c.start))
-            q_start += c.end - c.start
+                p.hidden_of.append((c.request.request_id, c.start, len(p.hidden_rows)))
+                p.hidden_rows.extend(range(q_start, q_start + c.end - c.start))
+            p.num_tokens += c.end - c.start
             if c.completes_prompt:
-                logit_rows.append(q_start - 1)
-        meta = AttentionMetadata(
-            positions=torch.cat(positions).to(self.device),
-            slot_mapping=torch.cat(slots).to(self.device),
-            prefill=segments,
-            logit_rows=logit_rows,
-        )
-        args = (
-            torch.cat(ids).to(self.device),
-            meta,
-            self.cache,
-            torch.tensor(logit_rows, dtype=torch.long, device=self.device),
-        )
-        if not hidden_rows:  # `forward` itself: what `pdserve trace` times
-            self.prompt_hidden = {}
-            return self.model.forward(*args, layer_hook)
-        logits, hidden = self.model.forward_with_hidden(*args, hidden_rows, layer_hook)
-        bounds = [o for _, _, o in hidden_of] + [len(hidden_rows)]
-        self.prompt_hidden = {
-            rid: (start, hidden[bounds[j] : bounds[j + 1]])
-            for j, (rid, start, _) in enumerate(hidden_of)
-        }
-        return logits
+                p.logit_rows.append(p.num_tokens - 1)
+        return p
 
-    def decode(self, requests: Sequence[Request]) -> torch.Tensor:
-        """One token per request; logits [B, V] in the order of `requests`.
+    def _decode_inputs(self, requests: Sequence[Request]) -> _DecodeInputs:
+        """One token per request, in the decode workspace's row order when it holds the
+        batch (`order[row]` = index into `requests`), else in the given order with the block
+        tables for attention to gather from.
 
         Per-request work is plain Python on ints (no tensor ops in the loop): the inputs
-        become the per-request row [id, position, slot, length] and, when the decode
-        workspace cannot hold the batch, the block tables for attention to gather from.
-        With the workspace the batch runs in its row order and the logits are put back.
+        become the per-request row [id, position, slot, length].
         """
+        if not requests:
+            return _DecodeInputs()
         bs = self.block_size
         tables = [self.blocks.block_table(r.request_id) for r in requests]
         order = None
@@ -118,33 +159,45 @@ class ModelRunner:
                 tables,
                 [min(len(r.prompt_token_ids) + r.params.max_tokens, limit) for r in requests],
             )
-        run = range(len(requests)) if order is None else order
         rows = []
-        for i in run:
+        for i in range(len(requests)) if order is None else order:
             r = requests[i]
             n = r.num_tokens
             pos = n - 1
             last = (r.output_token_ids or r.prompt_token_ids)[-1]
             rows.append((last, pos, tables[i][pos // bs] * bs + pos % bs, n))
-        cols = torch.tensor(list(zip(*rows, strict=True)), dtype=torch.long)  # [4, B]
-        ids, positions, slots, lens = cols.to(self.device)
-        meta = AttentionMetadata(positions=positions, slot_mapping=slots, decode_ctx_lens=lens)
+        ids, positions, slots, lens = torch.tensor(
+            list(zip(*rows, strict=True)), dtype=torch.long
+        )  # [4, B]
+        d = _DecodeInputs([ids], [positions], [slots], lens.to(self.device), order=order)
         if order is None:
             width = ceil_div(max(r.num_tokens for r in requests), bs)  # blocks of the longest
             padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
-            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=self.device)
-        else:
-            meta.decode_workspace = self.workspace
-        try:
-            logits = self.model.forward(
-                ids, meta, self.cache, torch.arange(len(requests), device=self.device)
-            )
-        except BaseException:
-            if self.workspace is not None:
-                self.workspace.reset()  # rows may be half-written
-            raise
-        if order is None or order == list(range(len(order))):
-            return logits
-        back = torch.empty_like(logits)
-        back[torch.tensor(order, device=self.device)] = logits  # row r was requests[order[r]]
-        return back
+            d.block_tables = torch.tensor(padded, dtype=torch.long, device=self.device)
+        return d
+
+
+@dataclass
+class _PrefillInputs:
+    """A step's prompt chunks as tensors (`ModelRunner._prefill_inputs`)."""
+
+    ids: list[torch.Tensor] = field(default_factory=list)
+    positions: list[torch.Tensor] = field(default_factory=list)
+    slots: list[torch.Tensor] = field(default_factory=list)
+    segments: list[PrefillSegment] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)  # rows of chunks completing a prompt
+    hidden_rows: list[int] = field(default_factory=list)  # rows whose hidden states are kept
+    hidden_of: list[tuple[str, int, int]] = field(default_factory=list)  # (id, pos, offset)
+    num_tokens: int = 0
+
+
+@dataclass
+class _DecodeInputs:
+    """A step's decode rows as tensors (`ModelRunner._decode_inputs`)."""
+
+    ids: list[torch.Tensor] = field(default_factory=list)
+    positions: list[torch.Tensor] = field(default_factory=list)
+    slots: list[torch.Tensor] = field(default_factory=list)
+    lens: torch.Tensor | None = None  # [B] context length of each row, this token included
+    order: list[int] | None = None  # workspace row -> index into the requests; None: gather
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] when gathering

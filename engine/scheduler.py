@@ -1,9 +1,15 @@
 """Which requests run in the next step, and how much of each.
 
-A step is either a **prefill step** (chunks of waiting prompts, packed up to the token budget)
-or a **decode step** (one token for every running request). Prefill goes first when anything
-waits and fits (vLLM v0's policy): that is the colocated baseline whose decode stalls behind
-long prompts, which disaggregation removes.
+Under `mixed_steps` (the default, vLLM v1's policy) every step takes one token for every
+running request first, then chunks of waiting prompts in what is left of the token budget
+(`max_num_batched_tokens`): running streams ride along prompt passes instead of waiting
+behind them, and a long prompt is cut into chunks so a step stays within the budget. The
+model runs such a step as one packed batch (`engine.model`, "mixed step"); the decode rows
+keep reading their context from the decode workspace.
+
+Without it a step is either a **prefill step** (prompt chunks, packed up to the budget) or a
+**decode step** (one token for every running request), prefill first whenever anything waits
+and fits (vLLM v0's policy): running streams stall behind every prompt pass.
 
 Admission allocates every block of the prompt at once (reusing its cached prefix), so a
 chunked prompt never finds the pool empty halfway. When decode needs a block and the pool is
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Literal
 
 from engine.block_manager import BlockManager, NoFreeBlocksError
 from engine.config import SchedulerConfig
@@ -34,6 +41,8 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
+    """One step's work: prompt chunks, decode rows, or both (a mixed step)."""
+
     prefill: tuple[PrefillChunk, ...] = ()
     decode: tuple[Request, ...] = ()
     preempted: tuple[Request, ...] = ()
@@ -41,6 +50,12 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.prefill and not self.decode
+
+    @property
+    def phase(self) -> Literal["prefill", "decode", "mixed"] | None:
+        if self.prefill and self.decode:
+            return "mixed"
+        return "prefill" if self.prefill else "decode" if self.decode else None
 
 
 class Scheduler:
@@ -69,17 +84,25 @@ class Scheduler:
             self.waiting.remove(request)
 
     def schedule(self) -> SchedulerOutput:
-        chunks = self._schedule_prefill()
+        if self.cfg.mixed_steps:
+            # Running requests first, one token each (their slots reserved before any prompt
+            # is admitted, so admission only takes blocks decode does not need); prompt
+            # chunks fill what is left of the budget.
+            preempted = self._reserve_decode_slots()
+            decode = tuple(self.running)
+            chunks = self._schedule_prefill(self.cfg.max_num_batched_tokens - len(decode))
+            return SchedulerOutput(tuple(chunks), decode, tuple(preempted))
+        chunks = self._schedule_prefill(self.cfg.max_num_batched_tokens)
         if chunks:
             return SchedulerOutput(prefill=tuple(chunks))
         preempted = self._reserve_decode_slots()
         return SchedulerOutput(decode=tuple(self.running), preempted=tuple(preempted))
 
-    def _schedule_prefill(self) -> list[PrefillChunk]:
-        budget = self.cfg.max_num_batched_tokens
+    def _schedule_prefill(self, budget: int) -> list[PrefillChunk]:
+        """Chunks of waiting prompts, in order, up to `budget` tokens in all."""
         chunks: list[PrefillChunk] = []
         for req in list(self.waiting):
-            if budget == 0:
+            if budget <= 0:
                 break
             if not self.blocks.has(req.request_id) and not self._admit(req):
                 break  # FIFO: later requests wait behind the one that does not fit

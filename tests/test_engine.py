@@ -58,13 +58,16 @@ def build_engine(
     max_num_batched_tokens: int = 2048,
     max_model_len: int = 1024,
     decode_workspace_mib: int = 1024,
+    mixed_steps: bool = True,
 ) -> LLMEngine:
     return LLMEngine.from_config(
         EngineConfig(
             model=str(checkpoint),
             dtype="float32",
             cache=CacheConfig(block_size, num_blocks, decode_workspace_mib),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
+            scheduler=SchedulerConfig(
+                max_num_seqs, max_num_batched_tokens, max_model_len, mixed_steps
+            ),
         )
     )
 
@@ -74,7 +77,7 @@ def make_engine(tiny: Path) -> Iterator[MakeEngine]:
     """Engines built here are checked on teardown: integrity holds and nothing is left used."""
     made: list[LLMEngine] = []
 
-    def make(**kw: int) -> LLMEngine:
+    def make(**kw: Any) -> LLMEngine:
         eng = build_engine(tiny, **kw)
         made.append(eng)
         return eng
@@ -87,32 +90,33 @@ def make_engine(tiny: Path) -> Iterator[MakeEngine]:
 
 
 class Recorder:
-    """Wraps the engine's runner to keep every logits row, per request, in sampling order."""
+    """Wraps the engine's runner to keep every logits row, per request, in sampling order,
+    and what each step ran (a mixed step counts in both lists)."""
 
     def __init__(self, eng: LLMEngine) -> None:
         self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
         self.prefill_steps: list[list[tuple[str, int, int]]] = []
         self.decode_batches: list[int] = []
-        prefill, decode = eng.runner.prefill, eng.runner.decode
+        self.mixed_steps = 0
+        step = eng.runner.step
 
-        def recording_prefill(chunks: Sequence[PrefillChunk], hook: object = None) -> torch.Tensor:
-            out = prefill(chunks, hook)  # type: ignore[arg-type]
-            self.prefill_steps.append([(c.request.request_id, c.start, c.end) for c in chunks])
+        def recording_step(
+            chunks: Sequence[PrefillChunk], decode: Sequence[Request], hook: object = None
+        ) -> torch.Tensor:
+            out = step(chunks, decode, hook)  # type: ignore[arg-type]
+            if chunks:
+                self.prefill_steps.append([(c.request.request_id, c.start, c.end) for c in chunks])
+            if decode:
+                self.decode_batches.append(len(decode))
+            self.mixed_steps += bool(chunks and decode)
             done = [c.request.request_id for c in chunks if c.completes_prompt]
+            done += [r.request_id for r in decode]
             assert out.shape[0] == len(done)
             for rid, row in zip(done, out, strict=True):
                 self.logits[rid].append(row.clone())
             return out
 
-        def recording_decode(requests: Sequence[Request]) -> torch.Tensor:
-            out = decode(requests)
-            self.decode_batches.append(len(requests))
-            for r, row in zip(requests, out, strict=True):
-                self.logits[r.request_id].append(row.clone())
-            return out
-
-        eng.runner.prefill = recording_prefill  # type: ignore[method-assign,assignment]
-        eng.runner.decode = recording_decode  # type: ignore[method-assign]
+        eng.runner.step = recording_step  # type: ignore[method-assign]
 
 
 def rand_prompt(rng: random.Random, n: int) -> list[int]:
@@ -246,6 +250,70 @@ def staggered_run(eng: LLMEngine, prompts: list[list[int]]) -> tuple[list[Reques
         if len(reqs) == len(prompts) and not eng.has_unfinished():
             return reqs, rec
     raise AssertionError("did not finish")
+
+
+def test_mixed_steps_match_prefill_first_and_keep_the_workspace(
+    make_engine: MakeEngine, reference: Callable[[list[int]], tuple[list[int], list[float]]]
+) -> None:
+    """Mixed steps (the default): running requests take one token each of the step's budget
+    first and prompt chunks fill the rest, so long prompts are cut into chunks that share
+    steps with decode rows. The tokens are what each prompt gives alone and what
+    prefill-first steps give, the logits within fp32 noise; and the decode rows of a mixed
+    step read the decode workspace like any decode step: each request is copied into it
+    once, when it joins the batch, never again however many mixed steps follow."""
+    rng = random.Random(11)
+    prompts = [rand_prompt(rng, rng.randint(20, 150)) for _ in range(10)]
+    budget = 48
+    eng = make_engine(max_num_batched_tokens=budget)
+    ws = eng.runner.workspace
+    assert ws is not None
+    fills: list[int] = []
+    fill = ws._fill
+
+    def counting_fill(row: int, table: Sequence[int], n: int) -> None:
+        fills.append(n)
+        fill(row, table, n)
+
+    ws._fill = counting_fill  # type: ignore[method-assign]
+    got, rec = staggered_run(eng, prompts)
+    assert rec.mixed_steps >= 10, rec.mixed_steps
+    assert all(sum(e - s for _, s, e in st) <= budget for st in rec.prefill_steps)
+    assert eng.scheduler.num_preemptions == 0 and ws.fallbacks == 0
+    assert len(fills) == len(prompts), f"{len(fills)} workspace fills for {len(prompts)} requests"
+    first = make_engine(max_num_batched_tokens=budget, mixed_steps=False)
+    ref, ref_rec = staggered_run(first, prompts)
+    assert ref_rec.mixed_steps == 0
+    for prompt, a, b in zip(prompts, got, ref, strict=True):
+        want, gaps = reference(prompt)  # its first RANDOM_MAX_TOKENS tokens alone
+        assert min(gaps) > MIN_GAP
+        assert a.output_token_ids == b.output_token_ids
+        n = min(len(want), len(a.output_token_ids))
+        assert a.output_token_ids[:n] == want[:n]
+        for x, y in zip(rec.logits[a.request_id], ref_rec.logits[b.request_id], strict=True):
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=0)
+
+
+def test_mixed_step_budget_goes_to_decode_rows_first(make_engine: MakeEngine) -> None:
+    """With k requests running and a budget of B, a waiting prompt gets a chunk of B - k
+    tokens in the same step; with prefill-first steps it gets B and the k wait."""
+    rng = random.Random(12)
+    budget = 32
+    for mixed in (True, False):
+        eng = make_engine(max_num_batched_tokens=budget, mixed_steps=mixed)
+        for i in range(3):
+            eng.add_request(f"run{i}", rand_prompt(rng, 10), greedy(max_tokens=20))
+        assert eng.step().phase == "prefill"  # the three short prompts in one step
+        eng.add_request("long", rand_prompt(rng, 100), greedy(max_tokens=1))
+        out = eng.scheduler.schedule()
+        if mixed:
+            assert out.phase == "mixed" and len(out.decode) == 3
+            assert [(c.start, c.end) for c in out.prefill] == [(0, budget - 3)]
+        else:
+            assert out.phase == "prefill" and [(c.start, c.end) for c in out.prefill] == [
+                (0, budget)
+            ]
+        for r in list(eng.requests):
+            eng.abort(r)
 
 
 @pytest.mark.parametrize("fill_runs", [16, 0], ids=["fill-by-runs", "fill-by-gather"])
@@ -402,16 +470,21 @@ def test_decode_workspace_over_its_cap_falls_back_to_pages(make_engine: MakeEngi
     ws = eng.runner.workspace
     assert ws is not None
     used: list[bool] = []
-    decode = eng.runner.decode
+    step = eng.runner.step
 
-    def watching_decode(requests: Sequence[Request]) -> torch.Tensor:
-        out = decode(requests)
-        used.append(ws.data is not None)
+    def watching_step(
+        chunks: Sequence[PrefillChunk], decode: Sequence[Request], hook: object = None
+    ) -> torch.Tensor:
+        out = step(chunks, decode, hook)  # type: ignore[arg-type]
+        if decode:
+            used.append(ws.data is not None)
         return out
 
-    eng.runner.decode = watching_decode  # type: ignore[method-assign]
+    eng.runner.step = watching_step  # type: ignore[method-assign]
     got = eng.generate(prompts, params)
-    assert used[0] and not used[-1], used
+    # Used at first, given up once the batch outgrew it (with mixed steps the last two
+    # requests end a step after the others, a batch small enough to take it up again).
+    assert used[0] and False in used, used
     assert ws.data is None and ws.keys == [] and ws.bytes_held == 0
     assert ws.fallbacks == used.count(False)
     ref = make_engine(decode_workspace_mib=0).generate(prompts, params)

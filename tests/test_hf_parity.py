@@ -497,22 +497,32 @@ def test_fp32_logits_and_greedy_match_hf(
                 assert abs(val - float(hf_lp[i, tok])) <= LOGIT_ATOL, f"{variant} step {i}"
 
 
-@pytest.mark.parametrize("ref_name", ["mistral", "qwen2", "gemma3"])
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed-steps", "prefill-first"])
+@pytest.mark.parametrize("ref_name", ["llama", "mistral", "qwen2", "gemma3"])
 def test_greedy_matches_hf_with_chunked_prefill_and_small_blocks(
-    ref_name: str, hf_refs: dict[str, HFReference]
+    ref_name: str, mixed: bool, hf_refs: dict[str, HFReference]
 ) -> None:
-    """Windows across chunk and block boundaries: 5-token prefill chunks, 4-token blocks."""
+    """Windows across chunk and block boundaries: 5-token prefill chunks, 4-token blocks.
+    With mixed steps the running requests' decode rows ride along the later prompts'
+    chunks (each takes one token of the 5-token budget): the greedy tokens are HF's
+    whatever the mix."""
     ref = hf_refs[ref_name]
     engine = LLMEngine.from_config(
         EngineConfig(
             model=str(ref.path),
             dtype="float32",
             cache=CacheConfig(block_size=4, num_blocks=256),
-            scheduler=SchedulerConfig(max_num_batched_tokens=5),
+            scheduler=SchedulerConfig(max_num_batched_tokens=5, mixed_steps=mixed),
         )
     )
-    reqs = engine.generate(ref.prompts, greedy_params())
+    phases: list[str | None] = []
+    for i, prompt in enumerate(ref.prompts):
+        engine.add_request(f"r{i}", prompt, greedy_params())
+    reqs = list(engine.requests.values())
+    while engine.has_unfinished():
+        phases.append(engine.step().phase)
     assert [r.output_token_ids for r in reqs] == ref.greedy
+    assert ("mixed" in phases) == mixed, phases
 
 
 # ---- RoPE types -------------------------------------------------------------------------
