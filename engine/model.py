@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine.attention import decode_attention
 from engine.config import ModelConfig
 from engine.decode_workspace import DecodeWorkspace
 from engine.kv_cache import PagedKVCache
@@ -453,15 +454,7 @@ class LlamaModel:
                 assert meta.decode_slots is not None
                 kp, vp = cache.gather(layer, meta.decode_slots)  # [B, S_max, Hkv, D]
             k, v = kp[:, :span].transpose(1, 2), vp[:, :span].transpose(1, 2)  # [B, Hkv, span, D]
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [B, H, 1, D]
-            k,
-            v,
-            attn_mask=meta.decode_mask(window),
-            scale=self.scale,
-            enable_gqa=True,
-        )
-        return o.view(batch, -1)  # [B, H * D]
+        return decode_attention(q, k, v, meta.decode_mask(window), self.scale)  # [B, H * D]
 
 
 def _context_kv(
