@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 PACKAGES := engine kv_transfer pool_api worker_common prefill_workers decode_workers router pdserve
 export PDSERVE_HOME ?= $(CURDIR)/.venv/pdserve-home
 
-.PHONY: install demo test lint bench bench-engine bench-transfer bench-prefix bench-serving bench-structured bench-choices bench-pinning bench-peers bench-peers-api redis chaos
+.PHONY: install demo test lint bench bench-engine bench-transfer bench-prefix bench-serving bench-structured bench-choices bench-pinning bench-kernels bench-peers bench-peers-api redis chaos
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -64,6 +64,11 @@ bench-choices: $(STAMP)
 # Disaggregated on one host, each worker pinned to its core or not, A/B (benchmarks/pinning.py).
 bench-pinning: $(STAMP)
 	$(BIN)/python benchmarks/pinning.py
+
+# Attention and MLP kernels at the model's shapes, eager and torch.compile'd, with compile
+# costs cold and cached (benchmarks/kernels.py).
+bench-kernels: $(STAMP)
+	$(BIN)/python benchmarks/kernels.py
 
 # The API side by side with vLLM's CPU build: shapes and greedy tokens (benchmarks/peers_api.py).
 bench-peers-api: $(STAMP)
