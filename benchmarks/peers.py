@@ -709,8 +709,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.dtypes is None:
         args.dtypes = ["float32", "bfloat16"] if bf16_hardware() else ["float32"]
-    if args.goodput_servers is None:
-        args.goodput_servers = list(args.servers)
+    if args.goodput_servers is None:  # the tables' servers, and prefill-first steps: the A/B
+        args.goodput_servers = list(args.servers)  # of mixed steps under staggered arrivals
+        if "pdserve-colocated" in args.servers:
+            args.goodput_servers.append("pdserve-colocated-prefill-first")
     for s in [*args.servers, *args.goodput_servers]:
         if s not in SERVERS:
             p.error(f"--servers: {s!r} is not one of {', '.join(SERVERS)}")
