@@ -17,6 +17,10 @@ float32 and (where the CPU does bf16 in hardware) bfloat16, with every core:
   under ``torch.compile`` (inductor's CPU backend; inductor cannot lower the packed oneDNN
   op: it wants its weights as graph constants).
 
+* **the decode step** of the real model (batch 1 / 8 / 32, 512-token prompts) with the
+  engine's decode attention and with SDPA in its place, alternated in one process: the A/B
+  of the bf16 matmul path.
+
 Each compiled variant's compile time is measured in a fresh process twice, the second with
 inductor's on-disk caches warm (``TORCHINDUCTOR_CACHE_DIR`` under ``build/``): what a
 restart pays, cold and cached. Results: ``benchmarks/results/kernels-latest.json``.
@@ -182,6 +186,57 @@ def mlp_rows(dtype: torch.dtype, reps: int) -> dict[str, Any]:
     return out
 
 
+def sdpa_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """The engine's decode attention before the bf16 matmul path: SDPA in every dtype."""
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return o.view(q.shape[0], -1)
+
+
+def engine_steps(dtype: torch.dtype, rounds: int) -> dict[str, Any]:
+    """The A/B in one process: the real model's decode step (batch 1 / 8 / 32, 512-token
+    prompts) with the engine's decode attention and with SDPA in its place, alternated."""
+    import engine.model as model_mod
+    from engine.config import CacheConfig
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.sampling import SamplingParams
+    from pdserve.models import DEFAULT_MODEL, resolve_model
+
+    name = str(dtype).removeprefix("torch.")
+    model = str(resolve_model(DEFAULT_MODEL, dtype="float32"))
+    # Blocks for 32 x (512 + the steps): a preempted request would make steps mixed.
+    cfg = EngineConfig(model=model, dtype=name, cache=CacheConfig(num_blocks=2048))
+    eng = LLMEngine.from_config(cfg)
+    vocab = eng.model_config.vocab_size
+    variants = {"engine": decode_attention, "sdpa": sdpa_decode}
+    out: dict[str, Any] = {}
+    for batch in (1, 8, 32):
+        g = torch.Generator().manual_seed(batch)
+        params = SamplingParams(max_tokens=2 * rounds * 12 + 8, temperature=0.0, ignore_eos=True)
+        for i in range(batch):
+            ids = torch.randint(100, vocab - 100, (512,), generator=g).tolist()
+            eng.add_request(f"b{batch}-{i}", ids, params)
+        while eng.scheduler.waiting:
+            eng.step()
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        for _ in range(rounds):
+            for v, fn in variants.items():  # A B A B
+                model_mod.decode_attention = fn
+                eng.step()  # warm-up
+                times[v].append(timed(eng.step, 10))
+        model_mod.decode_attention = decode_attention
+        assert eng.scheduler.num_preemptions == 0, "the batch did not fit: steps were mixed"
+        for r in list(eng.requests):
+            eng.abort(r)
+        med = {v: sorted(t)[len(t) // 2] for v, t in times.items()}
+        out[f"b{batch}"] = {"engine_ms": med["engine"], "sdpa_ms": med["sdpa"],
+                            "engine_over_sdpa": med["engine"] / med["sdpa"]}  # fmt: skip
+    return out
+
+
 COMPILE_SNIPPET = """
 import sys, time, torch
 import importlib.util
@@ -252,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                 bar.set_postfix_str(f"{name} {what}")
                 row[what] = fn(dt, args.reps)
                 bar.update()
+            bar.set_postfix_str(f"{name} decode step A/B")
+            row["decode_step"] = engine_steps(dt, 3)
             bar.set_postfix_str(f"{name} compile costs")
             row["compile"] = compile_costs(name, args.threads)
             bar.update()

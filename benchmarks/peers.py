@@ -451,6 +451,27 @@ def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     }
 
 
+def goodput_only(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    """The goodput sweep alone, beside the dtype tables of an earlier run's JSON (which the
+    result says: `meta.tables_from`)."""
+    data: dict[str, Any] = json.loads(args.reuse_tables.read_text())
+    args.dtypes = list(data["dtypes"])
+    cli = ensure_vllm()
+    model = resolve_model(args.model, dtype="float32")
+    steps = len(args.goodput_servers) * len(peers_goodput.FRACTIONS)
+    with tqdm(total=steps, desc="peers goodput", unit="step") as bar:
+        data["goodput"] = goodput_run(
+            cli, model, Path(args.model).name, run_dir, args, data["dtypes"], bar
+        )
+    meta = data["meta"]
+    meta["tables_from"] = {"when": meta["when"], "run_dir": meta["run_dir"]}
+    meta["when"] = f"{datetime.now():%Y-%m-%d %H:%M:%S}"
+    meta["run_dir"] = str(run_dir.relative_to(ROOT))
+    meta["label"] = args.label
+    meta["loadavg_start"], meta["loadavg_end"] = args.loadavg_start, list(os.getloadavg())
+    return data
+
+
 def goodput_run(
     cli: Path, model: Path, name: str, run_dir: Path, args: argparse.Namespace,
     sections: dict[str, dict[str, Any]], bar: tqdm,
@@ -467,9 +488,9 @@ def goodput_run(
     def start(kind: str) -> contextlib.AbstractContextManager[Server]:
         return server_for(kind, cli, model, name, run_dir, args, dtype)
 
-    def bench(srv: Server, extra: list[str], tag: str, n: int) -> dict[str, Any]:
+    def bench(srv: Server, extra: list[str], tag: str, n: int, seed: int) -> dict[str, Any]:
         out = run_dir / f"{tag}.json"
-        cmd = bench_cmd(cli, srv, model, name, wl, out, args.seed, n)
+        cmd = bench_cmd(cli, srv, model, name, wl, out, seed, n)
         i = cmd.index("--max-concurrency")
         del cmd[i : i + 2]  # no concurrency cap: the arrivals alone set the load
         return run_bench([*cmd, *extra], run_dir / f"{tag}.log", args.bench_timeout_s)
@@ -703,6 +724,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--bench-timeout-s", type=float, default=1200.0, help="per bench run")
     p.add_argument("--label", default="", help="a note kept in the JSON (e.g. an A/B side)")
+    p.add_argument(
+        "--reuse-tables",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="only the goodput sweep; the dtype tables from this earlier result",
+    )
     p.add_argument("--out", type=Path, default=None,
                    help="result JSON (default benchmarks/results/peers-latest.json)")  # fmt: skip
     peers_goodput.add_args(p)
@@ -728,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     run_dir = BUILD / "peers-runs" / f"{datetime.now():%Y%m%d-%H%M%S}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    data = measure(args, run_dir)
+    data = measure(args, run_dir) if args.reuse_tables is None else goodput_only(args, run_dir)
     data["meta"]["wall_s"] = time.perf_counter() - t0
     for sec in data["dtypes"].values():
         sec["ratios"] = ratios(sec)

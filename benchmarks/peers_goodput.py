@@ -15,11 +15,12 @@ dtype (a 512-token prompt's TTFT and the decode step, `peers.engine_alone`):
 * TPOT <= `tpot_x` x the engine's decode step: **TPOT-tight**, what a streaming chat user
   feels, and what a prompt pass stalling the running streams breaks.
 
-The rates are fractions of a capacity estimate from the same run: the c=8 request rate of
-the 512/64 workload (vLLM's, else the first server's), scaled by tokens per request. The
-goodput of a server is the highest rate with at least 90 % attainment (the first downward
-crossing, interpolated: `serving.goodput`). Once a server's attainment falls under 50 %,
-its higher rates are not run (recorded as 0: attainment only falls with the rate).
+The rates are fractions (0.15 to 1.4) of a capacity estimate from the same run: the c=8
+request rate of the 512/64 workload (vLLM's, else the first server's), scaled by tokens per
+request. The goodput of a server is the highest rate with at least 90 % attainment (the
+first downward crossing, interpolated: `serving.goodput`). Once a server's attainment falls
+under 50 %, its higher rates are not run (recorded as 0: attainment only falls with the
+rate).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from tqdm import tqdm
 
 TARGET = 0.9
 GIVE_UP_BELOW = 0.5
-FRACTIONS = (0.4, 0.7, 1.0, 1.4)
+FRACTIONS = (0.15, 0.3, 0.5, 0.75, 1.0, 1.4)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -105,30 +106,37 @@ def rates(section: dict[str, Any], args: argparse.Namespace) -> tuple[list[float
 def sweep(
     kinds: list[str],
     start: Callable[[str], AbstractContextManager[Any]],
-    bench: Callable[[Any, list[str], str, int], dict[str, Any]],
+    bench: Callable[[Any, list[str], str, int, int], dict[str, Any]],
     rate_grid: list[float],
     slo: dict[str, float],
     args: argparse.Namespace,
     bar: tqdm,
 ) -> dict[str, Any]:
     """Each server up in turn; a discarded warm-up, then each rate. `start(kind)` gives a
-    running server; `bench(server, extra_flags, tag, num_prompts)` runs `vllm bench serve`
-    on the dataset with extra flags and returns its JSON."""
+    running server; `bench(server, extra_flags, tag, num_prompts, seed)` runs `vllm bench
+    serve` on the dataset with extra flags and returns its JSON.
+
+    Every rate draws fresh prompts (its own seed; the warm-up another): a prompt seen before
+    would be a prefix-cache hit, and a server with a bigger cache would look faster for it.
+    Every server gets the same seed at the same rate: the same prompts at the same times."""
     goodput_flags = ["--goodput", f"ttft:{slo['ttft_ms']}", f"tpot:{slo['tpot_ms']}"]
     out: dict[str, Any] = {}
     for kind in kinds:
         points: list[dict[str, Any]] = []
         with start(kind) as srv:
             bar.set_postfix_str(f"goodput: {kind} warm-up")
-            bench(srv, ["--request-rate", "inf", *goodput_flags], f"{kind}-goodput-warmup", 2)
-            for rate in rate_grid:
+            # Eight of the sweep's own prompts at once: long ones included (a server's first
+            # 2048-token prompt may compile or grow buffers; that is no rate's business).
+            warm = ["--request-rate", "inf", *goodput_flags]
+            bench(srv, warm, f"{kind}-goodput-warmup", 8, args.seed + 1000)
+            for k, rate in enumerate(rate_grid):
                 bar.set_postfix_str(f"goodput: {kind} at {rate:g} req/s")
                 if points and points[-1]["attainment"] < GIVE_UP_BELOW:
                     points.append({"rate": rate, "attainment": 0.0, "skipped": True})
                 else:
                     res = bench(srv, ["--request-rate", str(rate), "--burstiness", "1",
                                       *goodput_flags], f"{kind}-goodput-{rate:g}",
-                                args.goodput_prompts)  # fmt: skip
+                                args.goodput_prompts, args.seed + 1 + k)  # fmt: skip
                     points.append(point(rate, res, args.goodput_prompts))
                 bar.update()
         attained = [p["attainment"] for p in points]

@@ -144,3 +144,61 @@ def test_peer_ratios_and_targets_divide_pdserve_by_vllm() -> None:
     body, headline = report.peers_section(data)
     assert "| c8 | output tok/s | 120.0 | 132.0 | 1.10x |" in body
     assert headline[0][:2] == ("colocated c=8 output tok/s / vLLM", "1.10x")
+
+
+def test_goodput_sweep_targets_table_and_report() -> None:
+    """The goodput sweep's pieces: the random dataset spans the asked prompt lengths, SLOs
+    scale with the engine-alone figures, goodput is the interpolated 90 % crossing, the
+    disaggregated/other ratio is a value only when both crossed inside the sweep, and the
+    report lists every dtype's targets and the sweep's."""
+    import argparse
+
+    peers = _load_bench("peers")
+    good = sys.modules["peers_goodput"]
+    args = argparse.Namespace(goodput_lens="64-2048", goodput_output_len=64, goodput_rates="",
+                              ttft_slo_x=10.0, tpot_slo_x=2.5)  # fmt: skip
+    flags = good.dataset_flags(args)
+    n = int(flags[flags.index("--random-input-len") + 1])
+    r = __import__("json").loads(flags[flags.index("--random-range-ratio") + 1])["input"]
+    assert (round(n * (1 - r)), round(n * (1 + r))) == (64, 2048)
+    assert good.slos({"ttft_ms": 200.0, "tpot_ms": 20.0}, args)["tpot_ms"] == 50.0
+    section = {"servers": {"vllm": {"workloads": {"c8": {"request_throughput": 2.0}}}}}
+    rates, _ = good.rates(section, args)
+    assert rates == [round(f * 2.0 * 576 / 1120, 3) for f in good.FRACTIONS]
+
+    def run(att: list[float]) -> dict[str, Any]:
+        pts = [
+            {"rate": x, "attainment": a, "tpot_p99_ms": 40.0}
+            for x, a in zip(rates, att, strict=True)
+        ]
+        return {"points": pts, "goodput": peers_goodput_of(good, rates, att)}
+
+    assert len(rates) == 6
+    servers = {
+        "vllm": run([1.0, 1.0, 1.0, 0.95, 0.5, 0.2]),
+        "pdserve-colocated": run([1.0, 0.8, 0.4, 0.1, 0.0, 0.0]),
+        "pdserve-disaggregated": run([1.0, 1.0, 1.0, 1.0, 0.95, 0.92]),
+    }
+    g = {"dtype": "bfloat16", "slo": good.slos({"ttft_ms": 200.0, "tpot_ms": 20.0}, args),
+         "rates": rates, "rates_from": "test", "lens": "64-2048", "output_len": 64,
+         "prompts": 24, "servers": servers}  # fmt: skip
+    g["targets"] = good.targets(g)
+    by = {t["target"].rsplit("/ ", 1)[1]: t for t in g["targets"]}
+    assert by["vllm"]["value"] is not None and by["vllm"]["exact"] is False  # disagg never fell
+    assert by["vllm"]["met"] is True
+    assert by["pdserve-colocated"]["value"] == rates[-1] / g["servers"]["pdserve-colocated"][
+        "goodput"]["rps"]  # fmt: skip
+    text = good.table_text(g)
+    assert "| pdserve-colocated | 100 % (TPOT p99 40) | 80 % (TPOT p99 40) |" in text
+    data = {"dtypes": {"bfloat16": {"targets": [{"target": "t1", "value": 1.2, "bound": ">= 1.0",
+                                                   "met": True}]}},
+            "goodput": g, "table_md": "T"}  # fmt: skip
+    body, rows = report.peers_section(data)
+    assert body == "T" and rows[0][:2] == ("bfloat16: t1", "1.20x")
+    assert [row[0] for row in rows[1:]] == [t["target"] for t in g["targets"]]
+    assert peers.DEFAULT_SERVERS == ("vllm", "pdserve-colocated", "pdserve-disaggregated")
+
+
+def peers_goodput_of(good: Any, rates: list[float], att: list[float]) -> dict[str, Any]:
+    result: dict[str, Any] = good.goodput(rates, att, good.TARGET)
+    return result
