@@ -99,14 +99,14 @@ def run_schemas(real_dir: Path, colocated: bool) -> tuple[dict[str, Any], dict[s
 
     async def body(router: Any, prefill: PrefillWorker, decode: DecodeWorker) -> None:
         prompt_passes = 0
-        forward = decode.engine.runner.prefill
+        forward = decode.engine.runner.step
 
-        def counted(*args: Any, **kwargs: Any) -> Any:
+        def counted(chunks: Any, *args: Any, **kwargs: Any) -> Any:
             nonlocal prompt_passes
-            prompt_passes += 1
-            return forward(*args, **kwargs)
+            prompt_passes += bool(chunks)  # a step that runs prompt tokens (mixed or not)
+            return forward(chunks, *args, **kwargs)
 
-        decode.engine.runner.prefill = counted  # type: ignore[method-assign]
+        decode.engine.runner.step = counted  # type: ignore[method-assign]
         for i, schema in enumerate(SCHEMAS):
             for j, ids in enumerate(prompts):
                 key = f"s{i}-p{j}"
