@@ -48,7 +48,7 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from engine import cpu  # noqa: E402
-from engine.attention import decode_attention  # noqa: E402
+from engine.attention import decode_attention, matmul_attention, sdpa_attention  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "kernels-latest.json"
 CACHE = ROOT / "build" / "inductor-cache"
@@ -114,25 +114,14 @@ def decode_batch(
     q, k, v, mask = decode_case(batch, dtype)
     sc = D**-0.5
 
-    def sdpa() -> torch.Tensor:
-        return F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=mask, scale=sc, enable_gqa=True
-        )
-
     def math() -> torch.Tensor:
         with sdpa_kernel(SDPBackend.MATH):
-            return sdpa()
-
-    def matmuls() -> torch.Tensor:  # engine.attention's bf16 formulation, in any dtype
-        qg = q.view(batch, HKV, H // HKV, D).float()
-        s = torch.matmul(qg, k.float().transpose(-1, -2)).mul_(sc)
-        s.masked_fill_(~mask.view(batch, 1, 1, SPAN), float("-inf"))
-        return torch.matmul(torch.softmax(s, -1).to(v.dtype), v)
+            return sdpa_attention(q, k, v, mask, sc)
 
     return {
-        "sdpa_flash_ms": timed(sdpa, reps),
+        "sdpa_flash_ms": timed(partial(sdpa_attention, q, k, v, mask, sc), reps),
         "sdpa_math_ms": timed(math, reps),
-        "matmuls_ms": timed(matmuls, reps),
+        "matmuls_ms": timed(partial(matmul_attention, q, k, v, mask, sc), reps),
         "engine_ms": timed(lambda: decode_attention(q, k, v, mask, sc), reps),
         "compiled_matmuls_ms": timed(lambda: compiled(q, k, v, mask, sc), reps),
     }
@@ -186,16 +175,6 @@ def mlp_rows(dtype: torch.dtype, reps: int) -> dict[str, Any]:
     return out
 
 
-def sdpa_decode(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    """The engine's decode attention before the bf16 matmul path: SDPA in every dtype."""
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
-    )
-    return o.view(q.shape[0], -1)
-
-
 def engine_steps(dtype: torch.dtype, rounds: int) -> dict[str, Any]:
     """The A/B in one process: the real model's decode step (batch 1 / 8 / 32, 512-token
     prompts) with the engine's decode attention and with SDPA in its place, alternated."""
@@ -211,7 +190,7 @@ def engine_steps(dtype: torch.dtype, rounds: int) -> dict[str, Any]:
     cfg = EngineConfig(model=model, dtype=name, cache=CacheConfig(num_blocks=2048))
     eng = LLMEngine.from_config(cfg)
     vocab = eng.model_config.vocab_size
-    variants = {"engine": decode_attention, "sdpa": sdpa_decode}
+    variants = {"engine": decode_attention, "sdpa": sdpa_attention}
     out: dict[str, Any] = {}
     for batch in (1, 8, 32):
         g = torch.Generator().manual_seed(batch)

@@ -24,13 +24,27 @@ def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """q [B, H, D], k and v [B, Hkv, S, D], mask [B, 1, 1, S] bool (True: attend) or None
-    -> [B, H * D]."""
+    -> [B, H * D]: `matmul_attention` in bf16, `sdpa_attention` otherwise."""
+    kernel = matmul_attention if q.dtype == torch.bfloat16 else sdpa_attention
+    return kernel(q, k, v, mask, scale)
+
+
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """`decode_attention` by torch's SDPA (its CPU flash kernel)."""
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )  # [B, H, 1, D]
+    return o.view(q.shape[0], -1)
+
+
+def matmul_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """`decode_attention` as two batched matmuls: scores and softmax in float32, the
+    probabilities rounded to the value dtype for the product with V."""
     batch, heads, dim = q.shape
-    if q.dtype != torch.bfloat16:
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
-        )  # [B, H, 1, D]
-        return o.view(batch, -1)
     kv_heads, span = k.shape[1], k.shape[2]
     qg = q.view(batch, kv_heads, heads // kv_heads, dim).float()  # [B, Hkv, G, D]
     scores = torch.matmul(qg, k.float().transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, S]

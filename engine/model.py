@@ -335,7 +335,7 @@ class LlamaModel:
             x = x[torch.tensor(keep, dtype=torch.long, device=x.device)]  # [N, d]
             if not keep:
                 return x  # a chunk that completes no prompt: K/V was all it had to give
-        o = self._attention(i, q, k, v, meta, cache, keep)
+        o = self._attention(i, q, k, v, meta, cache, keep, tp)
         if lw.attn_out_norm is None or lw.mlp_out_norm is None:  # Llama's block
             x = self.proj.o_residual(i, o, x)  # [T, d]
             return self.proj.mlp_residual(i, norm(x, lw.post_norm, eps), x)
@@ -352,13 +352,13 @@ class LlamaModel:
         meta: AttentionMetadata,
         cache: PagedKVCache,
         keep: list[int] | None,
+        tp: int,
     ) -> torch.Tensor:
         """Attention output [T, H * D] (or [len(keep), H * D]) of the step's rows: the
-        prompt chunks' through the prefill path, then the decode rows' through the decode
-        path. `keep` (the last layer's pruning) lists the prompt rows to compute, followed
-        by every decode row (each decode row gives logits)."""
+        prompt chunks' (rows ``0 .. tp-1``) through the prefill path, then the decode rows'
+        through the decode path. `keep` (the last layer's pruning) lists the prompt rows to
+        compute, followed by every decode row (each decode row gives logits)."""
         window = self.cfg.sliding_windows[layer]
-        tp = meta.num_prefill_tokens
         outs = []
         if meta.prefill is not None:
             if keep is None:

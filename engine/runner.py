@@ -48,16 +48,6 @@ class ModelRunner:
         table = torch.tensor(self.blocks.block_table(request_id), dtype=torch.long)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def prefill(
-        self, chunks: Sequence[PrefillChunk], layer_hook: LayerHook | None = None
-    ) -> torch.Tensor:
-        """A step of prompt chunks alone: `step` with no decode rows."""
-        return self.step(chunks, (), layer_hook)
-
-    def decode(self, requests: Sequence[Request]) -> torch.Tensor:
-        """A step of decode rows alone: `step` with no prompt chunks."""
-        return self.step((), requests)
-
     def step(
         self,
         chunks: Sequence[PrefillChunk],
@@ -109,9 +99,9 @@ class ModelRunner:
             return logits
         # Decode row r ran requests[order[r]]: put the rows back in the order of `decode`.
         first = len(p.logit_rows)
-        back = torch.tensor(d.order, device=self.device) + first
-        out = logits.clone()
-        out[back] = logits[first:]
+        out = torch.empty_like(logits)
+        out[:first] = logits[:first]
+        out[torch.tensor(d.order, device=self.device) + first] = logits[first:]
         return out
 
     def _prefill_inputs(self, chunks: Sequence[PrefillChunk]) -> _PrefillInputs:

@@ -97,8 +97,9 @@ class Recorder:
         self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
         self.prefill_steps: list[list[tuple[str, int, int]]] = []
         self.decode_batches: list[int] = []
+        self.workspace_held: list[bool] = []  # per step with decode rows: after it, held?
         self.mixed_steps = 0
-        step = eng.runner.step
+        step, ws = eng.runner.step, eng.runner.workspace
 
         def recording_step(
             chunks: Sequence[PrefillChunk], decode: Sequence[Request], hook: object = None
@@ -108,6 +109,7 @@ class Recorder:
                 self.prefill_steps.append([(c.request.request_id, c.start, c.end) for c in chunks])
             if decode:
                 self.decode_batches.append(len(decode))
+                self.workspace_held.append(ws is not None and ws.data is not None)
             self.mixed_steps += bool(chunks and decode)
             done = [c.request.request_id for c in chunks if c.completes_prompt]
             done += [r.request_id for r in decode]
@@ -469,19 +471,9 @@ def test_decode_workspace_over_its_cap_falls_back_to_pages(make_engine: MakeEngi
     eng = make_engine(decode_workspace_mib=2)
     ws = eng.runner.workspace
     assert ws is not None
-    used: list[bool] = []
-    step = eng.runner.step
-
-    def watching_step(
-        chunks: Sequence[PrefillChunk], decode: Sequence[Request], hook: object = None
-    ) -> torch.Tensor:
-        out = step(chunks, decode, hook)  # type: ignore[arg-type]
-        if decode:
-            used.append(ws.data is not None)
-        return out
-
-    eng.runner.step = watching_step  # type: ignore[method-assign]
+    rec = Recorder(eng)
     got = eng.generate(prompts, params)
+    used = rec.workspace_held
     # Used at first, given up once the batch outgrew it (with mixed steps the last two
     # requests end a step after the others, a batch small enough to take it up again).
     assert used[0] and False in used, used

@@ -450,7 +450,7 @@ def prefill_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1))
     out = engine.scheduler.schedule()
     assert len(out.prefill) == 1 and out.prefill[0].completes_prompt, "prompt did not fit a step"
-    logits = engine.runner.prefill(out.prefill)  # [1, V]
+    logits = engine.runner.step(out.prefill, ())  # [1, V]
     assert engine.abort(rid)
     assert not engine.has_unfinished()
     return logits[0]
