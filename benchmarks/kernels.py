@@ -11,7 +11,8 @@ float32 and (where the CPU does bf16 in hardware) bfloat16, with every core:
   float32: what the engine runs in bf16), and that function under ``torch.compile``
   (inductor, dynamic shapes);
 * **prefill attention** (one 512- and one 2048-token causal prompt): SDPA (what the engine
-  runs), the two-matmul formulation, and the latter under ``torch.compile``;
+  runs in float32), the two-matmul formulation over the whole square, the latter under
+  ``torch.compile``, and `engine.attention`'s blocked matmuls (what it runs in bf16);
 * **the MLP** of one layer at 8 and 512 rows: the engine's projections (packed oneDNN where
   available, SiLU and the product in its epilogues), and the plain ``F.linear`` formulation
   under ``torch.compile`` (inductor's CPU backend; inductor cannot lower the packed oneDNN
@@ -19,7 +20,8 @@ float32 and (where the CPU does bf16 in hardware) bfloat16, with every core:
 
 * **the decode step** of the real model (batch 1 / 8 / 32, 512-token prompts) with the
   engine's decode attention and with SDPA in its place, alternated in one process: the A/B
-  of the bf16 matmul path.
+  of the bf16 matmul path; and **the prompt pass** (time to the first token of a 512- and a
+  2048-token prompt) with the engine's prefill attention and with SDPA in its place.
 
 Each compiled variant's compile time is measured in a fresh process twice, the second with
 inductor's on-disk caches warm (``TORCHINDUCTOR_CACHE_DIR`` under ``build/``): what a
@@ -48,7 +50,14 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from engine import cpu  # noqa: E402
-from engine.attention import decode_attention, matmul_attention, sdpa_attention  # noqa: E402
+from engine.attention import (  # noqa: E402
+    blocked_prefill_attention,
+    decode_attention,
+    matmul_attention,
+    prefill_attention,
+    sdpa_attention,
+    sdpa_prefill_attention,
+)
 
 RESULTS = ROOT / "benchmarks" / "results" / "kernels-latest.json"
 CACHE = ROOT / "build" / "inductor-cache"
@@ -136,10 +145,14 @@ def prefill_rows(dtype: torch.dtype, reps: int) -> dict[str, Any]:
         k = torch.randn(HKV, s, D, generator=g).to(dtype)
         v = torch.randn(HKV, s, D, generator=g).to(dtype)
         n = max(3, reps // (4 if s > 512 else 1))
+        # The engine's layout: [S, heads, D] views of the step's q/k/v.
+        engine_layout = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), None, D**-0.5)
         out[f"s{s}"] = {
             "sdpa_flash_ms": timed(partial(sdpa_causal, q, k, v), n),
             "matmuls_ms": timed(partial(matmul_prefill, q, k, v), n),
             "compiled_matmuls_ms": timed(partial(compiled, q, k, v), n),
+            "blocked_ms": timed(partial(blocked_prefill_attention, *engine_layout), n),
+            "engine_ms": timed(partial(prefill_attention, *engine_layout), n),
         }
     return out
 
@@ -179,16 +192,10 @@ def engine_steps(dtype: torch.dtype, rounds: int) -> dict[str, Any]:
     """The A/B in one process: the real model's decode step (batch 1 / 8 / 32, 512-token
     prompts) with the engine's decode attention and with SDPA in its place, alternated."""
     import engine.model as model_mod
-    from engine.config import CacheConfig
-    from engine.engine import EngineConfig, LLMEngine
     from engine.sampling import SamplingParams
-    from pdserve.models import DEFAULT_MODEL, resolve_model
 
-    name = str(dtype).removeprefix("torch.")
-    model = str(resolve_model(DEFAULT_MODEL, dtype="float32"))
     # Blocks for 32 x (512 + the steps): a preempted request would make steps mixed.
-    cfg = EngineConfig(model=model, dtype=name, cache=CacheConfig(num_blocks=2048))
-    eng = LLMEngine.from_config(cfg)
+    eng = _engine(dtype, num_blocks=2048)
     vocab = eng.model_config.vocab_size
     variants = {"engine": decode_attention, "sdpa": sdpa_attention}
     out: dict[str, Any] = {}
@@ -214,6 +221,52 @@ def engine_steps(dtype: torch.dtype, rounds: int) -> dict[str, Any]:
         out[f"b{batch}"] = {"engine_ms": med["engine"], "sdpa_ms": med["sdpa"],
                             "engine_over_sdpa": med["engine"] / med["sdpa"]}  # fmt: skip
     return out
+
+
+def prefill_steps(dtype: torch.dtype, rounds: int) -> dict[str, Any]:
+    """The A/B in one process: the real model's prompt pass (time to the first token of one
+    512- and one 2048-token prompt, chunked as the engine's budget cuts it) with the engine's
+    prefill attention and with SDPA in its place, alternated; a fresh prompt every time, so
+    the prefix cache never serves one."""
+    import engine.model as model_mod
+    from engine.sampling import SamplingParams
+
+    eng = _engine(dtype, num_blocks=1024)
+    vocab = eng.model_config.vocab_size
+    variants = {"engine": prefill_attention, "sdpa": sdpa_prefill_attention}
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    out: dict[str, Any] = {}
+    for length in (512, 2048):
+
+        def first_token(length: int = length) -> None:
+            ids = torch.randint(100, vocab - 100, (length,), generator=g).tolist()
+            eng.add_request(f"p{length}-{time.monotonic_ns()}", ids, params)
+            while eng.has_unfinished():
+                eng.step()
+
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        for _ in range(rounds):
+            for v, fn in variants.items():  # A B A B
+                model_mod.prefill_attention = fn
+                times[v].append(timed(first_token, 3))
+        model_mod.prefill_attention = prefill_attention
+        med = {v: sorted(t)[len(t) // 2] for v, t in times.items()}
+        out[f"s{length}"] = {"engine_ms": med["engine"], "sdpa_ms": med["sdpa"],
+                             "engine_over_sdpa": med["engine"] / med["sdpa"]}  # fmt: skip
+    return out
+
+
+def _engine(dtype: torch.dtype, num_blocks: int) -> Any:
+    """The real default model in an engine of `num_blocks` KV blocks."""
+    from engine.config import CacheConfig
+    from engine.engine import EngineConfig, LLMEngine
+    from pdserve.models import DEFAULT_MODEL, resolve_model
+
+    name = str(dtype).removeprefix("torch.")
+    model = str(resolve_model(DEFAULT_MODEL, dtype="float32"))
+    cfg = EngineConfig(model=model, dtype=name, cache=CacheConfig(num_blocks=num_blocks))
+    return LLMEngine.from_config(cfg)
 
 
 COMPILE_SNIPPET = """
@@ -288,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                 bar.update()
             bar.set_postfix_str(f"{name} decode step A/B")
             row["decode_step"] = engine_steps(dt, 3)
+            bar.set_postfix_str(f"{name} prompt pass A/B")
+            row["prefill_step"] = prefill_steps(dt, 3)
             bar.set_postfix_str(f"{name} compile costs")
             row["compile"] = compile_costs(name, args.threads)
             bar.update()

@@ -1,23 +1,37 @@
-"""Decode attention: one query per request against its context, by the kernel that is fast
-for the dtype.
+"""Attention kernels by phase and dtype: decode (one query per request against its context)
+and prefill (a prompt chunk's queries, causal, against its context).
 
-Why not always `F.scaled_dot_product_attention`: torch's CPU flash kernel is tiled for long
-query blocks. For a decode step (one query row per request) in bfloat16 it runs ~9x slower
-than in float32 on an AVX512-BF16 CPU without AMX (batch 8, 520 keys, 9 heads: 1.7 ms a
-layer against 0.19 ms; docs/benchmarks.md, "Decode attention in bf16"), which made a batch-8
-bf16 decode step 65 ms where the matmuls take 9. The same attention as two batched matmuls
-(scores in float32, softmax in float32, probabilities rounded to the value dtype for the
-second product) runs in 0.22 ms there with the flash kernel's accuracy. float32 keeps SDPA:
-its kernel is as fast as the matmuls in float32, and exact to HF's.
+Why not always `F.scaled_dot_product_attention`: torch's CPU flash kernel computes in
+float32 whatever the input dtype, in small tiles, so bfloat16 gains nothing from the CPU's
+bf16 dot products (AVX512-BF16, AMX), and for one query row per request it is ~9x slower in
+bf16 than in float32 (docs/benchmarks.md, "Decode attention in bf16"). In bf16 the engine
+therefore runs attention as batched matmuls, which oneDNN runs on those instructions:
+
+- decode (`matmul_attention`): two matmuls, scores and softmax in float32;
+- prefill (`blocked_prefill_attention`): per block of query rows, the keys up to the
+  block's last position only (causal: half the work of the full square) and scores in
+  bfloat16, made precise by a shift: a first product gives each row's max m, a second one
+  computes ``scale * (q k - m)`` with the subtraction inside the matmul's float32
+  accumulator (`baddbmm`'s epilogue), so the scores that carry the probability mass are
+  small numbers and their bf16 rounding is small. Softmax is shift-invariant; m only buys
+  precision.
+
+float32 keeps SDPA: its kernel is as fast as the matmuls there, and exact to HF's.
 
 What must hold: the output equals softmax(q k^T * scale + mask) v per head, with query head
-h reading KV head h // (H / Hkv) (torch's `enable_gqa` grouping, HF's `repeat_kv`).
+h reading KV head h // (H / Hkv) (torch's `enable_gqa` grouping, HF's `repeat_kv`); a
+prefill query at position p sees keys ``(p - window, p]`` (all of ``[0, p]`` without one).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+PREFILL_BLOCK = 128
+"""Query rows per block of `blocked_prefill_attention` (x the GQA group in one matmul)."""
 
 
 def decode_attention(
@@ -52,3 +66,108 @@ def matmul_attention(
         scores.masked_fill_(~mask.view(batch, 1, 1, span), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).view(batch, -1)  # [B, Hkv, G, D] -> [B, H * D]
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float
+) -> torch.Tensor:
+    """q [Tq, H, D], the queries of positions ``ctx - Tq .. ctx - 1``; k and v [ctx, Hkv, D],
+    the keys of positions ``0 .. ctx - 1`` -> [Tq, H * D]: `blocked_prefill_attention` in
+    bf16, `sdpa_prefill_attention` otherwise."""
+    bf16 = q.dtype == torch.bfloat16
+    kernel = blocked_prefill_attention if bf16 else sdpa_prefill_attention
+    return kernel(q, k, v, window, scale)
+
+
+def sdpa_prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float
+) -> torch.Tensor:
+    """`prefill_attention` by torch's SDPA (its CPU flash kernel)."""
+    q_len, ctx = q.shape[0], k.shape[0]
+    plain = q_len == ctx and (window is None or window >= ctx)
+    mask = None if plain else _prefill_mask(ctx, q_len, window, q.device, q.dtype)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # [1, H, Tq, D]
+        k.transpose(0, 1).unsqueeze(0),  # [1, Hkv, ctx, D]
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=plain,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1).reshape(q_len, -1)  # [Tq, H * D]
+
+
+def blocked_prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float
+) -> torch.Tensor:
+    """`prefill_attention` as matmuls over blocks of `PREFILL_BLOCK` query rows (module
+    docstring): each block reads keys ``[lo, hi)``, the span its rows can see, and only its
+    masked columns are masked (the diagonal square, and with a window its left edge)."""
+    q_len, heads, dim = q.shape
+    ctx, kv_heads = k.shape[0], k.shape[1]
+    group = heads // kv_heads
+    start = ctx - q_len  # position of query row 0
+    qh = q.view(q_len, kv_heads, group, dim).permute(1, 2, 0, 3)  # [Hkv, G, Tq, D]
+    kt = k.permute(1, 2, 0)  # [Hkv, D, ctx]
+    vh = v.transpose(0, 1)  # [Hkv, ctx, D]
+    out = torch.empty(kv_heads, group, q_len, dim, dtype=q.dtype, device=q.device)
+    for s in range(0, q_len, PREFILL_BLOCK):
+        e = min(q_len, s + PREFILL_BLOCK)
+        n, first = e - s, start + s  # rows, position of the block's first row
+        lo = 0 if window is None else max(0, first + 1 - window)
+        hi = start + e  # keys [lo, hi)
+        if window is None:  # the diagonal square: the same for every block of n rows
+            mask = _block_mask(n, n, 0, None, q.dtype, q.device)
+        else:
+            mask = _block_mask(n, hi - lo, first - lo, window, q.dtype, q.device)
+        qb = qh[:, :, s:e].reshape(kv_heads, group * n, dim)
+        kb = kt[:, :, lo:hi]
+        scores = torch.bmm(qb, kb)  # [Hkv, G * n, hi - lo]
+        _add_mask(scores, mask, group, n)
+        peak = scores.amax(-1, keepdim=True)
+        torch.baddbmm(peak, qb, kb, beta=-scale, alpha=scale, out=scores)
+        _add_mask(scores, mask, group, n)
+        probs = torch.softmax(scores, dim=-1)
+        out[:, :, s:e] = torch.bmm(probs, vh[:, lo:hi]).view(kv_heads, group, n, dim)
+    return out.permute(2, 0, 1, 3).reshape(q_len, heads * dim)
+
+
+def _add_mask(scores: torch.Tensor, mask: torch.Tensor, group: int, n: int) -> None:
+    """Add the additive `mask` [n, w] to the last w columns of each group's [n, *] block."""
+    w = mask.shape[1]
+    rows = scores.view(scores.shape[0], group, n, -1)
+    rows[..., rows.shape[-1] - w :] += mask
+
+
+@functools.lru_cache(maxsize=64)
+def _block_mask(
+    n: int, width: int, diag: int, window: int | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Additive mask (0 / -inf) of a block of n query rows against `width` keys, row i at
+    key column ``diag + i``: without a window only the last n columns (the diagonal square)
+    hold a -inf, so only they are returned; with one, all `width` columns."""
+    cols = n if window is None else width
+    first = width - cols  # key column of the mask's column 0
+    q_pos = diag + torch.arange(n, device=device)[:, None]
+    k_pos = first + torch.arange(cols, device=device)[None, :]
+    keep = k_pos <= q_pos
+    if window is not None:
+        keep &= k_pos > q_pos - window
+    return torch.zeros(n, cols, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+
+
+@functools.lru_cache(maxsize=4)
+def _prefill_mask(
+    ctx_len: int, q_len: int, window: int | None, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """[q_len, ctx_len] additive mask (0 / -inf) for SDPA; every layer of a step asks for
+    the same one, so it is built once. Additive, in the query dtype: SDPA would otherwise
+    turn a bool mask into this on every call (one `where` over [q_len, ctx_len] per layer)."""
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+    k_pos = torch.arange(ctx_len, device=device)[None, :]
+    keep = k_pos <= q_pos
+    if window is not None:
+        keep &= k_pos > q_pos - window
+    mask = torch.zeros(q_len, ctx_len, dtype=dtype, device=device)
+    return mask.masked_fill_(~keep, float("-inf"))

@@ -22,16 +22,14 @@ attention scale).
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from engine.attention import decode_attention
+from engine.attention import decode_attention, prefill_attention
 from engine.config import ModelConfig
 from engine.decode_workspace import DecodeWorkspace
 from engine.kv_cache import PagedKVCache
@@ -388,17 +386,7 @@ class LlamaModel:
         for seg in segments:
             qs = q[seg.q_start : seg.q_start + seg.q_len]  # [q_len, H, D]
             ks, vs = _context_kv(layer, seg, k, v, cache)  # [ctx_len, Hkv, D]
-            mask = _prefill_mask(seg, window, q.device, q.dtype)
-            o = F.scaled_dot_product_attention(
-                qs.transpose(0, 1).unsqueeze(0),  # [1, H, q_len, D]
-                ks.transpose(0, 1).unsqueeze(0),  # [1, Hkv, ctx_len, D]
-                vs.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            outs.append(o[0].transpose(0, 1).reshape(seg.q_len, -1))  # [q_len, H * D]
+            outs.append(prefill_attention(qs, ks, vs, window, self.scale))  # [q_len, H * D]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _row_attention(
@@ -423,14 +411,9 @@ class LlamaModel:
             p = seg.ctx_len - seg.q_len + (r - seg.q_start)
             lo = 0 if window is None else max(0, p + 1 - window)
             ks, vs = _context_kv(layer, seg, k, v, cache)  # [ctx_len, Hkv, D]
-            o = F.scaled_dot_product_attention(
-                q[r : r + 1].transpose(0, 1).unsqueeze(0),  # [1, H, 1, D]
-                ks[lo : p + 1].transpose(0, 1).unsqueeze(0),  # [1, Hkv, n, D]
-                vs[lo : p + 1].transpose(0, 1).unsqueeze(0),
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            outs.append(o.reshape(1, -1))  # [1, H * D]
+            ks, vs = ks[lo : p + 1].transpose(0, 1), vs[lo : p + 1].transpose(0, 1)
+            o = decode_attention(q[r : r + 1], ks[None], vs[None], None, self.scale)
+            outs.append(o)  # [1, H * D]
         return torch.cat(outs)
 
     def _decode_attention(
@@ -468,28 +451,3 @@ def _context_kv(
         return k[sl], v[sl]
     kp, vp = cache.gather_blocks(layer, seg.context_blocks[None])  # [1, nb * Bs, Hkv, D]
     return kp[0, : seg.ctx_len], vp[0, : seg.ctx_len]
-
-
-def _prefill_mask(
-    seg: PrefillSegment, window: int | None, device: torch.device, dtype: torch.dtype
-) -> torch.Tensor | None:
-    """[q_len, ctx_len] additive mask (0 / -inf), or None when plain causal attention is
-    exact. Every layer of a step asks for the same mask, so it is built once (`_mask`)."""
-    if seg.q_len == seg.ctx_len and (window is None or window >= seg.ctx_len):
-        return None
-    return _mask(seg.ctx_len, seg.q_len, window, device, dtype)
-
-
-@functools.lru_cache(maxsize=4)
-def _mask(
-    ctx_len: int, q_len: int, window: int | None, device: torch.device, dtype: torch.dtype
-) -> torch.Tensor:
-    # Additive, in the query dtype: SDPA would otherwise turn a bool mask into this on
-    # every call (one `where` over [q_len, ctx_len] per layer).
-    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
-    k_pos = torch.arange(ctx_len, device=device)[None, :]
-    keep = k_pos <= q_pos
-    if window is not None:
-        keep &= k_pos > q_pos - window
-    mask = torch.zeros(q_len, ctx_len, dtype=dtype, device=device)
-    return mask.masked_fill_(~keep, float("-inf"))
