@@ -16,7 +16,8 @@ therefore runs attention as batched matmuls, which oneDNN runs on those instruct
   small numbers and their bf16 rounding is small. Softmax is shift-invariant; m only buys
   precision.
 
-float32 keeps SDPA: its kernel is as fast as the matmuls there, and exact to HF's.
+float32 keeps SDPA: its kernel is as fast as the matmuls there, and exact to HF's. So does
+every dtype on a GPU.
 
 What must hold: the output equals softmax(q k^T * scale + mask) v per head, with query head
 h reading KV head h // (H / Hkv) (torch's `enable_gqa` grouping, HF's `repeat_kv`); a
@@ -38,9 +39,15 @@ def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """q [B, H, D], k and v [B, Hkv, S, D], mask [B, 1, 1, S] bool (True: attend) or None
-    -> [B, H * D]: `matmul_attention` in bf16, `sdpa_attention` otherwise."""
-    kernel = matmul_attention if q.dtype == torch.bfloat16 else sdpa_attention
+    -> [B, H * D]: `matmul_attention` in bf16 on CPU, `sdpa_attention` otherwise."""
+    kernel = matmul_attention if _cpu_bf16(q) else sdpa_attention
     return kernel(q, k, v, mask, scale)
+
+
+def _cpu_bf16(q: torch.Tensor) -> bool:
+    """Whether the matmul kernels apply: their reasons (module docstring) are the CPU's;
+    on a GPU SDPA's flash kernels compute bf16 at bf16 speed."""
+    return q.dtype == torch.bfloat16 and q.device.type == "cpu"
 
 
 def sdpa_attention(
@@ -73,9 +80,8 @@ def prefill_attention(
 ) -> torch.Tensor:
     """q [Tq, H, D], the queries of positions ``ctx - Tq .. ctx - 1``; k and v [ctx, Hkv, D],
     the keys of positions ``0 .. ctx - 1`` -> [Tq, H * D]: `blocked_prefill_attention` in
-    bf16, `sdpa_prefill_attention` otherwise."""
-    bf16 = q.dtype == torch.bfloat16
-    kernel = blocked_prefill_attention if bf16 else sdpa_prefill_attention
+    bf16 on CPU, `sdpa_prefill_attention` otherwise."""
+    kernel = blocked_prefill_attention if _cpu_bf16(q) else sdpa_prefill_attention
     return kernel(q, k, v, window, scale)
 
 
