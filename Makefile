@@ -66,9 +66,9 @@ bench-pinning: $(STAMP)
 	$(BIN)/python benchmarks/pinning.py
 
 # Attention and MLP kernels at the model's shapes, eager and torch.compile'd, with compile
-# costs cold and cached (benchmarks/kernels.py).
+# costs cold and cached (benchmarks/kernel_options.py).
 bench-kernels: $(STAMP)
-	$(BIN)/python benchmarks/kernels.py
+	$(BIN)/python benchmarks/kernel_options.py
 
 # The API side by side with vLLM's CPU build: shapes and greedy tokens (benchmarks/peers_api.py).
 bench-peers-api: $(STAMP)

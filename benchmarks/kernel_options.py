@@ -2,7 +2,7 @@
 """The attention and MLP kernels the model could run on a CPU, timed at the default model's
 shapes, each with its startup cost.
 
-Run: ``.venv/bin/python benchmarks/kernels.py`` (``make bench-kernels``). On this CPU, in
+Run: ``.venv/bin/python benchmarks/kernel_options.py`` (``make bench-kernels``). On this CPU, in
 float32 and (where the CPU does bf16 in hardware) bfloat16, with every core:
 
 * **decode attention** (one query per request, batch 1 / 8 / 32, 520 keys, 9 query heads on
@@ -273,7 +273,7 @@ COMPILE_SNIPPET = """
 import sys, time, torch
 import importlib.util
 sys.path.insert(0, sys.argv[1])
-path = sys.argv[1] + "/benchmarks/kernels.py"  # by path: a `kernels` package is installed
+path = sys.argv[1] + "/benchmarks/kernel_options.py"  # by path: benchmarks/ is no package
 spec = importlib.util.spec_from_file_location("bench_kernels", path)
 kernels = importlib.util.module_from_spec(spec); spec.loader.exec_module(kernels)
 dtype = getattr(torch, sys.argv[2]); which = sys.argv[3]
