@@ -22,7 +22,9 @@ Run: ``make bench-peers`` (``.venv/bin/python benchmarks/peers.py``). One run do
    * ``pdserve-colocated``: ``pdserve serve --colocated``, one worker running both phases
      with every core (``num_threads`` = the CPU count);
    * ``pdserve-disaggregated``: ``pdserve serve`` with its defaults (1 prefill + 1 decode
-     worker, one thread each).
+     worker, one thread each);
+   * for A/Bs, by name only: ``pdserve-colocated-prefill-first`` (``scheduler.mixed_steps:
+     false``) and ``pdserve-colocated-chunk512`` (``scheduler.max_num_batched_tokens: 512``).
 
 4. **The same client for all**: ``vllm bench serve`` from vLLM's virtualenv, after a short
    warm-up (discarded), on each workload:
@@ -103,8 +105,10 @@ if __name__ == "__main__":  # vLLM spawns its engine process, which imports this
 
     sys.exit(main())
 '''
-SERVERS = ("vllm", "pdserve-colocated", "pdserve-disaggregated", "pdserve-colocated-prefill-first")
-DEFAULT_SERVERS = SERVERS[:3]  # the last: colocated with prefill-first steps, for A/Bs
+SERVERS = ("vllm", "pdserve-colocated", "pdserve-disaggregated", "pdserve-colocated-prefill-first",
+           "pdserve-colocated-chunk512")  # fmt: skip
+# The rest are colocated variants for A/Bs: prefill-first steps; a 512-token step budget.
+DEFAULT_SERVERS = SERVERS[:3]
 WORKLOADS = ("c1", "c8", "prefix")
 METRICS = (  # (key in vllm bench's JSON, label, higher is better)
     ("output_throughput", "output tok/s", True),
@@ -257,6 +261,8 @@ def pdserve_server(
         cmd += ["--colocated", "--decode-workers", "1"]
     if mode.endswith("-prefill-first"):
         yaml += "scheduler:\n  mixed_steps: false\n"
+    if mode.endswith("-chunk512"):
+        yaml += "scheduler:\n  max_num_batched_tokens: 512\n"
     if yaml:
         cfg = run_dir / f"{mode}-{dtype}.yaml"
         cfg.write_text(yaml)
