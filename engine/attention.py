@@ -114,6 +114,8 @@ def blocked_prefill_attention(
     ctx, kv_heads = k.shape[0], k.shape[1]
     group = heads // kv_heads
     start = ctx - q_len  # position of query row 0
+    if window is not None and window >= ctx:  # no key is out of any row's window
+        window = None
     qh = q.view(q_len, kv_heads, group, dim).permute(1, 2, 0, 3)  # [Hkv, G, Tq, D]
     kt = k.permute(1, 2, 0)  # [Hkv, D, ctx]
     vh = v.transpose(0, 1)  # [Hkv, ctx, D]

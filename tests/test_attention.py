@@ -88,9 +88,10 @@ def _prefill_reference(
         (200, 333, None, 1.0),  # a chunk after a cached prefix
         (200, 333, 40, 1.0),  # a sliding window inside a chunk
         (300, 300, 150, 1.0),  # a window wider than a block
+        (200, 333, 333, 1.0),  # a window as wide as the context: the plain causal path
         (300, 300, None, 6.0),  # large scores: where bf16 scores without the shift fail
     ],
-    ids=["prompt", "chunk", "window", "wide-window", "large-scores"],
+    ids=["prompt", "chunk", "window", "wide-window", "context-window", "large-scores"],
 )
 def test_prefill_attention_matches_eager_attention(
     q_len: int, ctx: int, window: int | None, magnitude: float
