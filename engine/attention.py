@@ -91,7 +91,7 @@ def sdpa_prefill_attention(
     """`prefill_attention` by torch's SDPA (its CPU flash kernel)."""
     q_len, ctx = q.shape[0], k.shape[0]
     plain = q_len == ctx and (window is None or window >= ctx)
-    mask = None if plain else _prefill_mask(ctx, q_len, window, q.device, q.dtype)
+    mask = None if plain else _prefill_mask(q_len, ctx, ctx - q_len, window, q.dtype, q.device)
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # [1, H, Tq, D]
         k.transpose(0, 1).unsqueeze(0),  # [1, Hkv, ctx, D]
@@ -125,9 +125,9 @@ def blocked_prefill_attention(
         n, first = e - s, start + s  # rows, position of the block's first row
         lo = 0 if window is None else max(0, first + 1 - window)
         hi = start + e  # keys [lo, hi)
-        if window is None:  # the diagonal square: the same for every block of n rows
+        if window is None:  # only the diagonal square masks: the same for every block
             mask = _block_mask(n, n, 0, None, q.dtype, q.device)
-        else:
+        else:  # the block's whole key span
             mask = _block_mask(n, hi - lo, first - lo, window, q.dtype, q.device)
         qb = qh[:, :, s:e].reshape(kv_heads, group * n, dim)
         kb = kt[:, :, lo:hi]
@@ -148,34 +148,22 @@ def _add_mask(scores: torch.Tensor, mask: torch.Tensor, group: int, n: int) -> N
     rows[..., rows.shape[-1] - w :] += mask
 
 
-@functools.lru_cache(maxsize=64)
-def _block_mask(
-    n: int, width: int, diag: int, window: int | None, dtype: torch.dtype, device: torch.device
+def _additive_mask(
+    n: int, cols: int, offset: int, window: int | None, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """Additive mask (0 / -inf) of a block of n query rows against `width` keys, row i at
-    key column ``diag + i``: without a window only the last n columns (the diagonal square)
-    hold a -inf, so only they are returned; with one, all `width` columns."""
-    cols = n if window is None else width
-    first = width - cols  # key column of the mask's column 0
-    q_pos = diag + torch.arange(n, device=device)[:, None]
-    k_pos = first + torch.arange(cols, device=device)[None, :]
+    """[n, cols] additive mask (0 / -inf): query row i, at key column ``offset + i``, sees
+    columns ``(offset + i - window, offset + i]`` (all up to its own without a window).
+    Additive, in the query dtype: SDPA would otherwise turn a bool mask into this on every
+    call (one `where` over the mask per layer)."""
+    q_pos = offset + torch.arange(n, device=device)[:, None]
+    k_pos = torch.arange(cols, device=device)[None, :]
     keep = k_pos <= q_pos
     if window is not None:
         keep &= k_pos > q_pos - window
     return torch.zeros(n, cols, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
 
 
-@functools.lru_cache(maxsize=4)
-def _prefill_mask(
-    ctx_len: int, q_len: int, window: int | None, device: torch.device, dtype: torch.dtype
-) -> torch.Tensor:
-    """[q_len, ctx_len] additive mask (0 / -inf) for SDPA; every layer of a step asks for
-    the same one, so it is built once. Additive, in the query dtype: SDPA would otherwise
-    turn a bool mask into this on every call (one `where` over [q_len, ctx_len] per layer)."""
-    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
-    k_pos = torch.arange(ctx_len, device=device)[None, :]
-    keep = k_pos <= q_pos
-    if window is not None:
-        keep &= k_pos > q_pos - window
-    mask = torch.zeros(q_len, ctx_len, dtype=dtype, device=device)
-    return mask.masked_fill_(~keep, float("-inf"))
+# Every layer of a step asks for the same masks, so each is built once. SDPA's cover a whole
+# [q_len, ctx] segment (megabytes: keep few); a block's are at most 128 rows.
+_prefill_mask = functools.lru_cache(maxsize=4)(_additive_mask)
+_block_mask = functools.lru_cache(maxsize=64)(_additive_mask)
