@@ -191,13 +191,17 @@ def mlp_rows(dtype: torch.dtype, reps: int) -> dict[str, Any]:
 def engine_steps(dtype: torch.dtype, rounds: int) -> dict[str, Any]:
     """The A/B in one process: the real model's decode step (batch 1 / 8 / 32, 512-token
     prompts) with the engine's decode attention and with SDPA in its place, alternated."""
-    import engine.model as model_mod
     from engine.sampling import SamplingParams
 
     # Blocks for 32 x (512 + the steps): a preempted request would make steps mixed.
     eng = _engine(dtype, num_blocks=2048)
     vocab = eng.model_config.vocab_size
     variants = {"engine": decode_attention, "sdpa": sdpa_attention}
+
+    def step_ms() -> float:
+        eng.step()  # warm-up
+        return timed(eng.step, 10)
+
     out: dict[str, Any] = {}
     for batch in (1, 8, 32):
         g = torch.Generator().manual_seed(batch)
@@ -207,19 +211,10 @@ def engine_steps(dtype: torch.dtype, rounds: int) -> dict[str, Any]:
             eng.add_request(f"b{batch}-{i}", ids, params)
         while eng.scheduler.waiting:
             eng.step()
-        times: dict[str, list[float]] = {v: [] for v in variants}
-        for _ in range(rounds):
-            for v, fn in variants.items():  # A B A B
-                model_mod.decode_attention = fn
-                eng.step()  # warm-up
-                times[v].append(timed(eng.step, 10))
-        model_mod.decode_attention = decode_attention
+        out[f"b{batch}"] = _alternated("decode_attention", variants, step_ms, rounds)
         assert eng.scheduler.num_preemptions == 0, "the batch did not fit: steps were mixed"
         for r in list(eng.requests):
             eng.abort(r)
-        med = {v: sorted(t)[len(t) // 2] for v, t in times.items()}
-        out[f"b{batch}"] = {"engine_ms": med["engine"], "sdpa_ms": med["sdpa"],
-                            "engine_over_sdpa": med["engine"] / med["sdpa"]}  # fmt: skip
     return out
 
 
@@ -228,7 +223,6 @@ def prefill_steps(dtype: torch.dtype, rounds: int) -> dict[str, Any]:
     512- and one 2048-token prompt, chunked as the engine's budget cuts it) with the engine's
     prefill attention and with SDPA in its place, alternated; a fresh prompt every time, so
     the prefix cache never serves one."""
-    import engine.model as model_mod
     from engine.sampling import SamplingParams
 
     eng = _engine(dtype, num_blocks=1024)
@@ -245,16 +239,34 @@ def prefill_steps(dtype: torch.dtype, rounds: int) -> dict[str, Any]:
             while eng.has_unfinished():
                 eng.step()
 
-        times: dict[str, list[float]] = {v: [] for v in variants}
-        for _ in range(rounds):
-            for v, fn in variants.items():  # A B A B
-                model_mod.prefill_attention = fn
-                times[v].append(timed(first_token, 3))
-        model_mod.prefill_attention = prefill_attention
-        med = {v: sorted(t)[len(t) // 2] for v, t in times.items()}
-        out[f"s{length}"] = {"engine_ms": med["engine"], "sdpa_ms": med["sdpa"],
-                             "engine_over_sdpa": med["engine"] / med["sdpa"]}  # fmt: skip
+        measure = partial(timed, first_token, 3)
+        out[f"s{length}"] = _alternated("prefill_attention", variants, measure, rounds)
     return out
+
+
+def _alternated(
+    attr: str,
+    variants: dict[str, Callable[..., torch.Tensor]],
+    measure: Callable[[], float],
+    rounds: int,
+) -> dict[str, float]:
+    """`measure` with `engine.model`'s kernel `attr` set to each of the two variants in turn
+    ("engine", then "sdpa"; A B A B, `rounds` times): each one's median and their ratio. The
+    engine's own kernel is put back whatever happens."""
+    import engine.model as model_mod
+
+    original = getattr(model_mod, attr)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    try:
+        for _ in range(rounds):
+            for v, fn in variants.items():
+                setattr(model_mod, attr, fn)
+                times[v].append(measure())
+    finally:
+        setattr(model_mod, attr, original)
+    med = {v: sorted(t)[len(t) // 2] for v, t in times.items()}
+    return {"engine_ms": med["engine"], "sdpa_ms": med["sdpa"],
+            "engine_over_sdpa": med["engine"] / med["sdpa"]}  # fmt: skip
 
 
 def _engine(dtype: torch.dtype, num_blocks: int) -> Any:
