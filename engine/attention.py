@@ -1,23 +1,19 @@
-"""Attention kernels by phase and dtype: decode (one query per request against its context)
-and prefill (a prompt chunk's queries, causal, against its context).
+"""Attention kernels, the candidates `engine.kernels.select` times for decode (one query per
+request against its context) and prefill (a prompt chunk's queries, causal, against its
+context). Which one runs is measured on the serving machine, never assumed from its CPU:
+torch's SDPA won on an AMX Xeon and lost to the matmul forms on an AVX512-BF16 EPYC
+(docs/benchmarks.md, "Kernels chosen by measurement").
 
-Why not always `F.scaled_dot_product_attention`: torch's CPU flash kernel computes in
-float32 whatever the input dtype, in small tiles, so bfloat16 gains nothing from the CPU's
-bf16 dot products (AVX512-BF16, AMX), and for one query row per request it is ~9x slower in
-bf16 than in float32 (docs/benchmarks.md, "Decode attention in bf16"). In bf16 the engine
-therefore runs attention as batched matmuls, which oneDNN runs on those instructions:
-
-- decode (`matmul_attention`): two matmuls, scores and softmax in float32;
-- prefill (`blocked_prefill_attention`): per block of query rows, the keys up to the
-  block's last position only (causal: half the work of the full square) and scores in
-  bfloat16, made precise by a shift: a first product gives each row's max m, a second one
-  computes ``scale * (q k - m)`` with the subtraction inside the matmul's float32
-  accumulator (`baddbmm`'s epilogue), so the scores that carry the probability mass are
-  small numbers and their bf16 rounding is small. Softmax is shift-invariant; m only buys
-  precision.
-
-float32 keeps SDPA: its kernel is as fast as the matmuls there, and exact to HF's. So does
-every dtype on a GPU.
+- `sdpa_attention`, `sdpa_prefill_attention`: torch's SDPA (its CPU flash kernel computes
+  in float32 in small tiles whatever the input dtype); the reference candidates;
+- `matmul_attention` (decode): two batched matmuls, scores and softmax in float32, which
+  oneDNN runs on the CPU's bf16 instructions;
+- `blocked_prefill_attention`: per block of query rows, the keys up to the block's last
+  position only (causal: half the work of the full square) and scores in bfloat16, made
+  precise by a shift: a first product gives each row's max m, a second one computes
+  ``scale * (q k - m)`` with the subtraction inside the matmul's float32 accumulator
+  (`baddbmm`'s epilogue), so the scores that carry the probability mass are small numbers
+  and their bf16 rounding is small. Softmax is shift-invariant; m only buys precision.
 
 What must hold: the output equals softmax(q k^T * scale + mask) v per head, with query head
 h reading KV head h // (H / Hkv) (torch's `enable_gqa` grouping, HF's `repeat_kv`); a
@@ -35,25 +31,11 @@ PREFILL_BLOCK = 128
 """Query rows per block of `blocked_prefill_attention` (x the GQA group in one matmul)."""
 
 
-def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    """q [B, H, D], k and v [B, Hkv, S, D], mask [B, 1, 1, S] bool (True: attend) or None
-    -> [B, H * D]: `matmul_attention` in bf16 on CPU, `sdpa_attention` otherwise."""
-    kernel = matmul_attention if _cpu_bf16(q) else sdpa_attention
-    return kernel(q, k, v, mask, scale)
-
-
-def _cpu_bf16(q: torch.Tensor) -> bool:
-    """Whether the matmul kernels apply: their reasons (module docstring) are the CPU's;
-    on a GPU SDPA's flash kernels compute bf16 at bf16 speed."""
-    return q.dtype == torch.bfloat16 and q.device.type == "cpu"
-
-
 def sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """`decode_attention` by torch's SDPA (its CPU flash kernel)."""
+    """q [B, H, D], k and v [B, Hkv, S, D], mask [B, 1, 1, S] bool (True: attend) or None
+    -> [B, H * D], by torch's SDPA (its CPU flash kernel)."""
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
     )  # [B, H, 1, D]
@@ -63,7 +45,7 @@ def sdpa_attention(
 def matmul_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """`decode_attention` as two batched matmuls: scores and softmax in float32, the
+    """`sdpa_attention` as two batched matmuls: scores and softmax in float32, the
     probabilities rounded to the value dtype for the product with V."""
     batch, heads, dim = q.shape
     kv_heads, span = k.shape[1], k.shape[2]
@@ -75,20 +57,11 @@ def matmul_attention(
     return torch.matmul(probs, v).view(batch, -1)  # [B, Hkv, G, D] -> [B, H * D]
 
 
-def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float
-) -> torch.Tensor:
-    """q [Tq, H, D], the queries of positions ``ctx - Tq .. ctx - 1``; k and v [ctx, Hkv, D],
-    the keys of positions ``0 .. ctx - 1`` -> [Tq, H * D]: `blocked_prefill_attention` in
-    bf16 on CPU, `sdpa_prefill_attention` otherwise."""
-    kernel = blocked_prefill_attention if _cpu_bf16(q) else sdpa_prefill_attention
-    return kernel(q, k, v, window, scale)
-
-
 def sdpa_prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float
 ) -> torch.Tensor:
-    """`prefill_attention` by torch's SDPA (its CPU flash kernel)."""
+    """q [Tq, H, D], the queries of positions ``ctx - Tq .. ctx - 1``; k and v [ctx, Hkv, D],
+    the keys of positions ``0 .. ctx - 1`` -> [Tq, H * D], by torch's SDPA."""
     q_len, ctx = q.shape[0], k.shape[0]
     plain = q_len == ctx and (window is None or window >= ctx)
     mask = None if plain else _prefill_mask(q_len, ctx, ctx - q_len, window, q.dtype, q.device)
@@ -107,7 +80,7 @@ def sdpa_prefill_attention(
 def blocked_prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float
 ) -> torch.Tensor:
-    """`prefill_attention` as matmuls over blocks of `PREFILL_BLOCK` query rows (module
+    """`sdpa_prefill_attention` as matmuls over blocks of `PREFILL_BLOCK` query rows (module
     docstring): each block reads keys ``[lo, hi)``, the span its rows can see, and only its
     masked columns are masked (the diagonal square, and with a window its left edge)."""
     q_len, heads, dim = q.shape

@@ -42,6 +42,8 @@ from engine.config import (
     format_bytes,
     kv_bytes_per_block,
 )
+from engine.kernels.select import Selection
+from engine.kernels.select import select as select_kernels
 from engine.kv_cache import DTYPES, PagedKVCache
 from engine.model import LlamaModel
 from engine.prefix_hash import namespace_seed
@@ -80,6 +82,9 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     chat_template: str | None = None  # a template file overriding the checkpoint's
+    # each op's kernel: auto (measured on this machine, cached), reference (torch's own) or
+    # OP=NAME,... (engine.kernels.select.parse_spec)
+    kernels: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -201,6 +206,8 @@ class LLMEngine:
             self.max_model_len,
         )
         self.requests: dict[str, Request] = {}  # by sequence id (`request.choice_id`)
+        # how the kernels were chosen (`from_config` sets it; the model holds the choice)
+        self.kernel_selection = Selection(model.kernels, "named")
         # n > 1: a request's choices while any of them is unfinished, by the request's id
         self.groups: dict[str, list[Request]] = {}
         self.layer_hook: StepLayerHook | None = None  # the KV seam (module docstring)
@@ -211,9 +218,8 @@ class LLMEngine:
         )
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig, onednn: bool | None = None) -> LLMEngine:
-        """`onednn`: the matmul path (`LlamaModel`'s); None picks it by capability. Tests
-        pass False to run the plain path on a CPU where the packed one is the default."""
+    def from_config(cls, cfg: EngineConfig) -> LLMEngine:
+        """Load the checkpoint, choose the kernels (`cfg.kernels`), size the KV cache."""
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         mcfg = ModelConfig.from_hf(cfg.model)
@@ -227,8 +233,15 @@ class LLMEngine:
             if (Path(cfg.model) / "tokenizer.json").exists()
             else None
         )
-        model = LlamaModel(mcfg, weights, max_len, onednn)
-        return cls(mcfg, model, tokenizer, cache, sched)
+        try:
+            selection = select_kernels(mcfg, weights, cfg.kernels)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        log.info("%s", selection.line())
+        model = LlamaModel(mcfg, weights, max_len, selection.kernels)
+        engine = cls(mcfg, model, tokenizer, cache, sched)
+        engine.kernel_selection = selection
+        return engine
 
     # ---- requests ------------------------------------------------------------------------
     def validate(

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import decode_attention, prefill_attention
 from engine.config import ModelConfig
 from engine.decode_workspace import DecodeWorkspace
+from engine.kernels import KernelSet, check_applies
 from engine.kv_cache import PagedKVCache
 from engine.model_weights import LayerWeights, ModelWeights
 from engine.projections import OneDnnProjections, Projections
@@ -200,9 +200,10 @@ class LlamaModel:
         cfg: ModelConfig,
         weights: ModelWeights,
         max_positions: int,
-        onednn: bool | None = None,
+        kernels: KernelSet | None = None,
     ) -> None:
-        """`onednn`: use `OneDnnProjections` (None: wherever available, i.e. on CPU)."""
+        """`kernels`: each op's kernel (`engine.kernels.select` measures them; None: the
+        reference set, torch's own kernels)."""
         self.cfg = cfg
         self.w = weights
         self.dtype = weights.embed.dtype
@@ -221,10 +222,11 @@ class LlamaModel:
         )
         if self.device.type == "cpu":
             keep_freed_memory()
-        if onednn is None:
-            onednn = OneDnnProjections.available(self.device, self.dtype)
-        kind = OneDnnProjections if onednn else Projections
-        self.proj: Projections = kind(weights, cfg.hidden_act)
+        self.kernels = kernels or KernelSet.reference()
+        check_applies(self.kernels, self.device, self.dtype)
+        self.proj: Projections = self.kernels.projections_cls()(weights, cfg.hidden_act)
+        self._decode_kernel = self.kernels.decode_fn()
+        self._prefill_kernel = self.kernels.prefill_fn()
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """The model's RMSNorm (looked up when called: `pdserve trace` times it)."""
@@ -386,7 +388,7 @@ class LlamaModel:
         for seg in segments:
             qs = q[seg.q_start : seg.q_start + seg.q_len]  # [q_len, H, D]
             ks, vs = _context_kv(layer, seg, k, v, cache)  # [ctx_len, Hkv, D]
-            outs.append(prefill_attention(qs, ks, vs, window, self.scale))  # [q_len, H * D]
+            outs.append(self._prefill_kernel(qs, ks, vs, window, self.scale))  # [q_len, H * D]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _row_attention(
@@ -412,7 +414,7 @@ class LlamaModel:
             lo = 0 if window is None else max(0, p + 1 - window)
             ks, vs = _context_kv(layer, seg, k, v, cache)  # [ctx_len, Hkv, D]
             ks, vs = ks[lo : p + 1].transpose(0, 1), vs[lo : p + 1].transpose(0, 1)
-            o = decode_attention(q[r : r + 1], ks[None], vs[None], None, self.scale)
+            o = self._decode_kernel(q[r : r + 1], ks[None], vs[None], None, self.scale)
             outs.append(o)  # [1, H * D]
         return torch.cat(outs)
 
@@ -437,7 +439,7 @@ class LlamaModel:
                 assert meta.decode_slots is not None
                 kp, vp = cache.gather(layer, meta.decode_slots)  # [B, S_max, Hkv, D]
             k, v = kp[:, :span].transpose(1, 2), vp[:, :span].transpose(1, 2)  # [B, Hkv, span, D]
-        return decode_attention(q, k, v, meta.decode_mask(window), self.scale)  # [B, H * D]
+        return self._decode_kernel(q, k, v, meta.decode_mask(window), self.scale)  # [B, H * D]
 
 
 def _context_kv(

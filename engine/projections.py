@@ -97,7 +97,7 @@ class OneDnnProjections(Projections):
     bfloat16 output is rounded once where eager rounds after each op, and float32 results
     move by rounding only (well inside the 1e-4 logit tolerance against HF). The packed
     copies are extra memory, one more copy of every matrix; the plain weights stay for
-    everything else (`LlamaModel(onednn=False)` skips them).
+    everything else (the `plain` candidate skips them).
     """
 
     def __init__(self, weights: ModelWeights, act: str = "silu") -> None:

@@ -53,8 +53,10 @@ SMALL_CACHE = CacheConfig(num_blocks=64)
 
 
 def small_engine(model_dir: Path) -> LLMEngine:
-    cfg = EngineConfig(model=str(model_dir), dtype="float32", cache=SMALL_CACHE)
-    return LLMEngine.from_config(cfg, onednn=False)
+    cfg = EngineConfig(
+        model=str(model_dir), dtype="float32", cache=SMALL_CACHE, kernels="reference"
+    )
+    return LLMEngine.from_config(cfg)
 
 
 @pytest.fixture(scope="module")

@@ -281,7 +281,8 @@ def path_engine(real_dir: Path, dtype: str, packed: bool) -> LLMEngine:
     name = f"{'packed oneDNN' if packed else 'plain'} {dtype}"
     if packed and not OneDnnProjections.available(torch.device("cpu"), getattr(torch, dtype)):
         pytest.skip(f"{name}: this CPU has no packed oneDNN {dtype} path ({cpu.describe()})")
-    engine = LLMEngine.from_config(EngineConfig(model=str(real_dir), dtype=dtype), onednn=packed)
+    kernels = f"projections={'packed' if packed else 'plain'}"
+    engine = LLMEngine.from_config(EngineConfig(model=str(real_dir), dtype=dtype, kernels=kernels))
     assert engine.runner.model.matmul_path == name
     return engine
 

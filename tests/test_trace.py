@@ -24,6 +24,7 @@ import torch
 
 import engine.model as engine_model
 from engine.engine import LLMEngine
+from engine.kernels import KernelSet
 from engine.model import LlamaModel
 from pdserve.checkpoint import PRESETS, write_checkpoint
 from pdserve.cli import main
@@ -268,10 +269,10 @@ def tiny_engine(tiny_dir: Path) -> LLMEngine:
 
 @pytest.fixture(params=["model-default", "eager"])
 def model(request: pytest.FixtureRequest, tiny_engine: LLMEngine) -> LlamaModel:
-    """The engine's model (oneDNN projections on CPU), and one on eager `Projections`."""
+    """The engine's model (its kernels as chosen on this CPU), and one on torch's own kernels."""
     m = tiny_engine.runner.model
     if request.param == "eager":
-        return LlamaModel(m.cfg, m.w, m.rotary.cos.shape[0], onednn=False)
+        return LlamaModel(m.cfg, m.w, m.rotary.cos.shape[0], KernelSet.reference())
     return m
 
 

@@ -1,0 +1,140 @@
+"""The model's swappable kernels: what each op may run, and which one this machine chose.
+
+An op (`OPS`) has candidates, simplest first: torch's own kernel (SDPA, plain `F.linear`)
+leads, the engine's alternatives follow. `engine.kernels.select` times the candidates that
+apply on the serving machine at the model's shapes and caches the choice; the model asks a
+`KernelSet` for its callables and never names a CPU. The simplest candidate of each op is
+the reference the others are checked against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.attention import (
+    blocked_prefill_attention,
+    matmul_attention,
+    sdpa_attention,
+    sdpa_prefill_attention,
+)
+from engine.projections import OneDnnProjections, Projections
+
+DecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor
+]
+PrefillAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, int | None, float], torch.Tensor
+]
+
+
+def _cpu(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu"
+
+
+def _anywhere(device: torch.device, dtype: torch.dtype) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run an op. `impl`: the attention function, or the projections class."""
+
+    name: str
+    impl: Any
+    applies: Callable[[torch.device, torch.dtype], bool]
+
+
+OPS: dict[str, tuple[Candidate, ...]] = {
+    "decode_attention": (
+        Candidate("sdpa", sdpa_attention, _anywhere),
+        Candidate("matmul", matmul_attention, _cpu),
+    ),
+    "prefill_attention": (
+        Candidate("sdpa", sdpa_prefill_attention, _anywhere),
+        Candidate("blocked", blocked_prefill_attention, _cpu),
+    ),
+    "projections": (
+        Candidate("plain", Projections, _anywhere),
+        Candidate("packed", OneDnnProjections, OneDnnProjections.available),
+    ),
+}
+"""Every op's candidates, simplest (the reference) first."""
+
+
+def candidates(op: str, device: torch.device, dtype: torch.dtype) -> list[Candidate]:
+    """`op`'s candidates that run on `device` in `dtype`, simplest first."""
+    return [c for c in OPS[op] if c.applies(device, dtype)]
+
+
+def candidate(op: str, name: str) -> Candidate:
+    for c in OPS[op]:
+        if c.name == name:
+            return c
+    raise ValueError(f"kernels: {op} has no candidate {name!r} (choose from {names(op)})")
+
+
+def names(op: str) -> list[str]:
+    return [c.name for c in OPS[op]]
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """The chosen candidate of every op, by name (what is cached and printed)."""
+
+    decode_attention: str = "sdpa"
+    prefill_attention: str = "sdpa"
+    projections: str = "plain"
+
+    @classmethod
+    def reference(cls) -> KernelSet:
+        """The simplest candidate of every op: torch's own kernels."""
+        return cls(**{op: cands[0].name for op, cands in OPS.items()})
+
+    @classmethod
+    def of(cls, choice: dict[str, str]) -> KernelSet:
+        for op, name in choice.items():
+            candidate(op, name)  # raises for an unknown name
+        return cls(**choice)
+
+    def as_dict(self) -> dict[str, str]:
+        return {op: getattr(self, op) for op in OPS}
+
+    def decode_fn(self) -> DecodeAttention:
+        fn: DecodeAttention = candidate("decode_attention", self.decode_attention).impl
+        return fn
+
+    def prefill_fn(self) -> PrefillAttention:
+        fn: PrefillAttention = candidate("prefill_attention", self.prefill_attention).impl
+        return fn
+
+    def projections_cls(self) -> type[Projections]:
+        cls: type[Projections] = candidate("projections", self.projections).impl
+        return cls
+
+    def text(self) -> str:
+        return ", ".join(f"{op}={name}" for op, name in self.as_dict().items())
+
+
+def check_applies(kernels: KernelSet, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise ValueError when a named kernel cannot run on `device` in `dtype`."""
+    for op, name in kernels.as_dict().items():
+        if not candidate(op, name).applies(device, dtype):
+            raise ValueError(
+                f"kernels: {op}={name} does not run on {device} in "
+                f"{str(dtype).removeprefix('torch.')}"
+            )
+
+
+__all__: Sequence[str] = [
+    "OPS",
+    "Candidate",
+    "KernelSet",
+    "candidate",
+    "candidates",
+    "check_applies",
+    "names",
+]
