@@ -23,9 +23,15 @@ prefill query at position p sees keys ``(p - window, p]`` (all of ``[0, p]`` wit
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+PrefillKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, int | None, float], torch.Tensor
+]
+"""q [Tq, H, D] (the last Tq positions), k and v [ctx, Hkv, D], window, scale -> [Tq, H * D]."""
 
 PREFILL_BLOCK = 128
 """Query rows per block of `blocked_prefill_attention` (x the GQA group in one matmul)."""
@@ -112,6 +118,48 @@ def blocked_prefill_attention(
         probs = torch.softmax(scores, dim=-1)
         out[:, :, s:e] = torch.bmm(probs, vh[:, lo:hi]).view(kv_heads, group, n, dim)
     return out.permute(2, 0, 1, 3).reshape(q_len, heads * dim)
+
+
+ALIGN = 128
+"""Query rows per block of `aligned`: blocks start at multiples of it in absolute position."""
+
+
+def aligned(kernel: PrefillKernel) -> PrefillKernel:
+    """`kernel` made batch-invariant: a query row's output depends on its position and
+    context only, never on where its chunk starts or ends.
+
+    Why: a prompt tail after a cached prefix, a 16-token chunk and a whole prompt put the
+    same row into differently shaped calls, and a kernel's tiling (SDPA's query and key
+    splits, oneDNN's GEMM blocking) follows the call's shape, so the row's reductions run
+    in another order and its bf16 result can move by a rounding step: at a near-tie that
+    flips a greedy token. Here every call has a shape fixed by the row's absolute position:
+    the queries of positions ``[b * ALIGN, (b + 1) * ALIGN)`` (zero rows padding what the
+    chunk lacks) against the keys ``[0, (b + 1) * ALIGN)`` (zero keys past the context, which
+    no real row can see: they lie after it). The padding rows' outputs are dropped.
+    """
+
+    def run(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float
+    ) -> torch.Tensor:
+        q_len, heads, dim = q.shape
+        ctx = k.shape[0]
+        start = ctx - q_len  # absolute position of q's row 0
+        first = start - start % ALIGN  # the first block's first position
+        end = -(-ctx // ALIGN) * ALIGN  # past the last block
+        qp = q.new_zeros(end - first, heads, dim)
+        qp[start - first : ctx - first] = q
+        if end > ctx:
+            pad = k.new_zeros(end - ctx, *k.shape[1:])
+            k, v = torch.cat((k, pad)), torch.cat((v, pad))
+        outs = [
+            kernel(qp[b - first : b - first + ALIGN], k[: b + ALIGN], v[: b + ALIGN], window, scale)
+            for b in range(first, end, ALIGN)
+        ]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [end - first, H * D]
+        return out[start - first : ctx - first]
+
+    run.__name__ = f"aligned_{kernel.__name__}"
+    return run
 
 
 def _add_mask(scores: torch.Tensor, mask: torch.Tensor, group: int, n: int) -> None:

@@ -85,6 +85,9 @@ class EngineConfig:
     # each op's kernel: auto (measured on this machine, cached), reference (torch's own) or
     # OP=NAME,... (engine.kernels.select.parse_spec)
     kernels: str = "auto"
+    # a request's greedy tokens independent of its batch, chunks and cached prefix
+    # (engine.kernels.select: only kernels that pass the invariance probe)
+    batch_invariant: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -234,7 +237,7 @@ class LLMEngine:
             else None
         )
         try:
-            selection = select_kernels(mcfg, weights, cfg.kernels)
+            selection = select_kernels(mcfg, weights, cfg.kernels, cfg.batch_invariant)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         log.info("%s", selection.line())

@@ -224,7 +224,7 @@ class LlamaModel:
             keep_freed_memory()
         self.kernels = kernels or KernelSet.reference()
         check_applies(self.kernels, self.device, self.dtype)
-        self.proj: Projections = self.kernels.projections_cls()(weights, cfg.hidden_act)
+        self.proj: Projections = self.kernels.make_projections(weights, cfg.hidden_act)
         self._decode_kernel = self.kernels.decode_fn()
         self._prefill_kernel = self.kernels.prefill_fn()
 

@@ -16,12 +16,13 @@ from typing import Any
 import torch
 
 from engine.attention import (
+    aligned,
     blocked_prefill_attention,
     matmul_attention,
     sdpa_attention,
     sdpa_prefill_attention,
 )
-from engine.projections import OneDnnProjections, Projections
+from engine.projections import BrgemmProjections, OneDnnProjections, Projections
 
 DecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor
@@ -41,11 +42,20 @@ def _anywhere(device: torch.device, dtype: torch.dtype) -> bool:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One way to run an op. `impl`: the attention function, or the projections class."""
+    """One way to run an op. `impl`: the attention function, or the projections class.
+
+    `invariance`: "probe" (whether a row's result depends on the batch around it is found
+    by trying, on the serving machine), "never" (its tiling follows the call's shape by
+    design: not offered when batch invariance is on) or "only" (built for invariance,
+    slower otherwise: offered only when it is on)."""
 
     name: str
     impl: Any
     applies: Callable[[torch.device, torch.dtype], bool]
+    invariance: str = "probe"
+
+    def offered(self, invariant: bool) -> bool:
+        return self.invariance == "probe" or (self.invariance == "only") == invariant
 
 
 OPS: dict[str, tuple[Candidate, ...]] = {
@@ -54,20 +64,26 @@ OPS: dict[str, tuple[Candidate, ...]] = {
         Candidate("matmul", matmul_attention, _cpu),
     ),
     "prefill_attention": (
-        Candidate("sdpa", sdpa_prefill_attention, _anywhere),
-        Candidate("blocked", blocked_prefill_attention, _cpu),
+        Candidate("sdpa", sdpa_prefill_attention, _anywhere, "never"),
+        Candidate("blocked", blocked_prefill_attention, _cpu, "never"),
+        Candidate("sdpa-aligned", aligned(sdpa_prefill_attention), _anywhere, "only"),
+        Candidate("blocked-aligned", aligned(blocked_prefill_attention), _cpu, "only"),
     ),
     "projections": (
         Candidate("plain", Projections, _anywhere),
         Candidate("packed", OneDnnProjections, OneDnnProjections.available),
+        Candidate("brgemm", BrgemmProjections, BrgemmProjections.available),
     ),
 }
 """Every op's candidates, simplest (the reference) first."""
 
 
-def candidates(op: str, device: torch.device, dtype: torch.dtype) -> list[Candidate]:
-    """`op`'s candidates that run on `device` in `dtype`, simplest first."""
-    return [c for c in OPS[op] if c.applies(device, dtype)]
+def candidates(
+    op: str, device: torch.device, dtype: torch.dtype, invariant: bool = False
+) -> list[Candidate]:
+    """`op`'s candidates that run on `device` in `dtype`, and are offered with batch
+    invariance on or off, simplest first."""
+    return [c for c in OPS[op] if c.applies(device, dtype) and c.offered(invariant)]
 
 
 def candidate(op: str, name: str) -> Candidate:
@@ -88,17 +104,35 @@ class KernelSet:
     decode_attention: str = "sdpa"
     prefill_attention: str = "sdpa"
     projections: str = "plain"
+    # the projections' row floors (`Projections.row_floors`), as (kind, rows) pairs
+    row_floors: tuple[tuple[str, int], ...] = ()
+    batch_invariant: bool = False  # every op's choice passed its invariance probe
 
     @classmethod
-    def reference(cls) -> KernelSet:
-        """The simplest candidate of every op: torch's own kernels."""
-        return cls(**{op: cands[0].name for op, cands in OPS.items()})
+    def reference(cls, invariant: bool = False) -> KernelSet:
+        """The simplest candidate of every op offered (torch's own kernels)."""
+        return cls.of(
+            {op: next(c.name for c in cands if c.offered(invariant)) for op, cands in OPS.items()}
+        )
 
     @classmethod
-    def of(cls, choice: dict[str, str]) -> KernelSet:
+    def of(
+        cls,
+        choice: dict[str, str],
+        row_floors: dict[str, int] | None = None,
+        batch_invariant: bool = False,
+    ) -> KernelSet:
         for op, name in choice.items():
             candidate(op, name)  # raises for an unknown name
-        return cls(**choice)
+        floors = tuple(sorted((row_floors or {}).items()))
+        default = cls()
+        return cls(
+            decode_attention=choice.get("decode_attention", default.decode_attention),
+            prefill_attention=choice.get("prefill_attention", default.prefill_attention),
+            projections=choice.get("projections", default.projections),
+            row_floors=floors,
+            batch_invariant=batch_invariant,
+        )
 
     def as_dict(self) -> dict[str, str]:
         return {op: getattr(self, op) for op in OPS}
@@ -111,9 +145,9 @@ class KernelSet:
         fn: PrefillAttention = candidate("prefill_attention", self.prefill_attention).impl
         return fn
 
-    def projections_cls(self) -> type[Projections]:
+    def make_projections(self, weights: Any, act: str) -> Projections:
         cls: type[Projections] = candidate("projections", self.projections).impl
-        return cls
+        return cls(weights, act, dict(self.row_floors))
 
     def text(self) -> str:
         return ", ".join(f"{op}={name}" for op, name in self.as_dict().items())

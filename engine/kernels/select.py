@@ -14,6 +14,15 @@ candidates (`engine.kernels.OPS`) run on random inputs of the model's own shapes
   by CPU model and flags, torch version, dtype, device, thread count and shapes: a restart
   reads the file and measures nothing.
 
+With batch invariance on (the default), a candidate must also pass an invariance probe
+before it is timed: a row's bits may not depend on the rows computed with it (a batch's
+other requests, a chunk's or a cached prefix's boundaries). Attention rows are compared
+bit for bit between a whole prompt and its tails and chunks, and a decode row between a
+batch and alone; for the projections the probe finds, per GEMM, the row count from which a
+row's result no longer changes (`Projections.row_floors`), and smaller calls are padded to
+it. An op without an invariant candidate falls back to the fastest, and the selection says
+that invariance is off.
+
 What must hold: the choice is one of the candidates that apply (`Candidate.applies`), and a
 single applicable candidate is taken without timing (a GPU has one of each today).
 """
@@ -36,7 +45,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
-from engine.kernels import OPS, Candidate, KernelSet, candidate, candidates, names
+from engine.kernels import OPS, Candidate, KernelSet, candidate, candidates
 from engine.model_weights import LayerWeights, ModelWeights
 
 log = logging.getLogger(__name__)
@@ -58,12 +67,15 @@ CACHE_VERSION = 1
 
 @dataclass
 class OpTiming:
-    """One op's measurement: each candidate's median ms (None: rejected by the check)."""
+    """One op's measurement: each candidate's median ms (None: not eligible, `why` says)."""
 
     chosen: str
     median_ms: dict[str, float | None] = field(default_factory=dict)
     error: dict[str, float] = field(default_factory=dict)  # relative error vs float64
+    why: dict[str, str] = field(default_factory=dict)  # why a candidate was not eligible
     noise_ms: float = 0.0
+    row_floors: dict[str, int] = field(default_factory=dict)  # the chosen's (projections)
+    invariant: bool = False  # the chosen passed its invariance probe
 
 
 @dataclass
@@ -84,16 +96,17 @@ class Selection:
                 parts.append(f"{op}={name}")
                 continue
             times = ", ".join(
-                f"{c} {'rejected' if ms is None else f'{ms:.2f} ms'}"
+                f"{c} {t.why.get(c, 'ineligible') if ms is None else f'{ms:.2f} ms'}"
                 for c, ms in t.median_ms.items()
             )
             parts.append(f"{op}={name} ({times})")
         how = {"measured": f"measured in {self.seconds:.1f} s", "cache": "from the cache"}
-        return f"kernels {how.get(self.source, self.source)}: " + "; ".join(parts)
+        inv = "batch-invariant" if self.kernels.batch_invariant else "not batch-invariant"
+        return f"kernels {how.get(self.source, self.source)}, {inv}: " + "; ".join(parts)
 
 
 # ---- the spec a user gives ----------------------------------------------------------------
-def parse_spec(spec: str) -> dict[str, str]:
+def parse_spec(spec: str, invariant: bool = False) -> dict[str, str]:
     """``auto`` -> {} (measure everything); ``reference`` -> the simplest candidate of every
     op; ``op=name,op=name`` -> those ops fixed, the others measured. ValueError names the
     bad part."""
@@ -101,7 +114,7 @@ def parse_spec(spec: str) -> dict[str, str]:
     if spec in ("", "auto"):
         return {}
     if spec == "reference":
-        return KernelSet.reference().as_dict()
+        return KernelSet.reference(invariant).as_dict()
     fixed = {}
     for part in spec.split(","):
         op, sep, name = part.strip().partition("=")
@@ -120,76 +133,112 @@ def select(
     cfg: ModelConfig,
     weights: ModelWeights,
     spec: str = "auto",
+    invariant: bool = True,
     cache_dir: Path | None = None,
 ) -> Selection:
-    """Each op's kernel for this model on this machine (module docstring)."""
+    """Each op's kernel for this model on this machine (module docstring). A named kernel
+    (`spec`) is taken as named, but with invariance on it is still probed (and the
+    projections' row floors found)."""
     device, dtype = weights.embed.device, weights.embed.dtype
-    fixed = parse_spec(spec)
+    fixed = parse_spec(spec, invariant)
     for op, name in fixed.items():
         if not candidate(op, name).applies(device, dtype):
             raise ValueError(
                 f"kernels: {op}={name} does not run on {device} in "
                 f"{str(dtype).removeprefix('torch.')} (choose from "
-                f"{[c.name for c in candidates(op, device, dtype)]})"
+                f"{[c.name for c in candidates(op, device, dtype, invariant)]})"
             )
-    open_ops = [op for op in OPS if op not in fixed and len(candidates(op, device, dtype)) > 1]
-    single = {op: candidates(op, device, dtype)[0].name for op in OPS if op not in fixed}
-    if not open_ops:
-        source = "named" if fixed else "single"
-        return Selection(KernelSet.of({**single, **fixed}), source)
-    key = cache_key(cfg, device, dtype, open_ops)
+    pools = {
+        op: [candidate(op, fixed[op])] if op in fixed else candidates(op, device, dtype, invariant)
+        for op in OPS
+    }
+    to_measure = [op for op in OPS if len(pools[op]) > 1 or invariant]
+    if not to_measure or device.type != "cpu":  # one candidate each: nothing to choose
+        single = {op: pool[0].name for op, pool in pools.items()}
+        return Selection(KernelSet.of(single), "named" if fixed else "single")
+    key = cache_key(cfg, device, dtype, {op: [c.name for c in pools[op]] for op in OPS}, invariant)
     path = (cache_dir or default_cache_dir()) / f"{_digest(key)}.json"
     cached = _read(path, key)
     if cached is None:
         with _host_lock(path.parent):
             cached = _read(path, key)  # another worker may have measured while we waited
             if cached is None:
-                cached = _measure(cfg, weights, open_ops)
+                cached = _measure(cfg, weights, pools, invariant)
                 _write(path, key, cached)
-    chosen = {op: t.chosen for op, t in cached.timings.items()}
-    return Selection(
-        KernelSet.of({**single, **chosen, **fixed}), cached.source, cached.timings, cached.seconds
-    )
+    return cached
 
 
-def _measure(cfg: ModelConfig, weights: ModelWeights, ops: list[str]) -> Selection:
+def _measure(
+    cfg: ModelConfig, weights: ModelWeights, pools: dict[str, list[Candidate]], invariant: bool
+) -> Selection:
     start = time.perf_counter()
     device, dtype = weights.embed.device, weights.embed.dtype
     gen = torch.Generator(device="cpu").manual_seed(0)
     timings = {}
-    for op in ops:
-        bench = _BENCHES[op](cfg, weights.layers[0], dtype, device, gen)
-        timings[op] = _time_op(candidates(op, device, dtype), bench, dtype)
-    kernels = KernelSet.of({op: t.chosen for op, t in timings.items()} | _rest(ops))
+    for op, pool in pools.items():
+        bench = _BENCHES[op](cfg, weights, dtype, device, gen)
+        timings[op] = _time_op(pool, bench, dtype, invariant)
+    kernels = KernelSet.of(
+        {op: t.chosen for op, t in timings.items()},
+        timings["projections"].row_floors,
+        batch_invariant=invariant and all(t.invariant for t in timings.values()),
+    )
     return Selection(kernels, "measured", timings, time.perf_counter() - start)
-
-
-def _rest(ops: list[str]) -> dict[str, str]:
-    return {op: names(op)[0] for op in OPS if op not in ops}
 
 
 @dataclass
 class _Bench:
-    """An op's workload: `run(candidate)` returns a callable computing its outputs (one
-    tensor per shape timed), `reference()` those outputs in float64."""
+    """An op's workload at the model's shapes.
 
-    run: Callable[[Candidate], Callable[[], list[torch.Tensor]]]
+    `run(candidate, floors)`: a callable computing its outputs (one tensor per shape timed);
+    `reference()`: those outputs in float64; `probe(candidate)`: None when a row's result
+    is independent of its batch, else why not, plus the row floors it needs (projections).
+    """
+
+    run: Callable[[Candidate, dict[str, int]], Callable[[], list[torch.Tensor]]]
     reference: Callable[[], list[torch.Tensor]]
+    probe: Callable[[Candidate], tuple[str | None, dict[str, int]]]
 
 
-def _time_op(cands: list[Candidate], bench: _Bench, dtype: torch.dtype) -> OpTiming:
+def _time_op(pool: list[Candidate], bench: _Bench, dtype: torch.dtype, invariant: bool) -> OpTiming:
     want = bench.reference()
-    fns, errors = {}, {}
-    for c in cands:
-        fn = bench.run(c)
+    fns, errors, why, floors, probed = {}, {}, {}, {}, {}
+    for c in pool:
+        problem, floors[c.name] = bench.probe(c) if invariant else (None, {})
+        probed[c.name] = problem is None
+        if problem is not None and len(pool) > 1:
+            why[c.name] = problem
+            continue
+        fn = bench.run(c, floors[c.name])
         got = fn()  # also the first warm-up
         errors[c.name] = max(_rel_error(g, w) for g, w in zip(got, want, strict=True))
-        if errors[c.name] <= TOLERANCE.get(dtype, 1e-4):
-            fns[c.name] = fn
-            fn()
+        if errors[c.name] > TOLERANCE.get(dtype, 1e-4) and len(pool) > 1:
+            why[c.name] = f"error {errors[c.name]:.1e}"
+            continue
+        fns[c.name] = fn
+        fn()
+    if not fns:  # nothing invariant: the fastest of all, and the selection says so
+        log.warning("kernels: no batch-invariant candidate passed (%s)", why)
+        return _time_op(pool, bench, dtype, False)
+    medians, noise = _alternate(fns)
+    chosen = _pick([c.name for c in pool if c.name in medians], medians, noise)
+    return OpTiming(
+        chosen=chosen,
+        median_ms={c.name: medians.get(c.name) for c in pool},
+        error=errors,
+        why=why,
+        noise_ms=noise,
+        row_floors=floors[chosen],
+        invariant=invariant and probed[chosen],
+    )
+
+
+def _alternate(fns: dict[str, Callable[[], Any]]) -> tuple[dict[str, float], float]:
+    """Each callable's median ms over alternating rounds, and the noise (`_spread`)."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
+    rounds = MIN_ROUNDS if len(fns) == 1 else MAX_ROUNDS
     deadline = time.perf_counter() + BUDGET_S
-    for r in range(MAX_ROUNDS):
+    for r in range(rounds):
         if r >= MIN_ROUNDS and time.perf_counter() > deadline:
             break
         for name, fn in fns.items():
@@ -197,18 +246,12 @@ def _time_op(cands: list[Candidate], bench: _Bench, dtype: torch.dtype) -> OpTim
             fn()
             samples[name].append((time.perf_counter() - t) * 1e3)
     medians = {name: statistics.median(s) for name, s in samples.items()}
-    noise = max((_spread(s) for s in samples.values()), default=0.0)
-    return OpTiming(
-        chosen=_pick([c.name for c in cands if c.name in medians], medians, noise),
-        median_ms={c.name: medians.get(c.name) for c in cands},
-        error=errors,
-        noise_ms=noise,
-    )
+    return medians, max((_spread(s) for s in samples.values()), default=0.0)
 
 
 def _pick(order: list[str], medians: dict[str, float], noise_ms: float) -> str:
     """The simplest candidate (earliest in `order`) within noise + MARGIN of the fastest."""
-    assert order, "the reference candidate always passes its own check"
+    assert order, "at least one candidate is timed"
     best = min(medians[n] for n in order)
     return next(n for n in order if medians[n] <= best * (1 + MARGIN) + noise_ms)
 
@@ -231,8 +274,14 @@ def _rand(gen: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
 
+PROBE_SPANS = (64, 700, 2048)
+"""Decode contexts the invariance probe tries (a batch of 8 below each, against alone)."""
+PROBE_PROMPT = 600
+"""The prefill probe's prompt; its tails and 16-row chunks are compared with it."""
+
+
 def _decode_bench(
-    cfg: ModelConfig, lw: LayerWeights, dtype: torch.dtype, dev: torch.device, gen: Any
+    cfg: ModelConfig, w: ModelWeights, dtype: torch.dtype, dev: torch.device, gen: Any
 ) -> _Bench:
     b, h, hkv, d, s = DECODE_BATCH, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, DECODE_CTX
     q64, k64, v64 = _rand(gen, b, h, d), _rand(gen, b, hkv, s, d), _rand(gen, b, hkv, s, d)
@@ -242,7 +291,7 @@ def _decode_bench(
     q, k, v = (t.to(dev, dtype) for t in (q64, k64, v64))
     dmask = mask.to(dev)
 
-    def run(c: Candidate) -> Callable[[], list[torch.Tensor]]:
+    def run(c: Candidate, floors: dict[str, int]) -> Callable[[], list[torch.Tensor]]:
         return lambda: [c.impl(q, k, v, dmask, scale)]
 
     def reference() -> list[torch.Tensor]:
@@ -252,11 +301,27 @@ def _decode_bench(
         sc = sc.masked_fill(~mask.view(b, 1, s), float("-inf"))
         return [torch.einsum("bhs,bhsd->bhd", sc.softmax(-1), vv).reshape(b, -1)]
 
-    return _Bench(run, reference)
+    def probe(c: Candidate) -> tuple[str | None, dict[str, int]]:
+        for span in PROBE_SPANS:
+            qs = _rand(gen, b, h, d).to(dev, dtype)
+            ks, vs = (_rand(gen, b, hkv, span, d).to(dev, dtype) for _ in range(2))
+            lens = torch.randint(1, span + 1, (b,), generator=gen)
+            lens[0] = span
+            m = (torch.arange(span)[None, :] < lens[:, None]).view(b, 1, 1, span).to(dev)
+            batch = c.impl(qs, ks, vs, m, scale)
+            for i, n in enumerate(lens.tolist()):
+                alone = c.impl(
+                    qs[i : i + 1], ks[i : i + 1, :, :n], vs[i : i + 1, :, :n], None, scale
+                )
+                if not torch.equal(alone, batch[i : i + 1]):
+                    return f"batch-variant at {span} keys", {}
+        return None, {}
+
+    return _Bench(run, reference, probe)
 
 
 def _prefill_bench(
-    cfg: ModelConfig, lw: LayerWeights, dtype: torch.dtype, dev: torch.device, gen: Any
+    cfg: ModelConfig, w: ModelWeights, dtype: torch.dtype, dev: torch.device, gen: Any
 ) -> _Bench:
     t, h, hkv, d = PROMPT_ROWS, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     window = cfg.sliding_windows[0]
@@ -264,7 +329,7 @@ def _prefill_bench(
     scale = d**-0.5
     q, k, v = (x.to(dev, dtype) for x in (q64, k64, v64))
 
-    def run(c: Candidate) -> Callable[[], list[torch.Tensor]]:
+    def run(c: Candidate, floors: dict[str, int]) -> Callable[[], list[torch.Tensor]]:
         return lambda: [c.impl(q, k, v, window, scale)]
 
     def reference() -> list[torch.Tensor]:
@@ -278,15 +343,61 @@ def _prefill_bench(
         sc = sc.masked_fill(~keep, float("-inf"))
         return [torch.einsum("hqk,khd->qhd", sc.softmax(-1), vv).reshape(t, -1)]
 
-    return _Bench(run, reference)
+    def probe(c: Candidate) -> tuple[str | None, dict[str, int]]:
+        n = PROBE_PROMPT
+        qp, kp, vp = (_rand(gen, n, x, d).to(dev, dtype) for x in (h, hkv, hkv))
+        whole = c.impl(qp, kp, vp, window, scale)
+        for s in (1, 16, 100, 128, 300, n - 1):  # a tail after a cached prefix of s tokens
+            if not torch.equal(c.impl(qp[s:], kp, vp, window, scale), whole[s:]):
+                return f"differs after a {s}-token prefix", {}
+        for s in (0, 112, 224, 512, 576):  # a 16-token chunk
+            e = s + 16
+            if not torch.equal(c.impl(qp[s:e], kp[:e], vp[:e], window, scale), whole[s:e]):
+                return f"differs in the chunk at {s}", {}
+        return None, {}
+
+    return _Bench(run, reference, probe)
+
+
+FLOOR_ROWS = (
+    1,
+    2,
+    3,
+    4,
+    8,
+    16,
+    31,
+    32,
+    33,
+    48,
+    64,
+    65,
+    96,
+    128,
+    129,
+    200,
+    256,
+    384,
+    512,
+    768,
+    1024,
+    1536,
+    2048,
+)
+"""Row counts the projections' probe compares; a GEMM row's bits must not change from the
+floor up to the largest (a step's prompt chunks; `lm_head` sees at most `HEAD_ROWS`)."""
+HEAD_ROWS = 256
+FLOOR_LIMIT = 256
+"""A floor above this costs a decode step too much: the candidate is not invariant."""
 
 
 def _projection_bench(
-    cfg: ModelConfig, lw: LayerWeights, dtype: torch.dtype, dev: torch.device, gen: Any
+    cfg: ModelConfig, w: ModelWeights, dtype: torch.dtype, dev: torch.device, gen: Any
 ) -> _Bench:
     """One layer's qkv, o + residual and MLP + residual, on a prompt's rows and on
     `DECODE_STEPS_PER_PROMPT` decode steps' (one output tensor per shape)."""
-    one = ModelWeights(embed=lw.qkv[:1], layers=[lw], norm=lw.input_norm, lm_head=lw.qkv[:1])
+    lw = w.layers[0]
+    one = ModelWeights(embed=w.embed, layers=[lw], norm=w.norm, lm_head=w.lm_head)
     xs64 = [_rand(gen, PROMPT_ROWS, cfg.hidden_size), _rand(gen, DECODE_BATCH, cfg.hidden_size)]
     os64 = [_rand(gen, x.shape[0], cfg.q_size) for x in xs64]
     xs = [x.to(dev, dtype) for x in xs64]
@@ -298,8 +409,8 @@ def _projection_bench(
         res = p.mlp_residual(0, x, res)
         return torch.cat((qkv.flatten(), res.flatten()))
 
-    def run(c: Candidate) -> Callable[[], list[torch.Tensor]]:
-        p = c.impl(one, cfg.hidden_act)
+    def run(c: Candidate, floors: dict[str, int]) -> Callable[[], list[torch.Tensor]]:
+        p = c.impl(one, cfg.hidden_act, floors)
 
         def go() -> list[torch.Tensor]:
             out = [layer(p, xs[0], os_[0])]
@@ -310,15 +421,67 @@ def _projection_bench(
 
     def reference() -> list[torch.Tensor]:
         w64 = ModelWeights(
-            embed=one.embed.double(),
+            embed=w.embed[:1].double(),
             layers=[_double_layer(lw)],
-            norm=one.norm.double(),
-            lm_head=one.lm_head.double(),
+            norm=w.norm.double(),
+            lm_head=w.lm_head[:1].double(),
         )
         p = candidate("projections", "plain").impl(w64, cfg.hidden_act)
         return [layer(p, x, o) for x, o in zip(xs64, os64, strict=True)]
 
-    return _Bench(run, reference)
+    def probe(c: Candidate) -> tuple[str | None, dict[str, int]]:
+        p = c.impl(one, cfg.hidden_act)
+        floors = {}
+        for kind in _kinds(cfg):
+            floor = _row_floor(_kind_fn(p, kind), cfg, dtype, dev, gen, kind)
+            if floor is None:
+                return f"{kind} batch-variant above {FLOOR_LIMIT} rows", {}
+            if floor > 1:
+                floors[kind] = floor
+        return None, floors
+
+    return _Bench(run, reference, probe)
+
+
+def _kinds(cfg: ModelConfig) -> tuple[str, ...]:
+    """The projection methods the model calls (Gemma 3 norms sublayer outputs first)."""
+    if cfg.gemma_norms:
+        return ("qkv", "o", "mlp", "lm_head")
+    return ("qkv", "o_residual", "mlp_residual", "lm_head")
+
+
+def _kind_fn(p: Any, kind: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """kind's product as fn(h [T, d], o [T, q]) on layer 0."""
+    return {
+        "qkv": lambda h, o: p.qkv(0, h),
+        "o_residual": lambda h, o: p.o_residual(0, o, h.clone()),
+        "mlp_residual": lambda h, o: p.mlp_residual(0, h, h.clone()),
+        "o": lambda h, o: p.o(0, o),
+        "mlp": lambda h, o: p.mlp(0, h),
+        "lm_head": lambda h, o: p.lm_head(h),
+    }[kind]
+
+
+def _row_floor(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    dev: torch.device,
+    gen: Any,
+    kind: str,
+) -> int | None:
+    """The least row count in `FLOOR_ROWS` from which fn's rows equal those of its largest
+    call bit for bit (None: none up to `FLOOR_LIMIT`)."""
+    rows = [r for r in FLOOR_ROWS if r <= (HEAD_ROWS if kind == "lm_head" else FLOOR_ROWS[-1])]
+    h = _rand(gen, rows[-1], cfg.hidden_size).to(dev, dtype)
+    o = _rand(gen, rows[-1], cfg.q_size).to(dev, dtype)
+    full = fn(h, o)
+    floor = None
+    for r in reversed(rows[:-1]):
+        if not torch.equal(fn(h[:r], o[:r]), full[:r]):
+            break
+        floor = r
+    return floor if floor is not None and floor <= FLOOR_LIMIT else None
 
 
 def _double_layer(lw: LayerWeights) -> LayerWeights:
@@ -356,7 +519,11 @@ def cpu_identity() -> dict[str, str]:
 
 
 def cache_key(
-    cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ops: list[str]
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    pools: dict[str, list[str]],
+    invariant: bool,
 ) -> dict[str, Any]:
     return {
         "version": CACHE_VERSION,
@@ -366,7 +533,8 @@ def cache_key(
         "device": str(device),
         "dtype": str(dtype),
         "threads": torch.get_num_threads(),
-        "ops": {op: names(op) for op in ops},
+        "pools": pools,
+        "invariant": invariant,
         "shapes": [
             cfg.hidden_size,
             cfg.num_heads,
@@ -393,7 +561,9 @@ def _read(path: Path, key: dict[str, Any]) -> Selection | None:
         return None
     try:
         timings = {op: OpTiming(**t) for op, t in raw["timings"].items()}
-        kernels = KernelSet.of(raw["kernels"])
+        kernels = KernelSet.of(
+            raw["kernels"], raw["row_floors"], batch_invariant=bool(raw["batch_invariant"])
+        )
     except (TypeError, ValueError, KeyError):
         return None
     return Selection(kernels, "cache", timings, float(raw.get("seconds", 0.0)))
@@ -403,6 +573,8 @@ def _write(path: Path, key: dict[str, Any], sel: Selection) -> None:
     body = {
         "key": key,
         "kernels": sel.kernels.as_dict(),
+        "row_floors": dict(sel.kernels.row_floors),
+        "batch_invariant": sel.kernels.batch_invariant,
         "timings": {op: asdict(t) for op, t in sel.timings.items()},
         "seconds": sel.seconds,
     }

@@ -1,0 +1,17 @@
+// The Python binding of every op in this folder (one extension module, `pdserve_kernels`).
+#include <torch/extension.h>
+
+namespace pdserve {
+bool brgemm_packs_bf16();
+at::Tensor pack_linear_weight(const at::Tensor& w);
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                         const c10::optional<at::Tensor>& bias,
+                         const c10::optional<at::Tensor>& residual);
+}  // namespace pdserve
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("brgemm_packs_bf16", &pdserve::brgemm_packs_bf16,
+        "whether brgemm runs bf16 with VNNI-packed weights on this CPU");
+  m.def("pack_linear_weight", &pdserve::pack_linear_weight, "[N, K] bf16 -> brgemm panels");
+  m.def("packed_linear", &pdserve::packed_linear, "x @ W^T (+ bias) (+ residual), invariant");
+}

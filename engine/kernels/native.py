@@ -1,0 +1,104 @@
+"""pdserve's own CPU kernels (``engine/kernels/csrc``), built once per machine and torch.
+
+The C++ sources are compiled with `torch.utils.cpp_extension.load` (g++ and the `ninja`
+package) into ``$PDSERVE_HOME/kernels/build-<digest>``, the digest taken from the sources,
+the torch version and the CPU's flags, so a changed source or another CPU builds anew and a
+restart loads the built module in milliseconds. `make install` builds it
+(``python -m engine.kernels.native``); otherwise the first worker to need it does, under
+torch's own build lock.
+
+Where it cannot be built (no compiler, no ninja, a failed build) or is switched off
+(``PDSERVE_NATIVE_KERNELS=0``), `load()` returns None with the reason in `why_not()`, and the
+torch kernels serve: the kernel selection then has fewer candidates, and its startup line
+says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("bindings.cpp", "gemm.cpp")
+_why_not = ""
+
+
+def enabled() -> bool:
+    return os.environ.get("PDSERVE_NATIVE_KERNELS", "1") not in ("0", "", "off")
+
+
+def build_dir() -> Path:
+    """Where this source, torch and CPU's build lives."""
+    from engine.kernels.select import cpu_identity, default_cache_dir
+
+    digest = hashlib.sha256()
+    for name in sorted(p.name for p in CSRC.iterdir()):
+        digest.update(name.encode() + (CSRC / name).read_bytes())
+    digest.update(torch.__version__.encode() + cpu_identity()["cpu_flags"].encode())
+    return default_cache_dir() / f"build-{digest.hexdigest()[:16]}"
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The extension module, built if need be; None where it cannot be had (`why_not`)."""
+    global _why_not
+    if not enabled():
+        _why_not = "switched off (PDSERVE_NATIVE_KERNELS=0)"
+        return None
+    missing = [tool for tool in ("g++", "ninja") if _which(tool) is None]
+    if missing:
+        _why_not = f"no {' or '.join(missing)} on this machine"
+        return None
+    from torch.utils import cpp_extension
+
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name="pdserve_kernels",
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-std=c++17"],
+            build_directory=str(out),
+            verbose=False,
+        )
+    except Exception as e:  # a compiler error, a missing header: serve with torch's kernels
+        _why_not = f"build failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        log.warning("pdserve kernels: %s (in %s); torch's kernels serve", _why_not, out)
+        return None
+
+
+def _which(tool: str) -> str | None:
+    """`tool` on PATH or beside this interpreter (the venv's `ninja`)."""
+    found = shutil.which(tool)
+    if found is None and (Path(sys.executable).parent / tool).exists():
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+        found = shutil.which(tool)
+    return found
+
+
+def why_not() -> str:
+    """Why `load()` gave None ('' when it did not, or was not called)."""
+    return _why_not
+
+
+def brgemm_bf16() -> bool:
+    """The extension is here and brgemm runs bf16 with packed (VNNI) weights on this CPU."""
+    ext = load()
+    return ext is not None and bool(ext.brgemm_packs_bf16())
+
+
+if __name__ == "__main__":  # `make install`: build now, say how it went
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    mod = load()
+    print(f"pdserve kernels: {'built in ' + str(build_dir()) if mod else why_not()}")
+    sys.exit(0)
