@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 PACKAGES := engine kv_transfer pool_api worker_common prefill_workers decode_workers router pdserve
 export PDSERVE_HOME ?= $(CURDIR)/.venv/pdserve-home
 
-.PHONY: install demo test lint bench bench-engine bench-transfer bench-prefix bench-serving bench-structured bench-choices bench-pinning bench-kernels bench-peers bench-peers-api redis chaos
+.PHONY: install demo test lint bench bench-determinism bench-engine bench-transfer bench-prefix bench-serving bench-structured bench-choices bench-pinning bench-kernels bench-peers bench-peers-api redis chaos
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	# torch==2.13.0 first: the CPU wheel from local disk, never a CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[models,dev]'
+	# pdserve's C++ kernels, built for this CPU and torch (else the first worker builds them)
+	$(BIN)/python -m engine.kernels.native
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -65,10 +67,16 @@ bench-choices: $(STAMP)
 bench-pinning: $(STAMP)
 	$(BIN)/python benchmarks/pinning.py
 
-# Attention and MLP kernels at the model's shapes, eager and torch.compile'd, with compile
-# costs cold and cached (benchmarks/kernel_options.py).
+# The kernel selection on this CPU, checked (exit 1 when an automatic choice is > 10% slower
+# than the fastest candidate), and the real model's prompt pass and decode step A/B across
+# kernel sets (benchmarks/kernel_options.py).
 bench-kernels: $(STAMP)
 	$(BIN)/python benchmarks/kernel_options.py
+
+# Greedy tokens of 64 prompts cold, cached, batched, chunked, disaggregated and as choice 0
+# of n = 4: exit 1 unless all are identical (pdserve/tools/determinism.py).
+bench-determinism: $(STAMP)
+	$(BIN)/python -m pdserve.tools.determinism
 
 # The API side by side with vLLM's CPU build: shapes and greedy tokens (benchmarks/peers_api.py).
 bench-peers-api: $(STAMP)

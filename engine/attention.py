@@ -63,6 +63,47 @@ def matmul_attention(
     return torch.matmul(probs, v).view(batch, -1)  # [B, Hkv, G, D] -> [B, H * D]
 
 
+class PagedDecode:
+    """Decode attention that reads K/V from the paged cache in place: pdserve's own kernel
+    (`engine/kernels/csrc/decode.cpp`), fixed key partitions counted from position 0 and one
+    thread per (request, KV head, partition), so a row's bits depend on its own context only.
+    The model hands it the pages and block tables instead of a gathered context."""
+
+    __name__ = "paged_decode_attention"
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        block_tables: torch.Tensor,
+        ctx_lens: torch.Tensor,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [B, H, D]; pages [num_blocks, block_size, Hkv, D]; block_tables [B, nb];
+        ctx_lens [B] (this token included) -> [B, H * D]."""
+        from engine.kernels import native
+
+        ext = native.load()
+        assert ext is not None, f"pdserve kernels: {native.why_not()}"
+        out: torch.Tensor = ext.paged_decode_attention(
+            q, k_pages, v_pages, block_tables, ctx_lens, window or 0, scale
+        )
+        return out
+
+    @staticmethod
+    def available(device: torch.device, dtype: torch.dtype) -> bool:
+        from engine.kernels import native
+
+        return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and (
+            native.load() is not None
+        )
+
+
+paged_decode_attention = PagedDecode()
+
+
 def sdpa_prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float
 ) -> torch.Tensor:

@@ -115,6 +115,12 @@ class PagedKVCache:
         shape = (self.num_slots, self.num_kv_heads, self.head_dim)
         return kv[0].view(shape), kv[1].view(shape)
 
+    def layer_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as ``[num_blocks, block_size, num_kv_heads, head_dim]`` views
+        (what a kernel reading pages in place takes)."""
+        kv = self.data[layer]
+        return kv[0], kv[1]
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V ([T, Hkv, D] each) at `slots` ([T])."""
         k_slots, v_slots = self.layer_slots(layer)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.attention import matmul_attention, paged_decode_attention
 from engine.config import ModelConfig
 from engine.decode_workspace import DecodeWorkspace
 from engine.kernels import KernelSet, check_applies
@@ -222,11 +223,18 @@ class LlamaModel:
         )
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.kernels = kernels or KernelSet.reference()
-        check_applies(self.kernels, self.device, self.dtype)
-        self.proj: Projections = self.kernels.make_projections(weights, cfg.hidden_act)
-        self._decode_kernel = self.kernels.decode_fn()
-        self._prefill_kernel = self.kernels.prefill_fn()
+        self.set_kernels(kernels or KernelSet.reference())
+
+    def set_kernels(self, kernels: KernelSet, proj: Projections | None = None) -> None:
+        """Run `kernels` from now on; `proj`: their projections, already built (packing the
+        weights takes a while: `make bench-kernels` alternates prebuilt ones)."""
+        check_applies(kernels, self.device, self.dtype)
+        self.kernels = kernels
+        self.proj = proj or kernels.make_projections(self.w, self.cfg.hidden_act)
+        self._decode_kernel = kernels.decode_fn()
+        self._prefill_kernel = kernels.prefill_fn()
+        # single prompt rows (`_row_attention`) always take a gathered context
+        self._row_kernel = matmul_attention if kernels.decode_reads_pages else self._decode_kernel
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """The model's RMSNorm (looked up when called: `pdserve trace` times it)."""
@@ -241,7 +249,7 @@ class LlamaModel:
     def matmul_path(self) -> str:
         """Which projections run and in what dtype, for startup lines and test ids:
         `packed oneDNN bfloat16`, `plain float32`, ..."""
-        kind = "packed oneDNN" if isinstance(self.proj, OneDnnProjections) else "plain"
+        kind = {"packed": "packed oneDNN"}.get(self.kernels.projections, self.kernels.projections)
         return f"{kind} {str(self.dtype).removeprefix('torch.')}"
 
     @torch.inference_mode()
@@ -414,7 +422,7 @@ class LlamaModel:
             lo = 0 if window is None else max(0, p + 1 - window)
             ks, vs = _context_kv(layer, seg, k, v, cache)  # [ctx_len, Hkv, D]
             ks, vs = ks[lo : p + 1].transpose(0, 1), vs[lo : p + 1].transpose(0, 1)
-            o = self._decode_kernel(q[r : r + 1], ks[None], vs[None], None, self.scale)
+            o = self._row_kernel(q[r : r + 1], ks[None], vs[None], None, self.scale)
             outs.append(o)  # [1, H * D]
         return torch.cat(outs)
 
@@ -429,6 +437,11 @@ class LlamaModel:
         """One query per request against its whole context: read in place from the decode
         workspace, or gathered from the pages (block tables or a slot grid)."""
         batch = q.shape[0]
+        if self.kernels.decode_reads_pages:
+            assert meta.decode_block_tables is not None and meta.decode_ctx_lens is not None
+            kp, vp = cache.layer_pages(layer)
+            tables, lens = meta.decode_block_tables, meta.decode_ctx_lens
+            return paged_decode_attention(q, kp, vp, tables, lens, window, self.scale)
         span = meta.decode_span()
         if meta.decode_workspace is not None:
             k, v = meta.decode_workspace.layer(layer, batch, span)  # [B, Hkv, span, D]

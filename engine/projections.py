@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.cpu import onednn_bf16_supported
+from engine.cpu import has_bf16_hardware, onednn_bf16_supported
 from engine.model_weights import ModelWeights
 
 
@@ -240,7 +240,12 @@ class BrgemmProjections(Projections):
     def available(device: torch.device, dtype: torch.dtype) -> bool:
         from engine.kernels import native
 
-        return device.type == "cpu" and dtype == torch.bfloat16 and native.brgemm_bf16()
+        return (
+            device.type == "cpu"
+            and dtype == torch.bfloat16
+            and has_bf16_hardware()
+            and native.brgemm_bf16()
+        )
 
     def _linear(
         self,

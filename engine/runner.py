@@ -141,7 +141,7 @@ class ModelRunner:
         bs = self.block_size
         tables = [self.blocks.block_table(r.request_id) for r in requests]
         order = None
-        if self.workspace is not None:
+        if self.workspace is not None and not self.model.kernels.decode_reads_pages:
             limit = self.max_model_len or sys.maxsize
             order = self.workspace.prepare(
                 [(r.request_id, r.num_preemptions) for r in requests],

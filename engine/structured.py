@@ -93,6 +93,17 @@ class GrammarBackend:
         digest.update(so.key.encode())
         return digest.hexdigest()[:32]
 
+    def warm(self) -> None:
+        """Do the cold work now (import xgrammar, build the tokenizer info: about a second):
+        a worker and the router's checker call it at start-up, off their serving threads,
+        so the first constrained request waits for its own compile only."""
+        self._compiler_now()
+
+    def warm_in_background(self) -> threading.Thread:
+        thread = threading.Thread(target=self.warm, name="grammar-warm", daemon=True)
+        thread.start()
+        return thread
+
     def _compiler_now(self) -> xgr.GrammarCompiler:
         with self._lock:
             if self._compiler is None:

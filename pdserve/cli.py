@@ -207,6 +207,12 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+def _boolean(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+    return text.lower() in ("true", "1", "yes", "on")
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
@@ -221,6 +227,8 @@ def _serve_table() -> tuple[ServeFlag, ...]:
         F("served_model_name", "model.served_model_name"),
         F("dtype", "model.dtype"),
         F("revision", "model.revision"),
+        F("kernels", "model.kernels", metavar="SET"),
+        F("batch_invariant", "model.batch_invariant", _boolean, metavar="true|false"),
         F("chat_template", "model.chat_template", metavar="PATH"),
         F("max_model_len", "scheduler.max_model_len", int),
         F("max_num_seqs", "scheduler.max_num_seqs", int),

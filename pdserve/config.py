@@ -14,6 +14,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from engine import kernel_spec
 from engine.config import CacheConfig, SchedulerConfig
 from engine.settings import Bounds, check_settings, doc_of, setting
 from kv_transfer.config import TransferConfig
@@ -52,9 +53,20 @@ class ModelSettings:
         "refused for anything but a Hub id; unset: the default branch",
     )
     device: str = setting("cpu", "cpu, or cuda (the Helm chart sets it from the pool's GPUs)")
+    kernels: str = setting("auto", kernel_spec.HELP)
+    batch_invariant: bool = setting(
+        True,
+        "a request's greedy tokens depend on the request alone, never on its batch, chunks, "
+        "cached prefix or placement: only kernels that pass an invariance probe serve "
+        "(docs/benchmarks.md has the cost)",
+    )
 
     def __post_init__(self) -> None:
         check_settings(self, "model.")
+        try:
+            kernel_spec.parse_spec(self.kernels)
+        except ValueError as e:
+            raise ValueError(f"model.{e}") from None
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,8 @@ def engine_config(cfg: ServeConfig, model_path: Path) -> EngineConfig:
         dtype=cfg.model.dtype,
         device=cfg.model.device,
         chat_template=cfg.model.chat_template,
+        kernels=cfg.model.kernels,
+        batch_invariant=cfg.model.batch_invariant,
         cache=cfg.cache,
         scheduler=cfg.scheduler,
     )
@@ -329,3 +331,39 @@ class Deployment:
                 ray.kill(a)
         if self.started_ray:
             ray.shutdown()
+
+
+def run_with_workers(cfg: Any, model_dir: Any, body: Any) -> None:
+    """`await body(router, prefill, decode)` against a started Router over one in-process
+    prefill and one decode worker of `cfg` (a ServeConfig; use transport `local`); drained
+    and shut down afterwards, whatever happens. Tests and the determinism census use it."""
+    import asyncio
+
+    from decode_workers.worker import DecodeWorker
+    from pool_api.config import WorkerConfig
+    from pool_api.messages import Role
+    from prefill_workers.worker import PrefillWorker
+    from router.clients import DecodeClient, PrefillClient
+
+    def worker_cfg(name: str, role: Role) -> WorkerConfig:
+        ecfg = engine_config(cfg, model_dir)
+        return WorkerConfig(name, ecfg, cfg.transfer, cfg.index, "tiny", role=role)
+
+    prefill = PrefillWorker(worker_cfg("pdserve-prefill-0", Role.PREFILL))
+    decode = DecodeWorker(worker_cfg("pdserve-decode-0", Role.DECODE))
+    router = build_router(
+        cfg, model_dir, [PrefillClient(prefill.name, prefill)], [DecodeClient(decode.name, decode)]
+    )
+
+    async def main() -> None:
+        await router.start()
+        try:
+            await body(router, prefill, decode)
+        finally:
+            await router.drain(0.0)
+
+    try:
+        asyncio.run(main())
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

@@ -106,6 +106,8 @@ class Router:
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
+        if self.grammar_check is not None:
+            self.grammar_check.start()  # warms in the background; readiness does not wait
         await self.sinks.start()
         await self.refresh()
         self._refresher = asyncio.create_task(self._refresh_loop())

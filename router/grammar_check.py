@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import multiprocessing
+import signal
 import threading
 import time
 from collections import OrderedDict
@@ -45,7 +46,9 @@ class TokenizerSpec:
 
 
 def _child(conn: Connection) -> None:
-    """The compile loop: the tokenizer first, then one JSON request in, one answer out."""
+    """The compile loop: the tokenizer first, then one JSON request in, one answer out.
+    It is ready only once the backend is warm, so a compile's bound times the compile."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
     from tokenizers import Tokenizer as HFTokenizer
 
     from engine.structured import GrammarBackend
@@ -53,6 +56,7 @@ def _child(conn: Connection) -> None:
     spec = json.loads(conn.recv_bytes())
     tok = HFTokenizer.from_str(spec["tokenizer_json"])
     backend = GrammarBackend(tok, spec["vocab_size"], tuple(spec["eos_token_ids"]))
+    backend.warm()
     conn.send_bytes(b'{"ready": true}')
     while True:
         try:
@@ -94,6 +98,21 @@ class GrammarChecker:
             self._turn = asyncio.Lock()
         async with self._turn:  # waiters queue here, not in the event loop's thread pool
             await asyncio.to_thread(self._check, so)
+
+    def start(self) -> threading.Thread:
+        """Start the child now, in the background (the router's start-up must not wait for
+        it): the first check then finds it warm, or waits only for what is left."""
+
+        def warm() -> None:
+            with self._lock:
+                try:
+                    self._child_conn()
+                except (RuntimeError, OSError) as e:  # the first check will try again
+                    log.warning("the grammar checker did not start: %s", e)
+
+        thread = threading.Thread(target=warm, name="grammar-check-start", daemon=True)
+        thread.start()
+        return thread
 
     def _too_slow(self, so: StructuredOutput) -> InvalidParameterError:
         return InvalidParameterError(

@@ -8,7 +8,10 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from pdserve.launch import run_with_workers
 from router.config import RouterConfig
+
+__all__ = ["run_with_workers"]
 
 
 def start_local_ray() -> None:
@@ -181,40 +184,3 @@ async def generate(router: Any, request: Any) -> tuple[list[int], Any]:
     finally:
         router.finish(act, True)
     return toks, act
-
-
-def run_with_workers(cfg: Any, model_dir: Any, body: Any) -> None:
-    """`await body(router, prefill, decode)` against a started Router over one in-process
-    prefill and one decode worker of `cfg` (a ServeConfig; use transport `local`); drained
-    and shut down afterwards, whatever happens."""
-    import asyncio
-
-    from decode_workers.worker import DecodeWorker
-    from pdserve.launch import build_router, engine_config
-    from pool_api.config import WorkerConfig
-    from pool_api.messages import Role
-    from prefill_workers.worker import PrefillWorker
-    from router.clients import DecodeClient, PrefillClient
-
-    def worker_cfg(name: str, role: Role) -> WorkerConfig:
-        ecfg = engine_config(cfg, model_dir)
-        return WorkerConfig(name, ecfg, cfg.transfer, cfg.index, "tiny", role=role)
-
-    prefill = PrefillWorker(worker_cfg("pdserve-prefill-0", Role.PREFILL))
-    decode = DecodeWorker(worker_cfg("pdserve-decode-0", Role.DECODE))
-    router = build_router(
-        cfg, model_dir, [PrefillClient(prefill.name, prefill)], [DecodeClient(decode.name, decode)]
-    )
-
-    async def main() -> None:
-        await router.start()
-        try:
-            await body(router, prefill, decode)
-        finally:
-            await router.drain(0.0)
-
-    try:
-        asyncio.run(main())
-    finally:
-        prefill.shutdown()
-        decode.shutdown()

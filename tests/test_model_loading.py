@@ -380,7 +380,8 @@ def test_portable_bf16_path_runs_on_every_cpu(
     not cpu.onednn_bf16_supported(), reason="this CPU has no oneDNN bf16 (AVX512/AVX-NE-CONVERT)"
 )
 def test_packed_bf16_path_where_the_cpu_has_it(tiny_bf16: Path) -> None:
-    engine = LLMEngine.from_config(EngineConfig(model=str(tiny_bf16), dtype="bfloat16"))
+    cfg = EngineConfig(model=str(tiny_bf16), dtype="bfloat16", kernels="projections=packed")
+    engine = LLMEngine.from_config(cfg)
     assert isinstance(engine.runner.model.proj, OneDnnProjections)
     assert len(engine.generate([[0, 5, 9]], GREEDY)[0].output_token_ids) == GREEDY.max_tokens
 

@@ -26,7 +26,7 @@ from decode_workers.worker import DecodeWorker
 from engine.config import CacheConfig
 from engine.engine import EngineConfig, LLMEngine
 from engine.request import GrammarRejected
-from engine.sampling import SamplingParams
+from engine.sampling import InvalidParameterError, SamplingParams
 from engine.structured import StructuredOutput
 from pdserve.client import make_request
 from pdserve.config import ServeConfig
@@ -255,6 +255,31 @@ def test_a_grammar_that_is_wrong_or_too_slow_is_refused_at_the_edge(real_dir: Pa
 
     cfg = config(real_dir, colocated=False)
     run_with_workers(cfg, real_dir, body)
+
+
+@pytest.mark.parametrize("case", ["bad-regex", "slow-schema"])
+def test_a_cold_checker_times_the_compile_alone(real_dir: Path, case: str) -> None:
+    """A checker whose child has never started (the router's first structured request, or
+    the first after a killed child): a regex that does not parse is refused as not
+    compiling and a slow schema as too complex, whatever the child's start-up costs (it is
+    not counted against the 1 s bound)."""
+    from engine.tokenizer import Tokenizer
+    from router.grammar_check import GrammarChecker, TokenizerSpec
+
+    tok = Tokenizer.from_dir(real_dir)
+    spec = TokenizerSpec(tok.to_str(), 49152, tok.eos_token_ids)
+    checker = GrammarChecker(spec, timeout_s=1.0)
+    try:
+        if case == "bad-regex":
+            so = StructuredOutput("regex", "(unclosed", "structured_output")
+            with pytest.raises(InvalidParameterError, match="does not compile"):
+                asyncio.run(checker.check(so))
+        else:
+            so = StructuredOutput("json", json.dumps(SLOW_SCHEMA), "structured_output")
+            with pytest.raises(InvalidParameterError, match="did not compile within 1 s"):
+                asyncio.run(checker.check(so))
+    finally:
+        checker.close()
 
 
 def test_structural_tags_in_both_forms_constrain_the_tagged_part(

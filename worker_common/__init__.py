@@ -162,6 +162,8 @@ class WorkerBase(abc.ABC):
         build = engine or (lambda: LLMEngine.from_config(cfg.engine))
         self.loop = EngineLoop(build, None, cfg.name)
         self.engine = self.loop.engine
+        if self.engine.grammars is not None:  # the first constrained request finds it warm
+            self.engine.grammars.warm_in_background()
         self.summary = StartupSummary.of(
             self.name, self.role.value, cfg.model_name, self.engine, time.perf_counter() - t0
         )

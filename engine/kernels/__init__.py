@@ -15,10 +15,13 @@ from typing import Any
 
 import torch
 
+from engine import kernel_spec
 from engine.attention import (
+    PagedDecode,
     aligned,
     blocked_prefill_attention,
     matmul_attention,
+    paged_decode_attention,
     sdpa_attention,
     sdpa_prefill_attention,
 )
@@ -62,6 +65,7 @@ OPS: dict[str, tuple[Candidate, ...]] = {
     "decode_attention": (
         Candidate("sdpa", sdpa_attention, _anywhere),
         Candidate("matmul", matmul_attention, _cpu),
+        Candidate("paged", paged_decode_attention, PagedDecode.available),
     ),
     "prefill_attention": (
         Candidate("sdpa", sdpa_prefill_attention, _anywhere, "never"),
@@ -76,6 +80,9 @@ OPS: dict[str, tuple[Candidate, ...]] = {
     ),
 }
 """Every op's candidates, simplest (the reference) first."""
+assert {op: tuple(c.name for c in cs) for op, cs in OPS.items()} == kernel_spec.NAMES, (
+    "engine.kernel_spec.NAMES lists every candidate, in this order"
+)
 
 
 def candidates(
@@ -136,6 +143,11 @@ class KernelSet:
 
     def as_dict(self) -> dict[str, str]:
         return {op: getattr(self, op) for op in OPS}
+
+    @property
+    def decode_reads_pages(self) -> bool:
+        """Decode attention reads the paged cache in place (no workspace, no gather)."""
+        return isinstance(candidate("decode_attention", self.decode_attention).impl, PagedDecode)
 
     def decode_fn(self) -> DecodeAttention:
         fn: DecodeAttention = candidate("decode_attention", self.decode_attention).impl

@@ -29,7 +29,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("bindings.cpp", "gemm.cpp")
+SOURCES = ("bindings.cpp", "gemm.cpp", "decode.cpp")
 _why_not = ""
 
 
@@ -67,7 +67,9 @@ def load() -> ModuleType | None:
         return cpp_extension.load(
             name="pdserve_kernels",
             sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-std=c++17"],
+            # OpenMP: at::parallel_for is header code, serial unless built with it
+            extra_cflags=["-O3", "-march=native", "-std=c++17", "-fopenmp", *_vector_flags()],
+            extra_ldflags=["-fopenmp"],
             build_directory=str(out),
             verbose=False,
         )
@@ -75,6 +77,17 @@ def load() -> ModuleType | None:
         _why_not = f"build failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
         log.warning("pdserve kernels: %s (in %s); torch's kernels serve", _why_not, out)
         return None
+
+
+def _vector_flags() -> list[str]:
+    """ATen's `Vectorized` is scalar code unless a CPU_CAPABILITY macro names the ISA: the
+    one torch itself dispatches to on this CPU (AVX512 or AVX2)."""
+    level = torch.backends.cpu.get_cpu_capability()
+    if level.startswith("AVX512"):
+        return ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
+    if level == "AVX2":
+        return ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+    return []
 
 
 def _which(tool: str) -> str | None:

@@ -8,7 +8,8 @@ candidates (`engine.kernels.OPS`) run on random inputs of the model's own shapes
 - each is first checked against a float64 evaluation of the same math; a candidate whose
   relative error exceeds its dtype's tolerance is never chosen;
 - then timed in alternating rounds (A B A B ...), medians compared; a candidate wins only
-  by more than the measured noise plus `MARGIN`, else the simpler one (listed first) stays;
+  by more than twice the standard error of the difference plus `MARGIN`, else the simpler
+  one (listed first) stays;
 - the measurement holds a host-wide lock (`fcntl.flock`), so workers starting together do
   not time each other's load, and is cached on disk under ``$PDSERVE_HOME/kernels``, keyed
   by CPU model and flags, torch version, dtype, device, thread count and shapes: a restart
@@ -34,6 +35,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -44,13 +46,15 @@ from typing import Any
 
 import torch
 
+from engine import kernel_spec
+from engine.attention import PagedDecode
 from engine.config import ModelConfig
 from engine.kernels import OPS, Candidate, KernelSet, candidate, candidates
 from engine.model_weights import LayerWeights, ModelWeights
 
 log = logging.getLogger(__name__)
 
-MARGIN = 0.03
+MARGIN = 0.02
 """A faster candidate must win by this fraction (plus the noise) to displace a simpler one."""
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 """Relative error (Frobenius norm) a candidate may show against float64."""
@@ -73,7 +77,7 @@ class OpTiming:
     median_ms: dict[str, float | None] = field(default_factory=dict)
     error: dict[str, float] = field(default_factory=dict)  # relative error vs float64
     why: dict[str, str] = field(default_factory=dict)  # why a candidate was not eligible
-    noise_ms: float = 0.0
+    noise_ms: float = 0.0  # the largest standard error of a candidate's median
     row_floors: dict[str, int] = field(default_factory=dict)  # the chosen's (projections)
     invariant: bool = False  # the chosen passed its invariance probe
 
@@ -86,6 +90,7 @@ class Selection:
     source: str
     timings: dict[str, OpTiming] = field(default_factory=dict)
     seconds: float = 0.0
+    note: str = ""  # what limited the choice (no invariant kernel, no pdserve kernels)
 
     def line(self) -> str:
         """One line for the startup log: each op's choice and every candidate's time."""
@@ -102,30 +107,16 @@ class Selection:
             parts.append(f"{op}={name} ({times})")
         how = {"measured": f"measured in {self.seconds:.1f} s", "cache": "from the cache"}
         inv = "batch-invariant" if self.kernels.batch_invariant else "not batch-invariant"
-        return f"kernels {how.get(self.source, self.source)}, {inv}: " + "; ".join(parts)
+        note = f" ({self.note})" if self.note else ""
+        return f"kernels {how.get(self.source, self.source)}, {inv}{note}: " + "; ".join(parts)
 
 
 # ---- the spec a user gives ----------------------------------------------------------------
 def parse_spec(spec: str, invariant: bool = False) -> dict[str, str]:
-    """``auto`` -> {} (measure everything); ``reference`` -> the simplest candidate of every
-    op; ``op=name,op=name`` -> those ops fixed, the others measured. ValueError names the
-    bad part."""
-    spec = spec.strip()
-    if spec in ("", "auto"):
-        return {}
-    if spec == "reference":
-        return KernelSet.reference(invariant).as_dict()
-    fixed = {}
-    for part in spec.split(","):
-        op, sep, name = part.strip().partition("=")
-        if not sep or op not in OPS:
-            raise ValueError(
-                f"kernels: {part.strip()!r}: expected auto, reference or OP=NAME with OP one "
-                f"of {list(OPS)}"
-            )
-        candidate(op, name)  # raises for an unknown candidate
-        fixed[op] = name
-    return fixed
+    """`engine.kernel_spec.parse_spec`, with ``reference`` resolved to the simplest
+    candidate of every op offered with invariance on or off."""
+    fixed = kernel_spec.parse_spec(spec)
+    return KernelSet.reference(invariant).as_dict() if fixed is None else fixed
 
 
 # ---- the selection ------------------------------------------------------------------------
@@ -137,9 +128,12 @@ def select(
     cache_dir: Path | None = None,
 ) -> Selection:
     """Each op's kernel for this model on this machine (module docstring). A named kernel
-    (`spec`) is taken as named, but with invariance on it is still probed (and the
-    projections' row floors found)."""
+    (`spec`) is taken as named; with invariance on it is still probed. Where some op has no
+    invariant candidate, the selection is made again with invariance off (nothing would buy
+    it), and its line says why. Off the CPU, invariance is not offered (no GPU kernel of
+    ours keeps it yet)."""
     device, dtype = weights.embed.device, weights.embed.dtype
+    invariant = invariant and device.type == "cpu"
     fixed = parse_spec(spec, invariant)
     for op, name in fixed.items():
         if not candidate(op, name).applies(device, dtype):
@@ -148,15 +142,12 @@ def select(
                 f"{str(dtype).removeprefix('torch.')} (choose from "
                 f"{[c.name for c in candidates(op, device, dtype, invariant)]})"
             )
-    pools = {
-        op: [candidate(op, fixed[op])] if op in fixed else candidates(op, device, dtype, invariant)
-        for op in OPS
-    }
-    to_measure = [op for op in OPS if len(pools[op]) > 1 or invariant]
-    if not to_measure or device.type != "cpu":  # one candidate each: nothing to choose
-        single = {op: pool[0].name for op, pool in pools.items()}
+    pools = _pools(fixed, device, dtype, invariant)
+    if device.type != "cpu" or not any(len(p) > 1 or invariant for p in pools.values()):
+        single = {op: pool[0].name for op, pool in pools.items()}  # nothing to choose
         return Selection(KernelSet.of(single), "named" if fixed else "single")
-    key = cache_key(cfg, device, dtype, {op: [c.name for c in pools[op]] for op in OPS}, invariant)
+    names = {op: [c.name for c in pool] for op, pool in pools.items()}
+    key = cache_key(cfg, device, dtype, names, invariant)
     path = (cache_dir or default_cache_dir()) / f"{_digest(key)}.json"
     cached = _read(path, key)
     if cached is None:
@@ -164,8 +155,23 @@ def select(
             cached = _read(path, key)  # another worker may have measured while we waited
             if cached is None:
                 cached = _measure(cfg, weights, pools, invariant)
+                if invariant and not cached.kernels.batch_invariant:
+                    lacking = [op for op, t in cached.timings.items() if not t.invariant]
+                    cached = _measure(cfg, weights, _pools(fixed, device, dtype, False), False)
+                    why = f"no batch-invariant {' or '.join(lacking)} on this machine"
+                    cached.note = "; ".join(filter(None, (why, cached.note)))
                 _write(path, key, cached)
     return cached
+
+
+def _pools(
+    fixed: dict[str, str], device: torch.device, dtype: torch.dtype, invariant: bool
+) -> dict[str, list[Candidate]]:
+    """Each op's candidates to choose from: the named one, or all that are offered."""
+    return {
+        op: [candidate(op, fixed[op])] if op in fixed else candidates(op, device, dtype, invariant)
+        for op in OPS
+    }
 
 
 def _measure(
@@ -183,7 +189,15 @@ def _measure(
         timings["projections"].row_floors,
         batch_invariant=invariant and all(t.invariant for t in timings.values()),
     )
-    return Selection(kernels, "measured", timings, time.perf_counter() - start)
+    note = _native_note() if dtype == torch.bfloat16 else ""  # they are bf16 kernels
+    return Selection(kernels, "measured", timings, time.perf_counter() - start, note)
+
+
+def _native_note() -> str:
+    """Why pdserve's own kernels are not among the candidates ('' when they are)."""
+    from engine.kernels import native
+
+    return "" if native.load() is not None else f"pdserve kernels unavailable: {native.why_not()}"
 
 
 @dataclass
@@ -220,21 +234,22 @@ def _time_op(pool: list[Candidate], bench: _Bench, dtype: torch.dtype, invariant
     if not fns:  # nothing invariant: the fastest of all, and the selection says so
         log.warning("kernels: no batch-invariant candidate passed (%s)", why)
         return _time_op(pool, bench, dtype, False)
-    medians, noise = _alternate(fns)
-    chosen = _pick([c.name for c in pool if c.name in medians], medians, noise)
+    medians, errors_ms = _alternate(fns)
+    chosen = _pick([c.name for c in pool if c.name in medians], medians, errors_ms)
     return OpTiming(
         chosen=chosen,
         median_ms={c.name: medians.get(c.name) for c in pool},
         error=errors,
         why=why,
-        noise_ms=noise,
+        noise_ms=max(errors_ms.values()),
         row_floors=floors[chosen],
         invariant=invariant and probed[chosen],
     )
 
 
-def _alternate(fns: dict[str, Callable[[], Any]]) -> tuple[dict[str, float], float]:
-    """Each callable's median ms over alternating rounds, and the noise (`_spread`)."""
+def _alternate(fns: dict[str, Callable[[], Any]]) -> tuple[dict[str, float], dict[str, float]]:
+    """Each callable's median ms over alternating rounds, and that median's standard error
+    (`_median_error`): how far it may sit from the true median."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     rounds = MIN_ROUNDS if len(fns) == 1 else MAX_ROUNDS
     deadline = time.perf_counter() + BUDGET_S
@@ -246,22 +261,29 @@ def _alternate(fns: dict[str, Callable[[], Any]]) -> tuple[dict[str, float], flo
             fn()
             samples[name].append((time.perf_counter() - t) * 1e3)
     medians = {name: statistics.median(s) for name, s in samples.items()}
-    return medians, max((_spread(s) for s in samples.values()), default=0.0)
+    return medians, {name: _median_error(s) for name, s in samples.items()}
 
 
-def _pick(order: list[str], medians: dict[str, float], noise_ms: float) -> str:
-    """The simplest candidate (earliest in `order`) within noise + MARGIN of the fastest."""
+def _pick(order: list[str], medians: dict[str, float], errors_ms: dict[str, float]) -> str:
+    """The simplest candidate (earliest in `order`) whose median is within noise of the
+    fastest's: two standard errors of the difference, plus `MARGIN`."""
     assert order, "at least one candidate is timed"
-    best = min(medians[n] for n in order)
-    return next(n for n in order if medians[n] <= best * (1 + MARGIN) + noise_ms)
+    best = min(order, key=lambda n: medians[n])
+
+    def tied(n: str) -> bool:
+        noise = 2 * math.hypot(errors_ms[n], errors_ms[best])
+        return medians[n] - medians[best] <= noise + MARGIN * medians[best]
+
+    return next(n for n in order if tied(n))
 
 
-def _spread(samples: list[float]) -> float:
-    """Half the interquartile range: how far one median may sit from its true value."""
+def _median_error(samples: list[float]) -> float:
+    """Standard error of a sample median: 1.2533 sigma / sqrt(n), sigma from the IQR
+    (robust to the outliers a shared machine throws in)."""
     if len(samples) < 4:
         return 0.0
     q = statistics.quantiles(samples, n=4)
-    return (q[2] - q[0]) / 2
+    return 1.2533 * (q[2] - q[0]) / 1.349 / math.sqrt(len(samples))
 
 
 def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -292,6 +314,10 @@ def _decode_bench(
     dmask = mask.to(dev)
 
     def run(c: Candidate, floors: dict[str, int]) -> Callable[[], list[torch.Tensor]]:
+        if isinstance(c.impl, PagedDecode):  # the pages laid out once, as the cache holds them
+            (kp, tables), (vp, _) = _as_pages(k), _as_pages(v)
+            dlens = lens.to(dev)
+            return lambda: [c.impl(q, kp, vp, tables, dlens, None, scale)]
         return lambda: [c.impl(q, k, v, dmask, scale)]
 
     def reference() -> list[torch.Tensor]:
@@ -308,16 +334,44 @@ def _decode_bench(
             lens = torch.randint(1, span + 1, (b,), generator=gen)
             lens[0] = span
             m = (torch.arange(span)[None, :] < lens[:, None]).view(b, 1, 1, span).to(dev)
-            batch = c.impl(qs, ks, vs, m, scale)
+            batch = _decode_call(c, qs, ks, vs, m, scale)
             for i, n in enumerate(lens.tolist()):
-                alone = c.impl(
-                    qs[i : i + 1], ks[i : i + 1, :, :n], vs[i : i + 1, :, :n], None, scale
-                )
+                one = (qs[i : i + 1], ks[i : i + 1, :, :n], vs[i : i + 1, :, :n])
+                alone = _decode_call(c, *one, None, scale)
                 if not torch.equal(alone, batch[i : i + 1]):
                     return f"batch-variant at {span} keys", {}
         return None, {}
 
     return _Bench(run, reference, probe)
+
+
+def _as_pages(x: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, Hkv, S, D] -> pages [B * ceil(S / block), block, Hkv, D] (zero-padded), block
+    tables [B, ceil(S / block)]: request b's keys in its own run of pages."""
+    b, hkv, span, d = x.shape
+    nb = -(-span // block)
+    padded = x.new_zeros(b, hkv, nb * block, d)
+    padded[:, :, :span] = x
+    pages = padded.permute(0, 2, 1, 3).reshape(b * nb, block, hkv, d).contiguous()
+    return pages, torch.arange(b * nb, device=x.device).view(b, nb)
+
+
+def _decode_call(
+    c: Candidate,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Candidate `c` on a gathered context (mask [B, 1, 1, S] or None), paged if it reads
+    pages."""
+    if not isinstance(c.impl, PagedDecode):
+        out: torch.Tensor = c.impl(q, k, v, mask, scale)
+        return out
+    lens = torch.full((q.shape[0],), k.shape[2]) if mask is None else mask.flatten(1).sum(1)
+    (kp, tables), (vp, _) = _as_pages(k), _as_pages(v)
+    return c.impl(q, kp, vp, tables, lens.to(q.device), None, scale)
 
 
 def _prefill_bench(
@@ -566,7 +620,7 @@ def _read(path: Path, key: dict[str, Any]) -> Selection | None:
         )
     except (TypeError, ValueError, KeyError):
         return None
-    return Selection(kernels, "cache", timings, float(raw.get("seconds", 0.0)))
+    return Selection(kernels, "cache", timings, float(raw.get("seconds", 0.0)), raw.get("note", ""))
 
 
 def _write(path: Path, key: dict[str, Any], sel: Selection) -> None:
@@ -577,6 +631,7 @@ def _write(path: Path, key: dict[str, Any], sel: Selection) -> None:
         "batch_invariant": sel.kernels.batch_invariant,
         "timings": {op: asdict(t) for op, t in sel.timings.items()},
         "seconds": sel.seconds,
+        "note": sel.note,
     }
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:

@@ -7,6 +7,9 @@ at::Tensor pack_linear_weight(const at::Tensor& w);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                          const c10::optional<at::Tensor>& bias,
                          const c10::optional<at::Tensor>& residual);
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pages,
+                                  const at::Tensor& v_pages, const at::Tensor& tables,
+                                  const at::Tensor& lens, int64_t window, double scale);
 }  // namespace pdserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -14,4 +17,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether brgemm runs bf16 with VNNI-packed weights on this CPU");
   m.def("pack_linear_weight", &pdserve::pack_linear_weight, "[N, K] bf16 -> brgemm panels");
   m.def("packed_linear", &pdserve::packed_linear, "x @ W^T (+ bias) (+ residual), invariant");
+  m.def("paged_decode_attention", &pdserve::paged_decode_attention,
+        "one query row per request against its paged keys, invariant");
 }

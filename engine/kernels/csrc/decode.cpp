@@ -1,0 +1,191 @@
+// Decode attention read from the paged KV cache in place (no contiguous mirror), split into
+// fixed key partitions (flash-decoding), batch-invariant by construction.
+//
+// One query row per request attends to its keys [lo, n) (lo > 0 only under a sliding window).
+// The keys are cut into partitions of PART keys counted from position 0, whatever the batch
+// or the thread count; each (request, KV head, partition) is one task on one thread, which
+// reads each K and V row once for all the query heads of its group (GQA). A second pass merges
+// a row's partitions in partition order (log-sum-exp). So every reduction of a row runs in one
+// order fixed by its own length: alone, in any batch, on any thread count, the same bits.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+
+namespace pdserve {
+
+constexpr int64_t PART = 256;
+
+template <typename T>
+inline void to_float(const T* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  using fV = at::vec::Vectorized<float>;
+  using tV = at::vec::Vectorized<T>;
+  int64_t i = 0;
+  if constexpr (!std::is_same_v<T, float>) {
+    for (; i + tV::size() <= n; i += tV::size()) {
+      auto [a, b] = at::vec::convert_to_float<T>(tV::loadu(src + i));
+      a.store(dst + i);
+      b.store(dst + i + fV::size());
+    }
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// sum(a[i] * b[i]) in a fixed order: lane-wise over vectors, then a fixed lane tree.
+inline float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
+  using fV = at::vec::Vectorized<float>;
+  fV acc(0.f);
+  int64_t i = 0;
+  for (; i + fV::size() <= n; i += fV::size()) {
+    acc = at::vec::fmadd(fV::loadu(a + i), fV::loadu(b + i), acc);
+  }
+  float s = at::vec::vec_reduce_all<float>([](fV& x, fV& y) { return x + y; }, acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// x[i] = exp(x[i] - shift), returning their sum (lane-wise, then a fixed lane tree)
+inline float exp_shifted(float* __restrict__ x, float shift, int64_t n) {
+  using fV = at::vec::Vectorized<float>;
+  fV sum(0.f);
+  const fV sh(shift);
+  int64_t i = 0;
+  for (; i + fV::size() <= n; i += fV::size()) {
+    fV e = (fV::loadu(x + i) - sh).exp_u20();
+    e.store(x + i);
+    sum = sum + e;
+  }
+  float s = at::vec::vec_reduce_all<float>([](fV& a, fV& b) { return a + b; }, sum);
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - shift);
+    s += x[i];
+  }
+  return s;
+}
+
+// acc[i] += p * v[i]
+inline void axpy(float* __restrict__ acc, float p, const float* __restrict__ v, int64_t n) {
+  using fV = at::vec::Vectorized<float>;
+  int64_t i = 0;
+  const fV pv(p);
+  for (; i + fV::size() <= n; i += fV::size())
+    at::vec::fmadd(pv, fV::loadu(v + i), fV::loadu(acc + i)).store(acc + i);
+  for (; i < n; ++i) acc[i] += p * v[i];
+}
+
+template <typename T>
+at::Tensor paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pages,
+                             const at::Tensor& v_pages, const at::Tensor& tables,
+                             const at::Tensor& lens, int64_t window, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = k_pages.size(1), HKV = k_pages.size(2), G = H / HKV;
+  const int64_t W = tables.size(1);
+  auto out = at::empty({B, H * D}, q.options());
+  auto qc = q.contiguous();
+  auto tab = tables.to(at::kLong).contiguous();
+  auto len = lens.to(at::kLong).contiguous();
+  const T* qp = qc.data_ptr<T>();
+  const T* kp = k_pages.data_ptr<T>();
+  const T* vp = v_pages.data_ptr<T>();
+  const int64_t* tp = tab.data_ptr<int64_t>();
+  const int64_t* lp = len.data_ptr<int64_t>();
+  const int64_t page_stride = k_pages.stride(0), row_stride = k_pages.stride(1);
+  TORCH_CHECK(k_pages.stride(2) == D && k_pages.stride(3) == 1, "pages: [NB, BS, Hkv, D] rows");
+  TORCH_CHECK(v_pages.stride(0) == page_stride && v_pages.stride(1) == row_stride,
+              "K and V pages share a layout");
+
+  // tasks: (b, kv head, partition), partitions counted from position 0
+  std::vector<int64_t> first_part(B), num_parts(B), task_base(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = lp[b];
+    TORCH_CHECK(n >= 1 && n <= W * BS, "decode: context length ", n, " outside the table");
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+    first_part[b] = lo / PART;
+    num_parts[b] = (n - 1) / PART + 1 - first_part[b];
+    task_base[b + 1] = task_base[b] + HKV * num_parts[b];
+  }
+  const int64_t tasks = task_base[B];
+  std::vector<float> m(tasks * G), l(tasks * G), acc(tasks * G * D);
+
+  at::parallel_for(0, tasks, 0, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qf(G * D), kf(D), vf(D), s(G * PART);
+    int64_t b = std::upper_bound(task_base.begin(), task_base.end(), t0) - task_base.begin() - 1;
+    for (int64_t task = t0; task < t1; ++task) {
+      while (task >= task_base[b + 1]) ++b;
+      const int64_t local = task - task_base[b], h = local / num_parts[b];
+      const int64_t part = first_part[b] + local % num_parts[b];
+      const int64_t n = lp[b], lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+      const int64_t start = std::max(lo, part * PART), end = std::min(n, (part + 1) * PART);
+      for (int64_t g = 0; g < G; ++g) {
+        to_float<T>(qp + (b * H + h * G + g) * D, qf.data() + g * D, D);
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= static_cast<float>(scale);
+      }
+      for (int64_t t = start; t < end; ++t) {
+        const T* row = kp + tp[b * W + t / BS] * page_stride + (t % BS) * row_stride + h * D;
+        to_float<T>(row, kf.data(), D);
+        for (int64_t g = 0; g < G; ++g) {
+          s[g * PART + (t - start)] = dot(qf.data() + g * D, kf.data(), D);
+        }
+      }
+      float* mt = m.data() + task * G;
+      float* lt = l.data() + task * G;
+      float* at = acc.data() + task * G * D;
+      for (int64_t g = 0; g < G; ++g) {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < end - start; ++t) mx = std::max(mx, s[g * PART + t]);
+        mt[g] = mx;
+        lt[g] = exp_shifted(s.data() + g * PART, mx, end - start);
+        std::fill(at + g * D, at + (g + 1) * D, 0.f);
+      }
+      for (int64_t t = start; t < end; ++t) {
+        const T* row = vp + tp[b * W + t / BS] * page_stride + (t % BS) * row_stride + h * D;
+        to_float<T>(row, vf.data(), D);
+        for (int64_t g = 0; g < G; ++g) axpy(at + g * D, s[g * PART + (t - start)], vf.data(), D);
+      }
+    }
+  });
+
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, B * HKV, 0, [&](int64_t r0, int64_t r1) {
+    std::vector<float> o(D);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / HKV, h = r % HKV, np = num_parts[b];
+      const int64_t base = task_base[b] + h * np;
+      for (int64_t g = 0; g < G; ++g) {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < np; ++p) mx = std::max(mx, m[(base + p) * G + g]);
+        float sum = 0.f;
+        std::fill(o.begin(), o.end(), 0.f);
+        for (int64_t p = 0; p < np; ++p) {
+          const float w = std::exp(m[(base + p) * G + g] - mx);
+          sum += l[(base + p) * G + g] * w;
+          axpy(o.data(), w, acc.data() + ((base + p) * G + g) * D, D);
+        }
+        const float inv = 1.f / sum;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+        store_row<T>(op + (b * H + h * G + g) * D, o.data(), nullptr, D);
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pages,
+                                  const at::Tensor& v_pages, const at::Tensor& tables,
+                                  const at::Tensor& lens, int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.dim() == 4, "decode: shapes");
+  TORCH_CHECK(q.scalar_type() == k_pages.scalar_type(), "decode: q and the pages differ in dtype");
+  TORCH_CHECK(q.size(1) % k_pages.size(2) == 0, "decode: query heads not a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_pages.size(3), "decode: head_dim differs");
+  if (q.scalar_type() == at::kBFloat16)
+    return paged_decode_impl<at::BFloat16>(q, k_pages, v_pages, tables, lens, window, scale);
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "decode: bf16 or float32");
+  return paged_decode_impl<float>(q, k_pages, v_pages, tables, lens, window, scale);
+}
+
+}  // namespace pdserve

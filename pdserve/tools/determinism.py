@@ -1,0 +1,231 @@
+"""The determinism census: a request's greedy tokens must depend on the request alone.
+
+Each prompt (a chat turn on the real model) is decoded greedily under six conditions, and
+every condition's tokens are compared with the cold run's, token for token:
+
+- ``cold``: alone, nothing cached (a fresh `cache_salt`);
+- ``cached``: alone again, its prompt blocks now served by the prefix cache;
+- ``batched``: with 7 other prompts in the same steps (fresh salts: no cache hits);
+- ``chunked``: alone, the prompt pass cut into 16-token chunks;
+- ``disaggregated``: through a prefill worker and a decode worker (in process, the `local`
+  KV transport), the first token sampled on one side and the rest on the other;
+- ``n4``: choice 0 of ``n = 4`` seeded greedy choices, forked over shared blocks.
+
+`make bench-determinism` runs 64 prompts (`pdserve.tools.determinism`); `make test` runs 16
+(`tests/test_determinism.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUBJECTS = (
+    "France", "the moon", "photosynthesis", "a bicycle", "the ocean", "volcanoes", "honey bees",
+    "the piano", "gravity", "rainbows", "coffee", "the Roman Empire", "electricity", "snow",
+    "chess", "the internet",
+)  # fmt: skip
+TEMPLATES = (
+    "What is {}?",
+    "Explain {} in one sentence.",
+    "Write a short poem about {}.",
+    "Give me three facts about {}.",
+)
+CONDITIONS = ("cold", "cached", "batched", "chunked", "disaggregated", "n4")
+
+
+def prompts(count: int) -> list[str]:
+    """`count` distinct chat questions (at most 64), the first 16 one per subject."""
+    grid = [t.format(s) for t in TEMPLATES for s in SUBJECTS]
+    assert count <= len(grid), f"at most {len(grid)} prompts"
+    return ["What is the capital of France?", *grid[1:count]]
+
+
+@dataclass
+class Census:
+    """Each condition's tokens per prompt, and where they differ from the cold run's."""
+
+    dtype: str
+    kernels: str
+    max_tokens: int
+    tokens: dict[str, list[list[int]]] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def mismatches(self) -> dict[str, list[int]]:
+        """condition -> indices of the prompts whose tokens differ from the cold run's."""
+        cold = self.tokens["cold"]
+        return {
+            c: [i for i, (a, b) in enumerate(zip(cold, toks, strict=True)) if a != b]
+            for c, toks in self.tokens.items()
+            if c != "cold"
+        }
+
+    def identical(self) -> bool:
+        return not any(self.mismatches().values())
+
+    def summary(self) -> str:
+        n = len(self.tokens["cold"])
+        rows = [f"{c}: {n - len(bad)}/{n} identical" + (f" (differ: {bad})" if bad else "")
+                for c, bad in self.mismatches().items()]  # fmt: skip
+        return f"census ({self.dtype}, {self.kernels}): " + "; ".join(rows)
+
+
+def run(
+    model_dir: Path,
+    texts: Sequence[str],
+    max_tokens: int = 16,
+    dtype: str = "auto",
+    progress: Callable[[str], None] | None = None,
+) -> Census:
+    """The census over `texts` on the checkpoint in `model_dir` (module docstring)."""
+    from engine.config import CacheConfig, SchedulerConfig
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.sampling import SamplingParams
+
+    def engine(**sched: Any) -> LLMEngine:
+        cfg = EngineConfig(
+            model=str(model_dir),
+            dtype=dtype,
+            cache=CacheConfig(num_blocks=256),
+            scheduler=SchedulerConfig(**sched),
+        )
+        return LLMEngine.from_config(cfg)
+
+    eng = engine()
+    assert eng.tokenizer is not None, "the census needs a tokenizer (chat prompts)"
+    ids = [eng.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    census = Census(
+        str(eng.runner.model.dtype).removeprefix("torch."),
+        eng.kernel_selection.line(),
+        max_tokens,
+    )
+    counter = itertools.count()
+
+    def generate(e: LLMEngine, batch: Sequence[list[int]], salted: bool, params: Any) -> list[Any]:
+        reqs = [
+            e.add_request(
+                f"census-{next(counter)}", p, params, f"salt-{next(counter)}" if salted else ""
+            )
+            for p in batch
+        ]
+        while e.has_unfinished():
+            e.step()
+        return reqs
+
+    def one_by_one(e: LLMEngine, salted: bool) -> list[list[int]]:
+        return [list(generate(e, [p], salted, greedy)[0].output_token_ids) for p in ids]
+
+    def batched() -> list[list[int]]:
+        out: list[list[int]] = []
+        for i in range(0, len(ids), 8):
+            out += [list(r.output_token_ids) for r in generate(eng, ids[i : i + 8], True, greedy)]
+        return out
+
+    def n4() -> list[list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, n=4,
+                                seed=1234)  # fmt: skip
+        out = []
+        for p in ids:
+            parent = generate(eng, [p], True, params)[0]
+            out.append(list(parent.output_token_ids))  # choice 0 is the request itself
+        return out
+
+    steps: dict[str, Callable[[], list[list[int]]]] = {
+        "cold": lambda: one_by_one(eng, True),
+        "cached": lambda: one_by_one(eng, False),
+        "batched": batched,
+        "chunked": lambda: one_by_one(engine(max_num_batched_tokens=16), True),
+        "disaggregated": lambda: _disaggregated(model_dir, ids, max_tokens, dtype),
+        "n4": n4,
+    }
+    for name in CONDITIONS:
+        if progress is not None:
+            progress(name)
+        if name == "cached":  # fill the cache first: the cold run salted its blocks away
+            one_by_one(eng, False)
+        t = time.perf_counter()
+        census.tokens[name] = steps[name]()
+        census.seconds[name] = time.perf_counter() - t
+    return census
+
+
+def _disaggregated(
+    model_dir: Path, ids: Sequence[list[int]], max_tokens: int, dtype: str
+) -> list[list[int]]:
+    """Each prompt through an in-process prefill worker and decode worker, one at a time."""
+    from pdserve.client import make_request
+    from pdserve.config import ServeConfig
+    from pdserve.launch import run_with_workers
+
+    cfg = ServeConfig.load(
+        None,
+        {
+            "model": {"model": str(model_dir), "dtype": dtype},
+            "transfer": {"transport": "local"},
+            "colocated": False,
+            "cache": {"num_blocks": 256},
+        },
+    )
+    out: list[list[int]] = []
+
+    async def body(router: Any, prefill: Any, decode: Any) -> None:
+        for i, p in enumerate(ids):
+            request = make_request(p, f"census-d{i}", max_tokens=max_tokens, temperature=0.0,
+                                   ignore_eos=True, cache_salt=f"d{i}")  # fmt: skip
+            act = await router.admit(request)
+            got: list[int] = []
+            completed = False
+            try:
+                async for resp in router.run(act):
+                    if resp.HasField("chunk"):
+                        got.extend(resp.chunk.token_ids)
+                    else:
+                        completed = True
+            finally:
+                router.finish(act, completed)
+            out.append(got)
+        assert prefill.num_requests_total == len(ids), "every prompt pass ran on the prefill side"
+
+    run_with_workers(cfg, model_dir, body)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`make bench-determinism`: the whole census (64 prompts), its report in
+    ``benchmarks/results/determinism-latest.json``; exit 1 unless every token matches."""
+    from tqdm import tqdm
+
+    from pdserve.models import DEFAULT_MODEL, resolve_model
+
+    p = argparse.ArgumentParser(description="greedy tokens across six conditions")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--dtype", default="bfloat16", help="float32 has no invariant kernels yet")
+    p.add_argument("--out", default="benchmarks/results/determinism-latest.json")
+    args = p.parse_args(argv)
+    model_dir = resolve_model(DEFAULT_MODEL)
+    with tqdm(total=len(CONDITIONS), desc="census") as bar:
+
+        def step(name: str) -> None:
+            bar.set_postfix_str(name)
+            bar.update(0 if name == CONDITIONS[0] else 1)
+
+        census = run(model_dir, prompts(args.prompts), args.max_tokens, args.dtype, step)
+        bar.update(1)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(asdict(census) | {"mismatches": census.mismatches()}))
+    print(census.summary())
+    print("seconds per condition: " + ", ".join(f"{k} {v:.1f}" for k, v in census.seconds.items()))
+    return 0 if census.identical() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""pdserve's own kernels (`engine/kernels/csrc`), the batch-invariant attention, and the kernel
+selection (`engine.kernels.select`): against float64 references, bit for bit across batch
+shapes, and the selection's rules (tolerance, invariance probe, cache, names, fallback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention import (
+    PrefillKernel,
+    aligned,
+    blocked_prefill_attention,
+    sdpa_prefill_attention,
+)
+from engine.config import ModelConfig
+from engine.kernels import OPS, Candidate, KernelSet, native
+from engine.kernels import select as selection
+from engine.model_weights import ModelWeights
+from engine.weights import load_weights
+from pdserve.models import resolve_model
+from tests.test_attention import _prefill_reference
+
+needs_brgemm = pytest.mark.skipif(
+    not native.brgemm_bf16(),
+    reason=f"no bf16 brgemm here ({native.why_not() or 'this CPU packs no bf16 for brgemm'})",
+)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- the brgemm linear kernel ---------------------------------------------------------------
+def _linear_case(m: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(m * 7 + n)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    res = torch.randn(m, n, generator=g).bfloat16()
+    return x, w, bias, res
+
+
+@needs_brgemm
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 960, 576), (33, 100, 640), (300, 1536, 576)])
+def test_packed_linear_matches_float64(m: int, n: int, k: int) -> None:
+    """x @ W^T + bias + residual against float64 from the same bf16 inputs: one bf16
+    rounding of the float32 sum (N need not fill whole 64-column panels)."""
+    ext = native.load()
+    assert ext is not None
+    x, w, bias, res = _linear_case(m, n, k)
+    got = ext.packed_linear(x, ext.pack_linear_weight(w), n, bias, res)
+    want = x.double() @ w.double().t() + bias.double() + res.double()
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    rel = float((got.double() - want).norm() / want.norm())
+    assert rel < 4e-3, rel  # bf16 rounds at 2^-9 relative; float32 sums add far less
+    plain = torch.nn.functional.linear(x, w, bias) + res  # torch's path, rounded twice
+    assert float((got.double() - plain.double()).abs().max()) < 0.1
+
+
+@needs_brgemm
+def test_packed_linear_rows_do_not_depend_on_the_batch() -> None:
+    """A row's bits are the same alone, in any batch, at any position and on 1 or 2
+    threads: what batch invariance rests on (oneDNN's matmul fails this)."""
+    ext = native.load()
+    assert ext is not None
+    x, w, bias, res = _linear_case(1500, 960, 576)
+    panels = ext.pack_linear_weight(w)
+    full = ext.packed_linear(x, panels, 960, bias, res)
+    for m in (1, 2, 17, 32, 33, 100, 512):
+        assert torch.equal(ext.packed_linear(x[:m], panels, 960, bias, res[:m]), full[:m]), m
+    for start in (1, 13, 40):
+        part = ext.packed_linear(x[start : start + 50], panels, 960, bias, res[start : start + 50])
+        assert torch.equal(part, full[start : start + 50]), start
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(ext.packed_linear(x[:64], panels, 960, bias, res[:64]), full[:64])
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---- the aligned (batch-invariant) prefill attention ---------------------------------------
+ALIGNED = [aligned(sdpa_prefill_attention), aligned(blocked_prefill_attention)]
+
+
+@pytest.mark.parametrize("kernel", ALIGNED, ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    ("q_len", "ctx", "window"),
+    [(300, 300, None), (200, 333, None), (16, 256, None), (200, 333, 40), (129, 129, 150)],
+    ids=["prompt", "tail", "chunk-at-boundary", "window", "wide-window"],
+)
+def test_aligned_prefill_matches_float64(
+    kernel: PrefillKernel, q_len: int, ctx: int, window: int | None
+) -> None:
+    """float32 within float32 noise of an eager float64 reference; bf16 within bf16's:
+    causal masks, windows, GQA (9 query heads on 3), prefixes and block boundaries."""
+    g = torch.Generator().manual_seed(q_len + ctx)
+    q = torch.randn(q_len, 9, 64, generator=g)
+    k, v = (torch.randn(ctx, 3, 64, generator=g) for _ in range(2))
+    fn = kernel
+    got = fn(q, k, v, window, 0.125)
+    assert got.shape == (q_len, 9 * 64)
+    assert float((got.double() - _prefill_reference(q, k, v, window)).abs().max()) < 1e-5
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    want16 = _prefill_reference(qb.float(), kb.float(), vb.float(), window)
+    got16 = fn(qb, kb, vb, window, 0.125)
+    assert float((got16.double() - want16).abs().max()) < 3e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", ALIGNED, ids=lambda f: f.__name__)
+def test_aligned_prefill_rows_do_not_depend_on_chunks(
+    kernel: PrefillKernel, dtype: torch.dtype
+) -> None:
+    """A query row's bits are the same in the whole prompt, in a tail after any cached
+    prefix and in any 16-token chunk (with and without a sliding window)."""
+    g = torch.Generator().manual_seed(5)
+    n = 420
+    q = torch.randn(n, 9, 64, generator=g).to(dtype)
+    k, v = (torch.randn(n, 3, 64, generator=g).to(dtype) for _ in range(2))
+    fn = kernel
+    for window in (None, 100):
+        whole = fn(q, k, v, window, 0.125)
+        for s in (1, 100, 128, 255, 419):
+            assert torch.equal(fn(q[s:], k, v, window, 0.125), whole[s:]), (window, s)
+        for s in range(0, n, 48):
+            e = min(n, s + 16)
+            part = fn(q[s:e], k[:e], v[:e], window, 0.125)
+            assert torch.equal(part, whole[s:e]), (window, s)
+
+
+# ---- the selection --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny() -> tuple[ModelConfig, ModelWeights]:
+    path = resolve_model("tiny")
+    cfg = ModelConfig.from_hf(path)
+    return cfg, load_weights(path, cfg, torch.float32, "cpu")
+
+
+def test_selection_is_cached_and_read_back(
+    tiny: tuple[ModelConfig, ModelWeights], tmp_path: Path
+) -> None:
+    """The first start measures and writes the choice, keyed by the CPU, torch, dtype,
+    threads and shapes; the second reads it and measures nothing."""
+    cfg, w = tiny
+    first = selection.select(cfg, w, "auto", False, cache_dir=tmp_path)
+    assert first.source == "measured" and first.seconds > 0
+    (path,) = tmp_path.glob("*.json")
+    key = json.loads(path.read_text())["key"]
+    assert key["torch"] == torch.__version__ and key["threads"] == torch.get_num_threads()
+    assert key["cpu_model"] == selection.cpu_identity()["cpu_model"]
+    second = selection.select(cfg, w, "auto", False, cache_dir=tmp_path)
+    assert second.source == "cache" and second.kernels == first.kernels
+    assert "from the cache" in second.line()
+    for op, name in first.kernels.as_dict().items():  # the line names every op's choice
+        assert f"{op}={name}" in first.line()
+
+
+def test_named_kernels_and_bad_names(
+    tiny: tuple[ModelConfig, ModelWeights], tmp_path: Path
+) -> None:
+    cfg, w = tiny
+    sel = selection.select(cfg, w, "reference", False, cache_dir=tmp_path)
+    assert sel.kernels == KernelSet.reference() and sel.source == "named"
+    sel = selection.select(
+        cfg, w, "projections=plain,decode_attention=matmul", False, cache_dir=tmp_path
+    )
+    assert sel.kernels.projections == "plain" and sel.kernels.decode_attention == "matmul"
+    with pytest.raises(ValueError, match="decode_attention has no kernel 'fast'"):
+        selection.select(cfg, w, "decode_attention=fast", False, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="not auto, reference or OP=NAME"):
+        selection.select(cfg, w, "whatever", False, cache_dir=tmp_path)
+
+
+def _wrong(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    return torch.zeros(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)  # fast and wrong
+
+
+def _batch_variant(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Right to 1e-6, but a row's value depends on whether others share its batch."""
+    return _rowwise(q, k, v, mask, scale) * (1 + 1e-6 * (q.shape[0] > 1))
+
+
+def _rowwise(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Each row alone over its own keys: batch-invariant by construction."""
+    from engine.attention import sdpa_attention
+
+    lens = [k.shape[2]] * q.shape[0] if mask is None else mask.view(q.shape[0], -1).sum(1).tolist()
+    rows = [
+        sdpa_attention(q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], None, scale)
+        for i, n in enumerate(lens)
+    ]
+    return torch.cat(rows)
+
+
+def test_a_wrong_or_batch_variant_candidate_is_never_chosen(
+    tiny: tuple[ModelConfig, ModelWeights], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A candidate outside its dtype's tolerance against float64 is not timed, however fast;
+    with invariance on, one whose row changes with the batch is not either."""
+    cfg, w = tiny
+    ops = dict(OPS)
+    ops["decode_attention"] = (
+        Candidate("rowwise", _rowwise, lambda d, t: True),
+        Candidate("wrong", _wrong, lambda d, t: True),
+        Candidate("variant", _batch_variant, lambda d, t: True),
+    )
+    monkeypatch.setattr(selection, "OPS", ops)
+    monkeypatch.setattr("engine.kernels.OPS", ops)
+    pools = selection._pools({}, torch.device("cpu"), torch.float32, True)
+    bench = selection._decode_bench(cfg, w, torch.float32, torch.device("cpu"), torch.Generator())
+    timing = selection._time_op(pools["decode_attention"], bench, torch.float32, True)
+    assert timing.median_ms["wrong"] is None and "error" in timing.why["wrong"]
+    assert timing.median_ms["variant"] is None and "batch-variant" in timing.why["variant"]
+    assert timing.chosen == "rowwise" and timing.invariant
+
+
+def test_without_pdserve_kernels_torch_serves_and_says_so(tmp_path: Path) -> None:
+    """PDSERVE_NATIVE_KERNELS=0 (as a machine without a compiler): the engine starts on
+    torch's kernels, and the startup line says why ours are missing."""
+    code = (
+        "import torch, sys\n"
+        "from engine.engine import EngineConfig, LLMEngine\n"
+        "from pdserve.models import resolve_model\n"
+        "e = LLMEngine.from_config(EngineConfig(model=str(resolve_model('tiny')), "
+        "dtype='bfloat16'))\n"
+        "print(e.kernel_selection.line())\n"
+        "print(type(e.runner.model.proj).__name__)\n"
+    )
+    env = {**os.environ, "PDSERVE_NATIVE_KERNELS": "0", "PDSERVE_HOME": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=300, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    assert "pdserve kernels unavailable: switched off" in out[-2], out
+    assert out[-1] != "BrgemmProjections"
