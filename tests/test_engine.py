@@ -59,11 +59,15 @@ def build_engine(
     max_model_len: int = 1024,
     decode_workspace_mib: int = 1024,
     mixed_steps: bool = True,
+    kernels: str = "reference",
 ) -> LLMEngine:
+    """torch's own kernels unless `kernels` says otherwise: these tests hold the engine's
+    bookkeeping (the decode workspace included) to HF's tokens, the same on every CPU."""
     return LLMEngine.from_config(
         EngineConfig(
             model=str(checkpoint),
             dtype="float32",
+            kernels=kernels,
             cache=CacheConfig(block_size, num_blocks, decode_workspace_mib),
             scheduler=SchedulerConfig(
                 max_num_seqs, max_num_batched_tokens, max_model_len, mixed_steps

@@ -90,8 +90,10 @@ def _tiny_sizes() -> dict[str, int]:
     }
 
 
-def test_structure(report: dict) -> None:
+def test_structure(report: dict, tiny_engine: LLMEngine) -> None:
     s = _tiny_sizes()
+    # the same checkpoint, so the same (cached) kernel choice as the traced engine's
+    workspace = not tiny_engine.runner.model.kernels.decode_reads_pages
     assert report["model"]["num_layers"] == s["layers"]
     assert report["model"]["dtype"] == "float32" and report["model"]["dtype_bytes"] == 4
     m = report["machine"]
@@ -145,7 +147,7 @@ def test_structure(report: dict) -> None:
         assert timed == pytest.approx(p["time_ms"], rel=0.01, abs=0.01)
         names = [op["name"] for op in p["layer_ops"]]
         assert names[0] == "embed" and names[-2:] == ["final_norm", "lm_head"]
-        assert ("kv_append" in names) == (name == "decode")
+        assert ("kv_append" in names) == (name == "decode" and workspace)
         assert all(op["time_ms"] is not None and op["time_ms"] >= 0 for op in p["layer_ops"])
 
 
@@ -341,7 +343,8 @@ def test_per_op_calls_are_the_engine_calls(
     assert passes > 1 and log == one_pass * passes
     b = torch.empty((), dtype=model.dtype).element_size()
     ctx = inp.meta.positions[-1].item() + 1
-    rows = trace_counts.layer_ops(model.cfg, 0, len(inp.input_ids), ctx, b, decode)
+    workspace = inp.meta.decode_workspace is not None
+    rows = trace_counts.layer_ops(model.cfg, 0, len(inp.input_ids), ctx, b, decode, None, workspace)
     assert [r.name for r in rows] == [n for n in times if n not in NOT_LAYER]
 
 

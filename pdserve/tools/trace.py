@@ -342,10 +342,18 @@ def layer_inputs(
     positions = torch.arange(ctx - t, ctx, device=dev)
     keep = None
     if decode:
-        ws = DecodeWorkspace(cache, 1 << 40)  # the context copied in once, as a request joins
-        ws.prepare([("trace", 0)], [ctx], [list(range(cache.num_blocks))])
         lens = torch.tensor([ctx], device=dev)
-        meta = AttentionMetadata(positions, positions, decode_ctx_lens=lens, decode_workspace=ws)
+        if model.kernels.decode_reads_pages:  # the kernel reads the pages where they lie
+            tables = torch.arange(cache.num_blocks, device=dev)[None]
+            meta = AttentionMetadata(
+                positions, positions, decode_ctx_lens=lens, decode_block_tables=tables
+            )
+        else:
+            ws = DecodeWorkspace(cache, 1 << 40)  # the context copied in once, as it joins
+            ws.prepare([("trace", 0)], [ctx], [list(range(cache.num_blocks))])
+            meta = AttentionMetadata(
+                positions, positions, decode_ctx_lens=lens, decode_workspace=ws
+            )
     else:
         blocks = None if ctx == t else torch.arange(cache.num_blocks, device=dev)
         segment = PrefillSegment(0, t, ctx, blocks)
@@ -489,8 +497,9 @@ def _build_phase(
 ) -> Phase:
     decode = name == "decode"
     last = cfg.num_layers - 1
+    workspace = "kv_append" in op_times  # the timed run appended to a decode workspace
     layers = [
-        layer_ops(cfg, i, t, ctx, b, decode, rows=1 if not decode and i == last else None)
+        layer_ops(cfg, i, t, ctx, b, decode, 1 if not decode and i == last else None, workspace)
         for i in range(cfg.num_layers)
     ]
     embed, head = embed_ops(cfg, t, b), head_ops(cfg, 1, b)

@@ -212,8 +212,9 @@ def _qkv_op(cfg: ModelConfig, t: int, b: int) -> OpCount:
     return op
 
 
-def _kv_ops(cfg: ModelConfig, t: int, b: int, decode: bool) -> list[OpCount]:
-    """The K/V write into the paged cache, and in decode the append to the workspace."""
+def _kv_ops(cfg: ModelConfig, t: int, b: int, decode: bool, workspace: bool) -> list[OpCount]:
+    """The K/V write into the paged cache, and in decode the append to the workspace (when
+    decode attention reads one, not the pages)."""
     hkv, hd, kv = cfg.num_kv_heads, cfg.head_dim, cfg.kv_size
     ops = [
         OpCount(
@@ -227,7 +228,7 @@ def _kv_ops(cfg: ModelConfig, t: int, b: int, decode: bool) -> list[OpCount]:
             kv_bytes_written=2 * t * kv * b,
         )
     ]
-    if decode:
+    if decode and workspace:
         ops.append(
             OpCount(
                 "kv_append",
@@ -292,15 +293,16 @@ def layer_ops(
     b: int,
     decode: bool,
     rows: int | None = None,
+    workspace: bool = True,
 ) -> list[OpCount]:
     """The calls of one decoder layer, in `LlamaModel._layer` order, for `t` new tokens.
 
     `ctx` is the context attention sees (new tokens included); `b` is bytes per element.
     Prefill is counted without a cached prefix (`trace` never reuses one), so ``ctx == t``.
     Decode appends the new K/V to the decode workspace too (`kv_append`) and attention reads
-    the whole context from it. `rows`: how many tokens go on past the K/V write (all `t`
-    unless given: a prefill step's last layer carries on only the rows that give logits,
-    the last ones).
+    the whole context from it (`workspace`; False: the kernel reads the pages in place).
+    `rows`: how many tokens go on past the K/V write (all `t` unless given: a prefill step's
+    last layer carries on only the rows that give logits, the last ones).
     """
     d, h, hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qk = cfg.q_size + cfg.kv_size
@@ -323,7 +325,7 @@ def layer_ops(
         _norm_op("input_norm", t_in, d, b, "x", "h"),
         _qkv_op(cfg, t_in, b),
         rotary,
-        *_kv_ops(cfg, t_in, b, decode),
+        *_kv_ops(cfg, t_in, b, decode, workspace),
         _attention_op(cfg, layer, t, ctx, b, decode),
         fused("o_residual", {"o": (t, cfg.q_size), "x": (t, d)}, {"x": (t, d)}, o_parts),
         _norm_op("post_norm", t, d, b, "x", "h"),
