@@ -155,6 +155,17 @@ class StatKey(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class KernelTiming:
+    """One kernel candidate of one op, as the worker's start-up selection timed it at the
+    model's shapes (`engine.kernels.select`); /metrics shows them."""
+
+    op: str  # decode_attention | prefill_attention | projections
+    kernel: str
+    median_ms: float | None  # None: not timed (outside tolerance, or not batch-invariant)
+    chosen: bool
+
+
+@dataclass(frozen=True)
 class WorkerStats:
     name: str
     role: Role
@@ -168,6 +179,7 @@ class WorkerStats:
     num_preemptions_total: int
     extra: dict[str, float] = field(default_factory=dict)  # StatKey values -> gauges, counters
     kv_bytes_per_block: int = 0  # K + V of one block over all layers (what a transfer moves)
+    kernels: tuple[KernelTiming, ...] = ()  # the start-up kernel selection's timings
 
     @classmethod
     def of(
@@ -178,6 +190,7 @@ class WorkerStats:
         num_reserved: int,
         num_requests_total: int,
         extra: dict[str, float],
+        kernels: tuple[KernelTiming, ...] = (),
     ) -> WorkerStats:
         """A worker's load: its engine's stats plus what only the worker knows."""
         if engine.decode_workspace_bytes is not None:
@@ -201,6 +214,7 @@ class WorkerStats:
             num_preemptions_total=engine.num_preemptions_total,
             extra=extra,
             kv_bytes_per_block=engine.kv_bytes_per_block,
+            kernels=kernels,
         )
 
 

@@ -384,6 +384,13 @@ class _WorkerFamilies:
             "Constrained requests whose token #1 a decode worker's matcher refused (the two "
             "sides' grammars differ): they fail instead of decoding.",
         )
+        self.kernel_ms = GaugeMetricFamily(
+            PREFIX + "kernel_candidate_milliseconds",
+            "A kernel candidate's median time at the model's shapes, as the worker's start-up "
+            "selection measured it (chosen=true: the kernel it runs; untimed candidates, "
+            "outside tolerance or not batch-invariant, are absent).",
+            labels=[*_WORKER_LABELS, "op", "kernel", "chosen"],
+        )
         self.cache_info = GaugeMetricFamily(
             PREFIX + "cache_config_info",
             "A worker's KV cache configuration, in its labels (value 1), as vLLM's.",
@@ -406,6 +413,7 @@ class _WorkerFamilies:
             self.step_seconds,
             self.grammar_checked,
             self.grammar_rejected,
+            self.kernel_ms,
             self.cache_info,
         )
 
@@ -455,6 +463,10 @@ class WorkerCollector(Collector):
             f.usage.add_metric(lv, used / s.num_total_blocks if s.num_total_blocks else 0.0)
             f.preempt.add_metric(lv, s.num_preemptions_total)
             f.cache_info.add_metric([*lv, *self._cache_labels(s.num_total_blocks)], 1.0)
+            for kt in s.kernels:
+                if kt.median_ms is not None:
+                    chosen = "true" if kt.chosen else "false"
+                    f.kernel_ms.add_metric([*lv, kt.op, kt.kernel, chosen], kt.median_ms)
             x, k = s.extra, StatKey
             f.steps.add_metric(lv, x.get(k.ENGINE_STEPS_TOTAL.value, 0.0))
             f.step_seconds.add_metric(lv, x.get(k.ENGINE_STEP_SECONDS_TOTAL.value, 0.0))

@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from serve_proc import ROOT, ServeProcess
 
+from engine.kernel_spec import NAMES as OPS
 from pdserve.client import make_request
 from protos.pdserve.v1 import generation_pb2 as gen
 from protos.pdserve.v1 import generation_pb2_grpc as gen_grpc
@@ -226,6 +227,13 @@ def test_worker_metrics_have_roles(server: ServeProcess) -> None:
     assert value(fams, "pdserve:decode_workspace_fallbacks_total", role="decode") == 0
     for s in fams["pdserve:kv_cache_usage_perc"].samples:
         assert 0.0 <= s.value <= 1.0
+    # Each worker says which kernel each op runs (one chosen row per op) and what it timed.
+    ks = fams["pdserve:kernel_candidate_milliseconds"].samples
+    for worker in {s.labels["worker"] for s in ks}:
+        chosen = [s for s in ks if s.labels["worker"] == worker and s.labels["chosen"] == "true"]
+        assert sorted(s.labels["op"] for s in chosen) == sorted(OPS), (worker, chosen)
+        assert all(s.value > 0 for s in chosen)
+    assert {s.labels["role"] for s in ks} == {"prefill", "decode"}
 
 
 def test_dashboard_queries_known_metrics(server: ServeProcess) -> None:

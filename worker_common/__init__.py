@@ -28,7 +28,7 @@ from kv_transfer.transports.base import Transport, get_transport
 from pool_api.config import WorkerConfig
 from pool_api.index_feed import IndexFeed
 from pool_api.logs import log_to_stderr
-from pool_api.messages import IndexUpdate, Role, StatKey, WorkerStats
+from pool_api.messages import IndexUpdate, KernelTiming, Role, StatKey, WorkerStats
 from protos.pdserve.v1 import WIRE_VERSION
 
 # How long `stats` waits for fresh stats before answering with the last ones taken.
@@ -88,6 +88,7 @@ class StartupSummary:
     model_fingerprint: str = ""  # the checkpoint's (engine.fingerprint): KV never crosses two
     wire_version: int = WIRE_VERSION  # protos.pdserve.v1.WIRE_VERSION of this worker
     grammar_backend: str = ""  # engine.structured.backend_name(): pairs only with its equal
+    kernels: str = ""  # the kernel selection: each op's choice and candidates' times
 
     @classmethod
     def of(
@@ -115,6 +116,7 @@ class StartupSummary:
             sized_by=sized_by,
             model_fingerprint=engine.fingerprint,
             grammar_backend=engine.grammars.name if engine.grammars is not None else "none",
+            kernels=engine.kernel_selection.line(),
         )
 
     @property
@@ -131,6 +133,7 @@ class StartupSummary:
             f"KV cache {self.num_blocks} blocks x {self.block_size} = {tokens} tokens, "
             f"{format_bytes(self.kv_bytes)} (by {self.sized_by}); Maximum concurrency for "
             f"{self.max_model_len} tokens per request: {self.max_concurrency:.2f}x"
+            + (f"; {self.kernels}" if self.kernels else "")
         )
 
 
@@ -164,6 +167,12 @@ class WorkerBase(abc.ABC):
         self.engine = self.loop.engine
         if self.engine.grammars is not None:  # the first constrained request finds it warm
             self.engine.grammars.warm_in_background()
+        sel = self.engine.kernel_selection
+        self._kernel_timings = tuple(
+            KernelTiming(op, kernel, ms, kernel == t.chosen)
+            for op, t in sel.timings.items()
+            for kernel, ms in t.median_ms.items()
+        )
         self.summary = StartupSummary.of(
             self.name, self.role.value, cfg.model_name, self.engine, time.perf_counter() - t0
         )
@@ -256,6 +265,7 @@ class WorkerBase(abc.ABC):
                 StatKey.ENGINE_STEP_SECONDS_TOTAL.value: self.loop.step_s_total,
                 **self._extra_stats(),
             },
+            self._kernel_timings,
         )
         return self._last_stats
 
