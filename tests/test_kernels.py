@@ -244,3 +244,52 @@ def test_without_pdserve_kernels_torch_serves_and_says_so(tmp_path: Path) -> Non
     ).stdout.splitlines()  # fmt: skip
     assert "pdserve kernels unavailable: switched off" in out[-2], out
     assert out[-1] != "BrgemmProjections"
+
+
+# ---- decode attention on the pages ----------------------------------------------------------
+needs_native = pytest.mark.skipif(
+    native.load() is None, reason=f"no pdserve kernels: {native.why_not()}"
+)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 100])
+def test_paged_decode_matches_float64_and_ignores_the_batch(
+    dtype: torch.dtype, window: int | None
+) -> None:
+    """Each row against eager float64 attention over its own keys (GQA, windows, lengths at
+    and around the 256-key partitions and the 16-token pages, scattered pages); then bit for
+    bit the same alone, in the batch and on one thread."""
+    from engine.attention import paged_decode_attention
+    from engine.kernels.select import _as_pages
+
+    g = torch.Generator().manual_seed(3)
+    lens = torch.tensor([1, 17, 255, 256, 257, 600, 1040, 513])
+    b, span = len(lens), int(lens.max())
+    q = torch.randn(b, 9, 64, generator=g).to(dtype)
+    k, v = (torch.randn(b, 3, span, 64, generator=g).to(dtype) for _ in range(2))
+    (kp, tables), (vp, _) = _as_pages(k), _as_pages(v)
+    perm = torch.randperm(kp.shape[0], generator=g)  # pages anywhere in the cache
+    kp, vp = kp[perm].contiguous(), vp[perm].contiguous()
+    tables = torch.argsort(perm)[tables]
+    out = paged_decode_attention(q, kp, vp, tables, lens, window, 0.125)
+    assert out.shape == (b, 9 * 64) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for i, n in enumerate(lens.tolist()):
+        lo = 0 if window is None else max(0, n - window)
+        kk = k[i, :, lo:n].double().repeat_interleave(3, 0)  # [H, n, D]
+        vv = v[i, :, lo:n].double().repeat_interleave(3, 0)
+        probs = (torch.einsum("hd,hsd->hs", q[i].double(), kk) * 0.125).softmax(-1)
+        want = torch.einsum("hs,hsd->hd", probs, vv).reshape(-1)
+        assert float((out[i].double() - want).abs().max()) < tol, (i, n)
+        alone = paged_decode_attention(
+            q[i : i + 1], kp, vp, tables[i : i + 1], lens[i : i + 1], window, 0.125
+        )
+        assert torch.equal(alone, out[i : i + 1]), (i, n)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(paged_decode_attention(q, kp, vp, tables, lens, window, 0.125), out)
+    finally:
+        torch.set_num_threads(threads)
