@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[models,dev]'
 	# pdserve's C++ kernels, built for this CPU and torch (else the first worker builds them)
-	$(BIN)/python -m engine.kernels.native
+	$(BIN)/python -m engine.native
 	touch $(STAMP)
 
 install: $(STAMP)

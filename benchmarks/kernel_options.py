@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -41,27 +40,17 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from engine import native  # noqa: E402
 from engine.kernels import (  # noqa: E402
     KernelSet,
     candidate,
-    native,
+    workloads,
 )
 from engine.kernels import select as selection  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "kernels-latest.json"
 CHECK_S = 3.0
 MAX_LOSS = 0.10
-
-
-def cpu_name() -> dict[str, str]:
-    """The CPU's model name and its vector / matrix flags (what `lscpu` would show)."""
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
-    flags = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
-    wanted = sorted(
-        {f for f in (flags.group(1).split() if flags else []) if re.match(r"avx512|amx|avx2", f)}
-    )
-    return {"model": model.group(1) if model else "unknown", "flags": " ".join(wanted)}
 
 
 def _engine(dtype: torch.dtype, num_blocks: int, invariant: bool) -> Any:
@@ -99,7 +88,7 @@ def check_choice(eng: Any, sel: selection.Selection, invariant: bool) -> dict[st
         eligible = [n for n, ms in timing.median_ms.items() if ms is not None]
         if len(eligible) < 2:
             continue
-        bench = selection._BENCHES[op](cfg, w, dtype, dev, torch.Generator().manual_seed(1))
+        bench = workloads.BENCHES[op](cfg, w, dtype, dev, torch.Generator().manual_seed(1))
         floors = {n: bench.probe(candidate(op, n))[1] if invariant else {} for n in eligible}
         fns = {n: bench.run(candidate(op, n), floors[n]) for n in eligible}
         samples: dict[str, list[float]] = {n: [] for n in fns}
@@ -215,8 +204,7 @@ def run_dtype(dtype: torch.dtype, rounds: int, bar: tqdm) -> dict[str, Any]:
 def report(result: dict[str, Any]) -> list[str]:
     """The tables people read, and the failures (an automatic choice > MAX_LOSS slower)."""
     failures = []
-    print(f"\nCPU: {result['cpu']['model']} ({result['cpu']['flags']}), "
-          f"{result['threads']} threads, torch {result['torch']}")  # fmt: skip
+    print(f"\nCPU: {result['cpu']}, {result['threads']} threads, torch {result['torch']}")
     for name, row in result["dtypes"].items():
         print(f"\n{name}: {row['startup']}")
         for label in ("invariant", "fast"):
@@ -246,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = [torch.float32] + ([torch.bfloat16] if cpu.has_bf16_hardware() else [])
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "cpu": cpu_name(),
+        "cpu": cpu.identity(),
         "capability": cpu.describe(),
         "threads": args.threads,
         "torch": torch.__version__,

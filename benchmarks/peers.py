@@ -552,15 +552,10 @@ def bf16_hardware() -> bool:
 
 
 def cpu_flags() -> str:
-    """The vector extensions that pick kernels here (AVX-512 / bf16 or AVX2 only)."""
-    try:
-        import torch
+    """The CPU by name with its vector and matrix extensions (`engine.cpu.identity`)."""
+    from engine import cpu
 
-        cap = torch.backends.cpu.get_cpu_capability()
-        bf16 = torch.cpu._is_avx512_bf16_supported()
-        return f"{cap}{' +avx512_bf16' if bf16 else ''}"
-    except Exception as e:
-        return f"unknown ({e})"
+    return cpu.identity()
 
 
 def ratios(data: dict[str, Any]) -> list[dict[str, Any]]:

@@ -43,6 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # shadow the engine package in this process and in every process it spawns.
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from engine import cpu  # noqa: E402  (after the path: the repository's package)
+
 RESULTS = ROOT / "benchmarks" / "results"
 BENCHES = ("engine", "kv_transfer", "prefix_cache", "serving", "peers")
 PNGS = {
@@ -592,7 +594,7 @@ def build(results: Path, out_dir: Path) -> Path:
         f"# pdserve benchmark report: {now:%Y-%m-%d}, {socket.gethostname()}",
         "",
         f"Generated {now:%Y-%m-%d %H:%M:%S} by `benchmarks/report.py` from the `*-latest.json` "
-        f"files of one `make bench`. Host: {os.cpu_count()} CPUs, "
+        f"files of one `make bench`. Host: {os.cpu_count()} CPUs, {cpu.identity()}, "
         f"{machine.get('platform') or platform.platform()}, Python {platform.python_version()}"
         + (f", torch {machine['torch']}" if machine.get("torch") else "")
         + ".",

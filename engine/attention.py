@@ -83,7 +83,7 @@ class PagedDecode:
     ) -> torch.Tensor:
         """q [B, H, D]; pages [num_blocks, block_size, Hkv, D]; block_tables [B, nb];
         ctx_lens [B] (this token included) -> [B, H * D]."""
-        from engine.kernels import native
+        from engine import native
 
         ext = native.load()
         assert ext is not None, f"pdserve kernels: {native.why_not()}"
@@ -94,7 +94,7 @@ class PagedDecode:
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:
-        from engine.kernels import native
+        from engine import native
 
         return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and (
             native.load() is not None

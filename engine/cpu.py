@@ -33,6 +33,20 @@ def onednn_bf16_supported() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def identity() -> str:
+    """The CPU's model name and its vector / matrix extensions (what `lscpu` shows), for
+    every benchmark result: a figure means nothing without the CPU it came from."""
+    import re
+    from pathlib import Path
+
+    info = Path("/proc/cpuinfo")
+    text = info.read_text() if info.exists() else ""
+    model = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
+    flags = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
+    isa = sorted({f for f in (flags.group(1).split() if flags else []) if re.match(r"avx|amx", f)})
+    return f"{model.group(1) if model else 'unknown CPU'} ({' '.join(isa) or 'no AVX'})"
+
+
 def describe() -> str:
     """One line for logs: torch's vector ISA level and the bf16 answers above."""
     return (

@@ -224,7 +224,7 @@ class BrgemmProjections(Projections):
         self, weights: ModelWeights, act: str = "silu", row_floors: dict[str, int] | None = None
     ) -> None:
         super().__init__(weights, act, row_floors)
-        from engine.kernels import native
+        from engine import native
 
         ext = native.load()
         assert ext is not None, f"pdserve kernels: {native.why_not()}"
@@ -238,7 +238,7 @@ class BrgemmProjections(Projections):
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:
-        from engine.kernels import native
+        from engine import native
 
         return (
             device.type == "cpu"

@@ -384,13 +384,7 @@ class _WorkerFamilies:
             "Constrained requests whose token #1 a decode worker's matcher refused (the two "
             "sides' grammars differ): they fail instead of decoding.",
         )
-        self.kernel_ms = GaugeMetricFamily(
-            PREFIX + "kernel_candidate_milliseconds",
-            "A kernel candidate's median time at the model's shapes, as the worker's start-up "
-            "selection measured it (chosen=true: the kernel it runs; untimed candidates, "
-            "outside tolerance or not batch-invariant, are absent).",
-            labels=[*_WORKER_LABELS, "op", "kernel", "chosen"],
-        )
+        self.kernel_ms = _kernel_family()
         self.cache_info = GaugeMetricFamily(
             PREFIX + "cache_config_info",
             "A worker's KV cache configuration, in its labels (value 1), as vLLM's.",
@@ -416,6 +410,16 @@ class _WorkerFamilies:
             self.kernel_ms,
             self.cache_info,
         )
+
+
+def _kernel_family() -> GaugeMetricFamily:
+    return GaugeMetricFamily(
+        PREFIX + "kernel_candidate_milliseconds",
+        "A kernel candidate's median time at the model's shapes, as the worker's start-up "
+        "selection measured it (chosen=true: the kernel it runs; untimed candidates, outside "
+        "tolerance or not batch-invariant, are absent).",
+        labels=[*_WORKER_LABELS, "op", "kernel", "chosen"],
+    )
 
 
 def _gauge(name: str, doc: str) -> GaugeMetricFamily:

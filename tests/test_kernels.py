@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import native
 from engine.attention import (
     PrefillKernel,
     aligned,
@@ -20,7 +21,7 @@ from engine.attention import (
     sdpa_prefill_attention,
 )
 from engine.config import ModelConfig
-from engine.kernels import OPS, Candidate, KernelSet, native
+from engine.kernels import OPS, Candidate, KernelSet, workloads
 from engine.kernels import select as selection
 from engine.model_weights import ModelWeights
 from engine.weights import load_weights
@@ -218,7 +219,7 @@ def test_a_wrong_or_batch_variant_candidate_is_never_chosen(
     monkeypatch.setattr(selection, "OPS", ops)
     monkeypatch.setattr("engine.kernels.OPS", ops)
     pools = selection._pools({}, torch.device("cpu"), torch.float32, True)
-    bench = selection._decode_bench(cfg, w, torch.float32, torch.device("cpu"), torch.Generator())
+    bench = workloads._decode_bench(cfg, w, torch.float32, torch.device("cpu"), torch.Generator())
     timing = selection._time_op(pools["decode_attention"], bench, torch.float32, True)
     assert timing.median_ms["wrong"] is None and "error" in timing.why["wrong"]
     assert timing.median_ms["variant"] is None and "batch-variant" in timing.why["variant"]
@@ -262,14 +263,14 @@ def test_paged_decode_matches_float64_and_ignores_the_batch(
     and around the 256-key partitions and the 16-token pages, scattered pages); then bit for
     bit the same alone, in the batch and on one thread."""
     from engine.attention import paged_decode_attention
-    from engine.kernels.select import _as_pages
+    from engine.kernels.workloads import as_pages
 
     g = torch.Generator().manual_seed(3)
     lens = torch.tensor([1, 17, 255, 256, 257, 600, 1040, 513])
     b, span = len(lens), int(lens.max())
     q = torch.randn(b, 9, 64, generator=g).to(dtype)
     k, v = (torch.randn(b, 3, span, 64, generator=g).to(dtype) for _ in range(2))
-    (kp, tables), (vp, _) = _as_pages(k), _as_pages(v)
+    (kp, tables), (vp, _) = as_pages(k), as_pages(v)
     perm = torch.randperm(kp.shape[0], generator=g)  # pages anywhere in the cache
     kp, vp = kp[perm].contiguous(), vp[perm].contiguous()
     tables = torch.argsort(perm)[tables]

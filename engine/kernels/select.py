@@ -47,10 +47,11 @@ from typing import Any
 import torch
 
 from engine import kernel_spec
-from engine.attention import PagedDecode
 from engine.config import ModelConfig
 from engine.kernels import OPS, Candidate, KernelSet, candidate, candidates
-from engine.model_weights import LayerWeights, ModelWeights
+from engine.kernels.workloads import BENCHES, Bench
+from engine.model_weights import ModelWeights
+from engine.native import cpu_identity, default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +62,6 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 BUDGET_S = 0.5
 """Timing time per op, after the warm-up; `MIN_ROUNDS` rounds are run whatever it costs."""
 MIN_ROUNDS, MAX_ROUNDS = 5, 25
-PROMPT_ROWS, DECODE_BATCH, DECODE_CTX = 512, 8, 512
-"""The shapes timed: a 512-token prompt pass and an 8-request decode step over 512 keys.
-The projections' cost weighs one prompt pass against 8 decode steps: a 512-in / 64-out
-request decoded in a batch of 8 (the load `make bench-peers` serves)."""
-DECODE_STEPS_PER_PROMPT = 8
 CACHE_VERSION = 1
 
 
@@ -182,7 +178,7 @@ def _measure(
     gen = torch.Generator(device="cpu").manual_seed(0)
     timings = {}
     for op, pool in pools.items():
-        bench = _BENCHES[op](cfg, weights, dtype, device, gen)
+        bench = BENCHES[op](cfg, weights, dtype, device, gen)
         timings[op] = _time_op(pool, bench, dtype, invariant)
     kernels = KernelSet.of(
         {op: t.chosen for op, t in timings.items()},
@@ -195,26 +191,12 @@ def _measure(
 
 def _native_note() -> str:
     """Why pdserve's own kernels are not among the candidates ('' when they are)."""
-    from engine.kernels import native
+    from engine import native
 
     return "" if native.load() is not None else f"pdserve kernels unavailable: {native.why_not()}"
 
 
-@dataclass
-class _Bench:
-    """An op's workload at the model's shapes.
-
-    `run(candidate, floors)`: a callable computing its outputs (one tensor per shape timed);
-    `reference()`: those outputs in float64; `probe(candidate)`: None when a row's result
-    is independent of its batch, else why not, plus the row floors it needs (projections).
-    """
-
-    run: Callable[[Candidate, dict[str, int]], Callable[[], list[torch.Tensor]]]
-    reference: Callable[[], list[torch.Tensor]]
-    probe: Callable[[Candidate], tuple[str | None, dict[str, int]]]
-
-
-def _time_op(pool: list[Candidate], bench: _Bench, dtype: torch.dtype, invariant: bool) -> OpTiming:
+def _time_op(pool: list[Candidate], bench: Bench, dtype: torch.dtype, invariant: bool) -> OpTiming:
     want = bench.reference()
     fns, errors, why, floors, probed = {}, {}, {}, {}, {}
     for c in pool:
@@ -291,287 +273,7 @@ def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(diff.norm() / want.norm().clamp_min(1e-30))
 
 
-# ---- the workloads at the model's shapes --------------------------------------------------
-def _rand(gen: torch.Generator, *shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-
-PROBE_SPANS = (64, 700, 2048)
-"""Decode contexts the invariance probe tries (a batch of 8 below each, against alone)."""
-PROBE_PROMPT = 600
-"""The prefill probe's prompt; its tails and 16-row chunks are compared with it."""
-
-
-def _decode_bench(
-    cfg: ModelConfig, w: ModelWeights, dtype: torch.dtype, dev: torch.device, gen: Any
-) -> _Bench:
-    b, h, hkv, d, s = DECODE_BATCH, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, DECODE_CTX
-    q64, k64, v64 = _rand(gen, b, h, d), _rand(gen, b, hkv, s, d), _rand(gen, b, hkv, s, d)
-    lens = torch.linspace(s // 2, s, b).long()
-    mask = (torch.arange(s)[None, :] < lens[:, None]).view(b, 1, 1, s)
-    scale = d**-0.5
-    q, k, v = (t.to(dev, dtype) for t in (q64, k64, v64))
-    dmask = mask.to(dev)
-
-    def run(c: Candidate, floors: dict[str, int]) -> Callable[[], list[torch.Tensor]]:
-        if isinstance(c.impl, PagedDecode):  # the pages laid out once, as the cache holds them
-            (kp, tables), (vp, _) = _as_pages(k), _as_pages(v)
-            dlens = lens.to(dev)
-            return lambda: [c.impl(q, kp, vp, tables, dlens, None, scale)]
-        return lambda: [c.impl(q, k, v, dmask, scale)]
-
-    def reference() -> list[torch.Tensor]:
-        g = h // hkv
-        kk, vv = k64.repeat_interleave(g, 1), v64.repeat_interleave(g, 1)  # [B, H, S, D]
-        sc = torch.einsum("bhd,bhsd->bhs", q64, kk) * scale
-        sc = sc.masked_fill(~mask.view(b, 1, s), float("-inf"))
-        return [torch.einsum("bhs,bhsd->bhd", sc.softmax(-1), vv).reshape(b, -1)]
-
-    def probe(c: Candidate) -> tuple[str | None, dict[str, int]]:
-        for span in PROBE_SPANS:
-            qs = _rand(gen, b, h, d).to(dev, dtype)
-            ks, vs = (_rand(gen, b, hkv, span, d).to(dev, dtype) for _ in range(2))
-            lens = torch.randint(1, span + 1, (b,), generator=gen)
-            lens[0] = span
-            m = (torch.arange(span)[None, :] < lens[:, None]).view(b, 1, 1, span).to(dev)
-            batch = _decode_call(c, qs, ks, vs, m, scale)
-            for i, n in enumerate(lens.tolist()):
-                one = (qs[i : i + 1], ks[i : i + 1, :, :n], vs[i : i + 1, :, :n])
-                alone = _decode_call(c, *one, None, scale)
-                if not torch.equal(alone, batch[i : i + 1]):
-                    return f"batch-variant at {span} keys", {}
-        return None, {}
-
-    return _Bench(run, reference, probe)
-
-
-def _as_pages(x: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, Hkv, S, D] -> pages [B * ceil(S / block), block, Hkv, D] (zero-padded), block
-    tables [B, ceil(S / block)]: request b's keys in its own run of pages."""
-    b, hkv, span, d = x.shape
-    nb = -(-span // block)
-    padded = x.new_zeros(b, hkv, nb * block, d)
-    padded[:, :, :span] = x
-    pages = padded.permute(0, 2, 1, 3).reshape(b * nb, block, hkv, d).contiguous()
-    return pages, torch.arange(b * nb, device=x.device).view(b, nb)
-
-
-def _decode_call(
-    c: Candidate,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
-    """Candidate `c` on a gathered context (mask [B, 1, 1, S] or None), paged if it reads
-    pages."""
-    if not isinstance(c.impl, PagedDecode):
-        out: torch.Tensor = c.impl(q, k, v, mask, scale)
-        return out
-    lens = torch.full((q.shape[0],), k.shape[2]) if mask is None else mask.flatten(1).sum(1)
-    (kp, tables), (vp, _) = _as_pages(k), _as_pages(v)
-    return c.impl(q, kp, vp, tables, lens.to(q.device), None, scale)
-
-
-def _prefill_bench(
-    cfg: ModelConfig, w: ModelWeights, dtype: torch.dtype, dev: torch.device, gen: Any
-) -> _Bench:
-    t, h, hkv, d = PROMPT_ROWS, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    window = cfg.sliding_windows[0]
-    q64, k64, v64 = _rand(gen, t, h, d), _rand(gen, t, hkv, d), _rand(gen, t, hkv, d)
-    scale = d**-0.5
-    q, k, v = (x.to(dev, dtype) for x in (q64, k64, v64))
-
-    def run(c: Candidate, floors: dict[str, int]) -> Callable[[], list[torch.Tensor]]:
-        return lambda: [c.impl(q, k, v, window, scale)]
-
-    def reference() -> list[torch.Tensor]:
-        g = h // hkv
-        kk, vv = k64.repeat_interleave(g, 1), v64.repeat_interleave(g, 1)  # [T, H, D]
-        sc = torch.einsum("qhd,khd->hqk", q64, kk) * scale
-        pos = torch.arange(t)
-        keep = pos[None, :] <= pos[:, None]
-        if window is not None:
-            keep &= pos[None, :] > pos[:, None] - window
-        sc = sc.masked_fill(~keep, float("-inf"))
-        return [torch.einsum("hqk,khd->qhd", sc.softmax(-1), vv).reshape(t, -1)]
-
-    def probe(c: Candidate) -> tuple[str | None, dict[str, int]]:
-        n = PROBE_PROMPT
-        qp, kp, vp = (_rand(gen, n, x, d).to(dev, dtype) for x in (h, hkv, hkv))
-        whole = c.impl(qp, kp, vp, window, scale)
-        for s in (1, 16, 100, 128, 300, n - 1):  # a tail after a cached prefix of s tokens
-            if not torch.equal(c.impl(qp[s:], kp, vp, window, scale), whole[s:]):
-                return f"differs after a {s}-token prefix", {}
-        for s in (0, 112, 224, 512, 576):  # a 16-token chunk
-            e = s + 16
-            if not torch.equal(c.impl(qp[s:e], kp[:e], vp[:e], window, scale), whole[s:e]):
-                return f"differs in the chunk at {s}", {}
-        return None, {}
-
-    return _Bench(run, reference, probe)
-
-
-FLOOR_ROWS = (
-    1,
-    2,
-    3,
-    4,
-    8,
-    16,
-    31,
-    32,
-    33,
-    48,
-    64,
-    65,
-    96,
-    128,
-    129,
-    200,
-    256,
-    384,
-    512,
-    768,
-    1024,
-    1536,
-    2048,
-)
-"""Row counts the projections' probe compares; a GEMM row's bits must not change from the
-floor up to the largest (a step's prompt chunks; `lm_head` sees at most `HEAD_ROWS`)."""
-HEAD_ROWS = 256
-FLOOR_LIMIT = 256
-"""A floor above this costs a decode step too much: the candidate is not invariant."""
-
-
-def _projection_bench(
-    cfg: ModelConfig, w: ModelWeights, dtype: torch.dtype, dev: torch.device, gen: Any
-) -> _Bench:
-    """One layer's qkv, o + residual and MLP + residual, on a prompt's rows and on
-    `DECODE_STEPS_PER_PROMPT` decode steps' (one output tensor per shape)."""
-    lw = w.layers[0]
-    one = ModelWeights(embed=w.embed, layers=[lw], norm=w.norm, lm_head=w.lm_head)
-    xs64 = [_rand(gen, PROMPT_ROWS, cfg.hidden_size), _rand(gen, DECODE_BATCH, cfg.hidden_size)]
-    os64 = [_rand(gen, x.shape[0], cfg.q_size) for x in xs64]
-    xs = [x.to(dev, dtype) for x in xs64]
-    os_ = [o.to(dev, dtype) for o in os64]
-
-    def layer(p: Any, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        qkv = p.qkv(0, x)
-        res = p.o_residual(0, o, x.clone())
-        res = p.mlp_residual(0, x, res)
-        return torch.cat((qkv.flatten(), res.flatten()))
-
-    def run(c: Candidate, floors: dict[str, int]) -> Callable[[], list[torch.Tensor]]:
-        p = c.impl(one, cfg.hidden_act, floors)
-
-        def go() -> list[torch.Tensor]:
-            out = [layer(p, xs[0], os_[0])]
-            out += [layer(p, xs[1], os_[1]) for _ in range(DECODE_STEPS_PER_PROMPT)]
-            return out[:2]
-
-        return go
-
-    def reference() -> list[torch.Tensor]:
-        w64 = ModelWeights(
-            embed=w.embed[:1].double(),
-            layers=[_double_layer(lw)],
-            norm=w.norm.double(),
-            lm_head=w.lm_head[:1].double(),
-        )
-        p = candidate("projections", "plain").impl(w64, cfg.hidden_act)
-        return [layer(p, x, o) for x, o in zip(xs64, os64, strict=True)]
-
-    def probe(c: Candidate) -> tuple[str | None, dict[str, int]]:
-        p = c.impl(one, cfg.hidden_act)
-        floors = {}
-        for kind in _kinds(cfg):
-            floor = _row_floor(_kind_fn(p, kind), cfg, dtype, dev, gen, kind)
-            if floor is None:
-                return f"{kind} batch-variant above {FLOOR_LIMIT} rows", {}
-            if floor > 1:
-                floors[kind] = floor
-        return None, floors
-
-    return _Bench(run, reference, probe)
-
-
-def _kinds(cfg: ModelConfig) -> tuple[str, ...]:
-    """The projection methods the model calls (Gemma 3 norms sublayer outputs first)."""
-    if cfg.gemma_norms:
-        return ("qkv", "o", "mlp", "lm_head")
-    return ("qkv", "o_residual", "mlp_residual", "lm_head")
-
-
-def _kind_fn(p: Any, kind: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """kind's product as fn(h [T, d], o [T, q]) on layer 0."""
-    return {
-        "qkv": lambda h, o: p.qkv(0, h),
-        "o_residual": lambda h, o: p.o_residual(0, o, h.clone()),
-        "mlp_residual": lambda h, o: p.mlp_residual(0, h, h.clone()),
-        "o": lambda h, o: p.o(0, o),
-        "mlp": lambda h, o: p.mlp(0, h),
-        "lm_head": lambda h, o: p.lm_head(h),
-    }[kind]
-
-
-def _row_floor(
-    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    cfg: ModelConfig,
-    dtype: torch.dtype,
-    dev: torch.device,
-    gen: Any,
-    kind: str,
-) -> int | None:
-    """The least row count in `FLOOR_ROWS` from which fn's rows equal those of its largest
-    call bit for bit (None: none up to `FLOOR_LIMIT`)."""
-    rows = [r for r in FLOOR_ROWS if r <= (HEAD_ROWS if kind == "lm_head" else FLOOR_ROWS[-1])]
-    h = _rand(gen, rows[-1], cfg.hidden_size).to(dev, dtype)
-    o = _rand(gen, rows[-1], cfg.q_size).to(dev, dtype)
-    full = fn(h, o)
-    floor = None
-    for r in reversed(rows[:-1]):
-        if not torch.equal(fn(h[:r], o[:r]), full[:r]):
-            break
-        floor = r
-    return floor if floor is not None and floor <= FLOOR_LIMIT else None
-
-
-def _double_layer(lw: LayerWeights) -> LayerWeights:
-    values = {
-        k: (v.double().cpu() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-        for k, v in vars(lw).items()
-    }
-    return LayerWeights(**values)
-
-
-_BENCHES: dict[str, Callable[..., _Bench]] = {
-    "decode_attention": _decode_bench,
-    "prefill_attention": _prefill_bench,
-    "projections": _projection_bench,
-}
-
-
 # ---- the on-disk cache and the host lock --------------------------------------------------
-def default_cache_dir() -> Path:
-    home = os.environ.get("PDSERVE_HOME") or str(Path.home() / ".cache" / "pdserve")
-    return Path(home) / "kernels"
-
-
-def cpu_identity() -> dict[str, str]:
-    """The CPU's model name and a digest of its flags (/proc/cpuinfo; empty off Linux)."""
-    model, flags = "", ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            k, _, v = line.partition(":")
-            if k.strip() == "model name" and not model:
-                model = v.strip()
-            elif k.strip() == "flags" and not flags:
-                flags = " ".join(sorted(v.split()))
-    return {"cpu_model": model, "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16]}
-
-
 def cache_key(
     cfg: ModelConfig,
     device: torch.device,

@@ -1,10 +1,12 @@
 """pdserve's own CPU kernels (``engine/kernels/csrc``), built once per machine and torch.
 
+A leaf module (torch only): the kernels' Python side and the selection import it.
+
 The C++ sources are compiled with `torch.utils.cpp_extension.load` (g++ and the `ninja`
 package) into ``$PDSERVE_HOME/kernels/build-<digest>``, the digest taken from the sources,
 the torch version and the CPU's flags, so a changed source or another CPU builds anew and a
 restart loads the built module in milliseconds. `make install` builds it
-(``python -m engine.kernels.native``); otherwise the first worker to need it does, under
+(``python -m engine.native``); otherwise the first worker to need it does, under
 torch's own build lock.
 
 Where it cannot be built (no compiler, no ninja, a failed build) or is switched off
@@ -15,6 +17,7 @@ says why.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -28,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).parent / "csrc"
+CSRC = Path(__file__).parent / "kernels" / "csrc"
 SOURCES = ("bindings.cpp", "gemm.cpp", "decode.cpp")
 _why_not = ""
 
@@ -37,15 +40,38 @@ def enabled() -> bool:
     return os.environ.get("PDSERVE_NATIVE_KERNELS", "1") not in ("0", "", "off")
 
 
-def build_dir() -> Path:
-    """Where this source, torch and CPU's build lives."""
-    from engine.kernels.select import cpu_identity, default_cache_dir
+def default_cache_dir() -> Path:
+    """``$PDSERVE_HOME/kernels``: the built extension and the kernel selections."""
+    home = os.environ.get("PDSERVE_HOME") or str(Path.home() / ".cache" / "pdserve")
+    return Path(home) / "kernels"
 
+
+def cpu_identity() -> dict[str, str]:
+    """The CPU's model name and a digest of its flags (/proc/cpuinfo; empty off Linux)."""
+    model, flags = "", ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            if k.strip() == "model name" and not model:
+                model = v.strip()
+            elif k.strip() == "flags" and not flags:
+                flags = " ".join(sorted(v.split()))
+    return {"cpu_model": model, "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16]}
+
+
+def build_dir() -> Path:
+    """Where this source, torch, CPU and compiler flags' build lives."""
     digest = hashlib.sha256()
     for name in sorted(p.name for p in CSRC.iterdir()):
         digest.update(name.encode() + (CSRC / name).read_bytes())
     digest.update(torch.__version__.encode() + cpu_identity()["cpu_flags"].encode())
+    digest.update(" ".join(_cflags()).encode())
     return default_cache_dir() / f"build-{digest.hexdigest()[:16]}"
+
+
+def _cflags() -> list[str]:
+    # OpenMP: at::parallel_for is header code, serial unless built with it
+    return ["-O3", "-march=native", "-std=c++17", "-fopenmp", *_vector_flags()]
 
 
 @functools.cache
@@ -67,8 +93,7 @@ def load() -> ModuleType | None:
         return cpp_extension.load(
             name="pdserve_kernels",
             sources=[str(CSRC / s) for s in SOURCES],
-            # OpenMP: at::parallel_for is header code, serial unless built with it
-            extra_cflags=["-O3", "-march=native", "-std=c++17", "-fopenmp", *_vector_flags()],
+            extra_cflags=_cflags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(out),
             verbose=False,
