@@ -24,10 +24,11 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# bash and wget: KubeRay's generated `ray start` command and default probes use them.
+# bash and wget: KubeRay's generated `ray start` command and default probes use them. g++:
+# the first worker on a node builds pdserve's CPU kernels for that node's CPU (engine/native.py).
 # python3-venv only where the base has no Python (the CUDA images).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends bash ca-certificates procps wget \
+ && apt-get install -y --no-install-recommends bash ca-certificates g++ procps wget \
  && if ! python3 -m venv --help >/dev/null 2>&1; then \
       apt-get install -y --no-install-recommends python3 python3-venv; \
     fi \

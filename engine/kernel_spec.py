@@ -14,7 +14,7 @@ NAMES: dict[str, tuple[str, ...]] = {
 
 HELP = (
     "auto: time each op's candidates on this machine at the model's shapes and take the "
-    "fastest (cached under $PDSERVE_HOME/kernels); reference: torch's own kernels; or "
+    "fastest (cached under ~/.cache/pdserve/kernels); reference: torch's own kernels; or "
     "OP=NAME,... to fix some ops (the rest measured): "
     + "; ".join(f"{op}: {'|'.join(names)}" for op, names in NAMES.items())
 )

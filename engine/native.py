@@ -3,11 +3,12 @@
 A leaf module (torch only): the kernels' Python side and the selection import it.
 
 The C++ sources are compiled with `torch.utils.cpp_extension.load` (g++ and the `ninja`
-package) into ``$PDSERVE_HOME/kernels/build-<digest>``, the digest taken from the sources,
-the torch version and the CPU's flags, so a changed source or another CPU builds anew and a
-restart loads the built module in milliseconds. `make install` builds it
-(``python -m engine.native``); otherwise the first worker to need it does, under
-torch's own build lock.
+package) into ``~/.cache/pdserve/kernels/build-<digest>`` (`default_cache_dir`), the digest
+taken from the sources, the torch version, the CPU's flags and the compiler flags, so a
+changed source or another CPU builds anew and a restart loads the built module at once.
+`make install` builds it (``python -m engine.native``); otherwise the first worker to need
+it does, under torch's own build lock (the container image has g++ for that: it is built
+for the CPU it runs on, never for the image builder's).
 
 Where it cannot be built (no compiler, no ninja, a failed build) or is switched off
 (``PDSERVE_NATIVE_KERNELS=0``), `load()` returns None with the reason in `why_not()`, and the
@@ -41,9 +42,12 @@ def enabled() -> bool:
 
 
 def default_cache_dir() -> Path:
-    """``$PDSERVE_HOME/kernels``: the built extension and the kernel selections."""
-    home = os.environ.get("PDSERVE_HOME") or str(Path.home() / ".cache" / "pdserve")
-    return Path(home) / "kernels"
+    """The built extension and the kernel selections: ``$PDSERVE_KERNELS_DIR``, else
+    ``~/.cache/pdserve/kernels``. Per machine, not per `$PDSERVE_HOME`: what is built and
+    measured depends on the CPU, torch and the shapes (all in the keys), not on where the
+    models live, so every server on the host shares them."""
+    explicit = os.environ.get("PDSERVE_KERNELS_DIR")
+    return Path(explicit) if explicit else Path.home() / ".cache" / "pdserve" / "kernels"
 
 
 def cpu_identity() -> dict[str, str]:

@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 
 from engine.sampling import InvalidParameterError
-from engine.structured import StructuredOutput
+from engine.structured import StructuredOutput, lowly
 from router.active import RequestFailed
 
 log = logging.getLogger(__name__)
@@ -49,14 +49,14 @@ def _child(conn: Connection) -> None:
     """The compile loop: the tokenizer first, then one JSON request in, one answer out.
     It is ready only once the backend is warm, so a compile's bound times the compile."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
-    from tokenizers import Tokenizer as HFTokenizer
-
-    from engine.structured import GrammarBackend
-
     spec = json.loads(conn.recv_bytes())
-    tok = HFTokenizer.from_str(spec["tokenizer_json"])
-    backend = GrammarBackend(tok, spec["vocab_size"], tuple(spec["eos_token_ids"]))
-    backend.warm()
+    made: list[Any] = []
+    # The cold start (imports, tokenizer info: seconds of CPU) at low priority: it must not
+    # slow the requests the router serves meanwhile. Compiles run at normal priority.
+    setup = threading.Thread(target=lowly(lambda: made.append(_warm_backend(spec))))
+    setup.start()
+    setup.join()
+    backend = made[0]
     conn.send_bytes(b'{"ready": true}')
     while True:
         try:
@@ -73,6 +73,17 @@ def _child(conn: Connection) -> None:
             answer = {"error": e.message}
         answer["ms"] = (time.perf_counter() - t0) * 1e3
         conn.send_bytes(json.dumps(answer).encode())
+
+
+def _warm_backend(spec: dict[str, Any]) -> Any:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from engine.structured import GrammarBackend
+
+    tok = HFTokenizer.from_str(spec["tokenizer_json"])
+    backend = GrammarBackend(tok, spec["vocab_size"], tuple(spec["eos_token_ids"]))
+    backend.warm()
+    return backend
 
 
 class GrammarChecker:

@@ -158,7 +158,8 @@ def test_engine_sizes_its_cache_and_reports_it(tmp_path: Path) -> None:
     tokens = s.num_blocks * 16
     assert f"KV cache {s.num_blocks} blocks x 16 = {tokens} tokens" in line
     assert "by kv_cache_memory" in line and "loaded in 1.23 s" in line
-    assert "float32 on cpu (packed oneDNN float32 matmuls)" in line and "M parameters" in line
+    assert f"float32 on cpu ({engine.runner.model.matmul_path} matmuls)" in line
+    assert "M parameters" in line and "; kernels " in line  # the kernel choice, measured
     blocks_per_request = -(-engine.max_model_len // 16)
     want = f"Maximum concurrency for {engine.max_model_len} tokens per request: "
     assert want + f"{s.num_blocks / blocks_per_request:.2f}x" in line

@@ -166,7 +166,9 @@ class WorkerBase(abc.ABC):
         self.loop = EngineLoop(build, None, cfg.name)
         self.engine = self.loop.engine
         if self.engine.grammars is not None:  # the first constrained request finds it warm
-            self.engine.grammars.warm_in_background()
+            # before ready, not beside the first requests: building the tokenizer info holds
+            # the GIL for about a second, which a background thread takes from the engine's
+            self.engine.grammars.warm()
         sel = self.engine.kernel_selection
         self._kernel_timings = tuple(
             KernelTiming(op, kernel, ms, kernel == t.chosen)

@@ -11,7 +11,8 @@ candidates (`engine.kernels.OPS`) run on random inputs of the model's own shapes
   by more than twice the standard error of the difference plus `MARGIN`, else the simpler
   one (listed first) stays;
 - the measurement holds a host-wide lock (`fcntl.flock`), so workers starting together do
-  not time each other's load, and is cached on disk under ``$PDSERVE_HOME/kernels``, keyed
+  not time each other's load, and is cached on disk under ``~/.cache/pdserve/kernels``
+  (``$PDSERVE_KERNELS_DIR``), keyed
   by CPU model and flags, torch version, dtype, device, thread count and shapes: a restart
   reads the file and measures nothing.
 
