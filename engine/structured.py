@@ -110,16 +110,9 @@ class GrammarBackend:
 
     def warm(self) -> None:
         """Do the cold work now (import xgrammar, build the tokenizer info: about a second):
-        a worker and the router's checker call it at start-up, off their serving threads,
-        so the first constrained request waits for its own compile only."""
+        a worker calls it before it is ready and the router's checker child before its first
+        check, so the first constrained request waits for its own compile only."""
         self._compiler_now()
-
-    def warm_in_background(self) -> threading.Thread:
-        """`warm` on a thread of low priority: on a busy host it waits for the serving
-        threads rather than slowing them down."""
-        thread = threading.Thread(target=lowly(self.warm), name="grammar-warm", daemon=True)
-        thread.start()
-        return thread
 
     def _compiler_now(self) -> xgr.GrammarCompiler:
         with self._lock:
