@@ -136,8 +136,10 @@ class EdgeLimits:
 
 
 def check_choices(s: gen.SamplingParams, max_n: int) -> None:
-    """`n` and `best_of` within `router.limits.max_n` (best_of at least n)."""
-    n = _int(s, "n") or 1
+    """`n` and `best_of` within `router.limits.max_n` (best_of at least n); an unset n is 1,
+    an n of 0 is refused (as OpenAI does), never taken for 1."""
+    n = _int(s, "n")
+    n = 1 if n is None else n
     best_of = _int(s, "best_of")
     if not 1 <= n <= max_n:
         raise InvalidParameterError("n", f"must be in [1, {max_n}], got {n}")

@@ -424,3 +424,19 @@ def test_a_request_the_kv_cache_cannot_hold_reads_as_a_context_length_error() ->
 
     with pytest.raises(ContextLengthError, match="maximum context length is 2048 tokens"):
         check_request(list(range(4, 300)), SamplingParams(max_tokens=8), 512, 2048, 16, 8)
+
+
+@pytest.mark.parametrize(("n", "ok"), [(None, True), (1, True), (4, True), (0, False), (-1, False)])
+def test_n_zero_is_refused_not_taken_for_one(n: int | None, ok: bool) -> None:
+    """OpenAI refuses n = 0 ("less than the minimum of 1"); an unset n is 1."""
+    from engine.sampling import InvalidParameterError
+    from protos.pdserve.v1 import generation_pb2 as gen
+    from router.validation import check_choices
+
+    s = gen.SamplingParams() if n is None else gen.SamplingParams(n=n)
+    if ok:
+        check_choices(s, max_n=16)
+        return
+    with pytest.raises(InvalidParameterError, match=r"must be in \[1, 16\]") as e:
+        check_choices(s, max_n=16)
+    assert e.value.field == "n"
