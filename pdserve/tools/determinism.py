@@ -221,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         census = run(model_dir, prompts(args.prompts), args.max_tokens, args.dtype, step)
         bar.update(1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(asdict(census) | {"mismatches": census.mismatches()}))
+    from engine import cpu
+
+    extra = {"mismatches": census.mismatches(), "cpu": cpu.identity(), "date": time.ctime()}
+    Path(args.out).write_text(json.dumps(asdict(census) | extra))
+    print(f"CPU: {cpu.identity()}")
     print(census.summary())
     print("seconds per condition: " + ", ".join(f"{k} {v:.1f}" for k, v in census.seconds.items()))
     return 0 if census.identical() else 1
