@@ -83,10 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="download and convert a named model; prints its directory last",
         formatter_class=shown,
     )
-    fetch.add_argument("name", help="smollm2-135m-instruct")
+    fetch.add_argument("name", help=" | ".join(_named_models()))
     fetch.add_argument("--out", default=None, help="default $PDSERVE_HOME/models/NAME-DTYPE")
     fetch.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="weights' dtype"
+    )
+
+    model.add_parser(
+        "list", help="the named models and presets, and which are fetched", formatter_class=shown
     )
 
     gen = sub.add_parser(
@@ -479,7 +483,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # serve logs at info by default (as vLLM does); the other commands print their output
         configure_logging(getattr(args, "log_level", None), default=_default_level(args))
         if args.command == "model":
-            return _model_fetch(args) if args.model_command == "fetch" else _model_init(args)
+            handler = {"fetch": _model_fetch, "list": _model_list}.get(args.model_command)
+            return (handler or _model_init)(args)
         if args.command == "generate":
             return _generate(args)
         if args.command == "trace":
@@ -515,6 +520,27 @@ def _model_init(args: argparse.Namespace) -> int:
 
     path = write_checkpoint(args.preset, args.out, seed=args.seed, dtype=args.dtype)
     print(f"pdserve: wrote {args.preset} checkpoint (seed {args.seed}, {args.dtype}) to {path}")
+    return 0
+
+
+def _named_models() -> list[str]:
+    from pdserve.models import NAMED_MODELS
+
+    return list(NAMED_MODELS)
+
+
+def _model_list(args: argparse.Namespace) -> int:
+    """`pdserve model list`: what `--model NAME` accepts besides paths and Hub ids."""
+    from pdserve.checkpoint import PRESETS
+    from pdserve.models import DEFAULT_MODEL, NAMED_MODELS, pdserve_home
+
+    for name, m in NAMED_MODELS.items():
+        fetched = sorted(p.name for p in (pdserve_home() / "models").glob(f"{name}-*"))
+        where = f"fetched: {', '.join(fetched)}" if fetched else "not fetched"
+        default = " (the default)" if name == DEFAULT_MODEL else ""
+        print(f"{name}{default}: {m.description}; pip package {m.package}=={m.version}; {where}")
+    for name in PRESETS:
+        print(f"{name}: a random-weight preset for tests and benchmarks (generated on use)")
     return 0
 
 

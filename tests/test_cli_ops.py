@@ -360,3 +360,17 @@ def test_a_busy_port_exits_2_within_3_s(tmp_path: Path, flag: str) -> None:
     assert flag in line
     assert cpu < 1.5, f"{cpu:.2f} s of CPU: torch was imported before the port check?"
     assert wall < 10.0, f"{wall:.1f} s"
+
+
+def test_model_list_names_what_model_accepts(capsys: pytest.CaptureFixture[str]) -> None:
+    """`pdserve model list`, which `--model`'s help names: every named model (the default
+    marked) and every preset."""
+    from pdserve.checkpoint import PRESETS
+    from pdserve.cli import main
+    from pdserve.models import DEFAULT_MODEL, NAMED_MODELS
+
+    assert main(["model", "list"]) == 0
+    out = capsys.readouterr().out
+    assert f"{DEFAULT_MODEL} (the default)" in out
+    for name in [*NAMED_MODELS, *PRESETS]:
+        assert any(line.startswith(f"{name}") for line in out.splitlines()), name
