@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -32,6 +33,9 @@ MAX_PROBE_INTERVAL_S = 5.0
 TRANSFER_FAILURES_DOWN = 3
 
 
+_TRACKED = itertools.count(1)  # `WorkerLoad.last_track`'s sequence
+
+
 @dataclass
 class WorkerLoad(Generic[C]):
     client: C
@@ -46,6 +50,10 @@ class WorkerLoad(Generic[C]):
     probe_interval_s: float = 0.0  # current backoff between probes while down
     transfer_failures_in_a_row: int = 0
     stats_at_s: float = 0.0  # monotonic time the last stats arrived
+    # when a request last went to it (a sequence number, so never a tie): the last
+    # tie-breaker, so that among equally loaded workers the least recently used gets the
+    # next request (a restarted or idle worker is never starved by a fixed order)
+    last_track: int = 0
 
     def mark_down(self, reason: object) -> None:
         """Out of rotation until a stats probe answers again (Ray restarts the actor)."""
@@ -109,6 +117,7 @@ class WorkerLoad(Generic[C]):
     def track(self, request_id: str) -> None:
         """The request is on this worker (counts toward its active load)."""
         self.active.add(request_id)
+        self.last_track = next(_TRACKED)
 
     def untrack(self, request_id: str) -> None:
         self.active.discard(request_id)
@@ -195,12 +204,13 @@ class PairCost:
     def total_s(self) -> float:
         return self.prefill_s + self.transfer_s
 
-    def sort_key(self) -> tuple[bool, float, int, int]:
+    def sort_key(self) -> tuple[bool, float, int, int, int]:
         return (
             not self.has_room,
             self.total_s,
             -self.decode.free_blocks,
             len(self.decode.active) + len(self.prefill.active),
+            self.prefill.last_track,  # ties: the least recently used prefill worker
         )
 
 
@@ -269,13 +279,18 @@ class Pool(Generic[C]):
     def pick_prefill(
         self, matches: dict[str, int], num_tokens: int, block_size: int
     ) -> WorkerLoad[C]:
-        """Least prefill work (`WorkerLoad.prefill_work`), then fewest active requests."""
+        """Least prefill work (`WorkerLoad.prefill_work`), then fewest active requests,
+        then the least recently used."""
         candidates = self.healthy()
         if not candidates:
             raise LookupError(f"no healthy {self.role.value} worker")
         return min(
             candidates,
-            key=lambda w: (w.prefill_work(matches, num_tokens, block_size), len(w.active)),
+            key=lambda w: (
+                w.prefill_work(matches, num_tokens, block_size),
+                len(w.active),
+                w.last_track,
+            ),
         )
 
     def best_match(self, matches: dict[str, int]) -> WorkerLoad[C] | None:

@@ -320,3 +320,24 @@ def test_a_burst_spreads_over_equally_free_decode_workers() -> None:
 
     asyncio.run(burst())
     assert [w.reserved for w in workers] == [3, 3]
+
+
+def test_ties_go_to_the_least_recently_used_prefill_worker() -> None:
+    """Among idle, equally placed prefill workers the next request goes to the one used
+    longest ago, in both placement paths: a worker that just restarted (or sat idle) gets
+    work instead of losing every tie to the first in order (`make chaos`' kill-prefill
+    found none of 90 s of probes reaching the restarted worker)."""
+    pool = prefill_pool(0, 0, 0)
+    picked = []
+    for i in range(6):
+        w = pool.pick_prefill({}, 10 * BS, BS)
+        with w.prefilling(f"r{i}", 10 * BS):  # placed, then done: idle again, all equal
+            picked.append(w.name)
+    assert picked == ["p0", "p1", "p2", "p0", "p1", "p2"]
+    decode = decode_pool(40)
+    firsts = []
+    for i in range(4):
+        (pair, *_) = rank_pairs(pool.workers, decode.workers, {}, 4 * BS, BS, 1e4, 1e6)
+        with pair.prefill.prefilling(f"q{i}", 4 * BS):
+            firsts.append(pair.prefill.name)
+    assert len(set(firsts[:3])) == 3, firsts
