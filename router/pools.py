@@ -33,6 +33,8 @@ MAX_PROBE_INTERVAL_S = 5.0
 TRANSFER_FAILURES_DOWN = 3
 
 
+SILENT_AFTER = 2
+"""Stats calls in a row that time out before an up worker counts as silent."""
 _TRACKED = itertools.count(1)  # `WorkerLoad.last_track`'s sequence
 
 
@@ -54,6 +56,7 @@ class WorkerLoad(Generic[C]):
     # tie-breaker, so that among equally loaded workers the least recently used gets the
     # next request (a restarted or idle worker is never starved by a fixed order)
     last_track: int = 0
+    missed_refreshes: int = 0  # stats calls in a row that timed out while it was up
 
     def mark_down(self, reason: object) -> None:
         """Out of rotation until a stats probe answers again (Ray restarts the actor)."""
@@ -169,6 +172,7 @@ class WorkerLoad(Generic[C]):
         self.stats = stats
         self.stats_at_s = time.monotonic()
         self.pending_blocks = 0
+        self.missed_refreshes = 0
         self.mark_up()
 
     @property
@@ -307,17 +311,26 @@ class Pool(Generic[C]):
         return any(w.healthy and w.stats is not None for w in self.workers)
 
     async def refresh(self, interval_s: float, timeout_s: float) -> None:
-        """Pull every worker's stats. A worker that fails or takes over `timeout_s` (a call
-        to an actor Ray is restarting waits for the restart) is marked down; down workers
-        are probed with backoff from `interval_s` up to `MAX_PROBE_INTERVAL_S`."""
+        """Pull every worker's stats. A worker that is gone, or whose stats take over
+        `timeout_s` `SILENT_AFTER` times in a row (a call to an actor Ray is restarting waits
+        for the restart), is marked down; down workers are probed with backoff from
+        `interval_s` up to `MAX_PROBE_INTERVAL_S`."""
 
         async def one(w: WorkerLoad[C]) -> None:
             if not w.healthy and time.monotonic() < w.next_probe_s:
                 return
             try:
                 w.stats_arrived(await asyncio.wait_for(w.client.stats(), timeout_s))
-            except (WorkerUnavailable, asyncio.TimeoutError) as e:
+            except asyncio.TimeoutError as e:
+                # One slow answer is a loaded host, not a dead worker: an up worker is found
+                # silent (and its pending calls failed) only after SILENT_AFTER misses in a row.
+                w.missed_refreshes += 1
+                if w.healthy and w.missed_refreshes < SILENT_AFTER:
+                    log.info("stats of %s timed out (%d in a row)", w.name, w.missed_refreshes)
+                    return
                 w.probe_failed(e or type(e).__name__, interval_s)
+            except WorkerUnavailable as e:  # the actor is gone: no second chance needed
+                w.probe_failed(e, interval_s)
             except Exception as e:
                 # Boundary of the refresh loop: a worker whose stats raise cannot be routed
                 # to by load, so it is probed again later; the traceback says whose bug it is.

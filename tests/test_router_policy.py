@@ -18,7 +18,7 @@ from router.active import ActiveRequest, RequestFailed
 from router.clients import DecodeClient, PrefillClient
 from router.config import PolicySettings, PrefillFailurePolicy, RouterConfig
 from router.flow import RequestFlow
-from router.pools import Pool, WorkerLoad, overflow_worker, rank_pairs
+from router.pools import SILENT_AFTER, Pool, WorkerLoad, overflow_worker, rank_pairs
 from router.reservation import Reserver, WaitingLine
 from router.token_sink import TokenSinkServer
 
@@ -341,3 +341,32 @@ def test_ties_go_to_the_least_recently_used_prefill_worker() -> None:
         with pair.prefill.prefilling(f"q{i}", 4 * BS):
             firsts.append(pair.prefill.name)
     assert len(set(firsts[:3])) == 3, firsts
+
+
+class _SlowStats:
+    """A worker API whose stats never answer in time (the unit under test is the pool)."""
+
+    async def stats(self) -> object:
+        await asyncio.sleep(10)
+        raise AssertionError("never reached")
+
+
+def test_one_slow_stats_answer_does_not_make_a_worker_silent() -> None:
+    """A loaded host's worker that misses one refresh stays up with its calls pending; the
+    second miss in a row marks it down and fails what waits on it (`SILENT_AFTER`)."""
+    client = PrefillClient("p0", _SlowStats())  # type: ignore[arg-type]
+    pool: Pool[PrefillClient] = Pool(Role.PREFILL, [client])
+    w = pool.workers[0]
+    w.stats_arrived(stats("p0", Role.PREFILL, 64))
+
+    async def run() -> list[bool]:
+        waiter = asyncio.ensure_future(client.until_silent())
+        seen = []
+        for _ in range(SILENT_AFTER):
+            await pool.refresh(0.01, timeout_s=0.05)
+            await asyncio.sleep(0)
+            seen.append(w.healthy and not waiter.done())
+        return seen
+
+    assert asyncio.run(run()) == [True] * (SILENT_AFTER - 1) + [False]
+    assert not w.healthy and w.missed_refreshes == SILENT_AFTER
