@@ -228,7 +228,7 @@ class Deployment:
         if not ray.is_initialized():
             if not sys.stderr.isatty():  # a log file or a pod log: no colour codes in it
                 os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-            ray.init(
+            init_ray(
                 # None starts a fresh local Ray ("local"): plain None would join whatever
                 # RAY_ADDRESS or the last `ray start` (/tmp/ray/ray_current_cluster) names.
                 address=cfg.ray.address or "local",
@@ -367,3 +367,20 @@ def run_with_workers(cfg: Any, model_dir: Any, body: Any) -> None:
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def init_ray(**kwargs: Any) -> None:
+    """`ray.init(**kwargs)`, tried a second time, saying so, when a fresh local node does
+    not come up ("The current node timed out during startup": its raylet never started,
+    seen once in 5 fresh-clone test runs on a 2-core host). Joining a cluster is not retried:
+    there a failure is the cluster's to report."""
+    import ray
+
+    try:
+        ray.init(**kwargs)
+    except Exception as e:  # ray raises plain Exception subclasses here
+        if kwargs.get("address") != "local" or "timed out" not in str(e):
+            raise
+        log.warning("ray.init: the local node did not start (%s); starting it again", e)
+        ray.shutdown()
+        ray.init(**kwargs)

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from pdserve.launch import run_with_workers
+from pdserve.launch import init_ray, run_with_workers
 from router.config import RouterConfig
 
 __all__ = ["run_with_workers"]
@@ -21,7 +21,7 @@ def start_local_ray() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(
+    init_ray(
         address="local",
         num_cpus=4,
         namespace="pdserve",
