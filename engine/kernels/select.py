@@ -52,7 +52,7 @@ from engine.config import ModelConfig
 from engine.kernels import OPS, Candidate, KernelSet, candidate, candidates
 from engine.kernels.workloads import BENCHES, Bench
 from engine.model_weights import ModelWeights
-from engine.native import cpu_identity, default_cache_dir
+from engine.native import build_dir, cpu_identity, default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ BUDGET_S = 0.6
 """Timing time per op, after the warm-up; `MIN_ROUNDS` rounds are run whatever it costs."""
 MIN_ROUNDS, MAX_ROUNDS = 7, 25
 WARMUP = 3
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclass
@@ -286,6 +286,7 @@ def cache_key(
 ) -> dict[str, Any]:
     return {
         "version": CACHE_VERSION,
+        "native": build_dir().name,  # our kernels' sources and flags: changed code, new timing
         **cpu_identity(),
         "capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
