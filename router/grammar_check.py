@@ -118,8 +118,9 @@ class GrammarChecker:
             with self._lock:
                 try:
                     self._child_conn()
-                except (RuntimeError, OSError) as e:  # the first check will try again
-                    log.warning("the grammar checker did not start: %s", e)
+                except (RuntimeError, OSError, EOFError) as e:  # the first check tries again
+                    # EOFError: the router closed (killed the child) while it started
+                    log.warning("the grammar checker did not start: %r", e)
 
         thread = threading.Thread(target=warm, name="grammar-check-start", daemon=True)
         thread.start()
@@ -171,6 +172,7 @@ class GrammarChecker:
         ).encode()
         proc = ctx.Process(target=_child, args=(child,), daemon=True, name="grammar-check")
         proc.start()
+        self._proc = proc  # `close` stops it even while it starts
         child.close()
         parent.send_bytes(spec)
         if not parent.poll(120.0):  # it imports xgrammar and transformers: seconds

@@ -282,6 +282,36 @@ def test_a_cold_checker_times_the_compile_alone(real_dir: Path, case: str) -> No
         checker.close()
 
 
+def test_closing_the_router_while_its_checker_starts_is_quiet(
+    real_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The router starts its checker at start-up, in the background; a router stopped while
+    the child still starts (a SIGTERM seconds after start) kills it, and the start-up thread
+    ends with a warning, not an uncaught exception's traceback in the server's log."""
+    import threading
+
+    from engine.tokenizer import Tokenizer
+    from router.grammar_check import GrammarChecker, TokenizerSpec
+
+    tok = Tokenizer.from_dir(real_dir)
+    checker = GrammarChecker(TokenizerSpec(tok.to_str(), 49152, tok.eos_token_ids), 1.0)
+    uncaught: list[object] = []
+    hook = threading.excepthook
+    threading.excepthook = uncaught.append
+    try:
+        starting = checker.start()
+        deadline = time.monotonic() + 30
+        while checker._proc is None:  # the child is being started
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        checker.close()
+        starting.join(30)
+    finally:
+        threading.excepthook = hook
+    assert not starting.is_alive() and uncaught == []
+    assert "did not start" in caplog.text
+
+
 def test_structural_tags_in_both_forms_constrain_the_tagged_part(
     engine: LLMEngine, real_dir: Path
 ) -> None:
