@@ -10,7 +10,9 @@ any machine.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from pathlib import Path
 
 import torch
 
@@ -33,18 +35,26 @@ def onednn_bf16_supported() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def cpuinfo() -> tuple[str, list[str]]:
+    """The first CPU's model name and its sorted flags, from /proc/cpuinfo ("" and [] where
+    there is none): what names a CPU in results and keys the kernel caches."""
+    model, flags = "", list[str]()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = sorted(value.split())
+    return model, flags
+
+
 def identity() -> str:
     """The CPU's model name and its vector / matrix extensions (what `lscpu` shows), for
     every benchmark result: a figure means nothing without the CPU it came from."""
-    import re
-    from pathlib import Path
-
-    info = Path("/proc/cpuinfo")
-    text = info.read_text() if info.exists() else ""
-    model = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
-    flags = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
-    isa = sorted({f for f in (flags.group(1).split() if flags else []) if re.match(r"avx|amx", f)})
-    return f"{model.group(1) if model else 'unknown CPU'} ({' '.join(isa) or 'no AVX'})"
+    model, flags = cpuinfo()
+    isa = sorted({f for f in flags if f.startswith(("avx", "amx"))})
+    return f"{model or 'unknown CPU'} ({' '.join(isa) or 'no AVX'})"
 
 
 def describe() -> str:

@@ -18,7 +18,6 @@ says why.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
@@ -29,6 +28,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from engine import cpu
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +52,12 @@ def default_cache_dir() -> Path:
 
 
 def cpu_identity() -> dict[str, str]:
-    """The CPU's model name and a digest of its flags (/proc/cpuinfo; empty off Linux)."""
-    model, flags = "", ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            k, _, v = line.partition(":")
-            if k.strip() == "model name" and not model:
-                model = v.strip()
-            elif k.strip() == "flags" and not flags:
-                flags = " ".join(sorted(v.split()))
-    return {"cpu_model": model, "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16]}
+    """The CPU's model name and a digest of its flags (`engine.cpu.cpuinfo`)."""
+    model, flags = cpu.cpuinfo()
+    return {
+        "cpu_model": model,
+        "cpu_flags": hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16],
+    }
 
 
 def build_dir() -> Path:
