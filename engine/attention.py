@@ -96,12 +96,82 @@ class PagedDecode:
     def available(device: torch.device, dtype: torch.dtype) -> bool:
         from engine import native
 
-        return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and (
-            native.load() is not None
+        return (
+            device.type == "cpu"
+            and dtype in (torch.float32, torch.bfloat16)
+            and (native.load() is not None)
         )
 
 
 paged_decode_attention = PagedDecode()
+
+
+class PagedPrefill:
+    """Prefill attention that reads K/V from the paged cache in place: pdserve's flash kernel
+    (`engine/kernels/csrc/flash.cpp`, brgemm for both products, online softmax in float32).
+    Its key parts start at fixed absolute positions and a row's arithmetic never depends on
+    the rows computed beside it, so a prompt row gets the same bits whole, after a cached
+    prefix or in any chunk, by construction (no padding to aligned blocks). One call serves
+    every prompt chunk of a step; the model hands it the pages and block tables.
+
+    Called as a `PrefillKernel` (a gathered context) it pages the keys first: for tests and
+    the selection's probes; the engine calls `paged`."""
+
+    __name__ = "paged_flash_attention"
+
+    def paged(
+        self,
+        q: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        block_tables: torch.Tensor,
+        q_starts: torch.Tensor,
+        ctx_lens: torch.Tensor,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [T, H, D]: request r's rows ``q_starts[r] .. q_starts[r + 1] - 1`` are its last
+        positions before ``ctx_lens[r]``; pages [num_blocks, block_size, Hkv, D];
+        block_tables [R, nb] -> [T, H * D]."""
+        from engine import native
+
+        ext = native.load()
+        assert ext is not None, f"pdserve kernels: {native.why_not()}"
+        out: torch.Tensor = ext.paged_flash_attention(
+            q, k_pages, v_pages, block_tables, q_starts, ctx_lens, window or 0, scale
+        )
+        return out
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, scale: float
+    ) -> torch.Tensor:
+        """The `PrefillKernel` form: k and v [ctx, Hkv, D] laid out as pages first."""
+        (kp, tables), (vp, _) = (as_pages(x.transpose(0, 1)[None]) for x in (k, v))
+        starts = torch.tensor([0, q.shape[0]])
+        return self.paged(q, kp, vp, tables, starts, torch.tensor([k.shape[0]]), window, scale)
+
+    @staticmethod
+    def available(device: torch.device, dtype: torch.dtype) -> bool:
+        """float32 anywhere our kernels built; bf16 where brgemm runs it (VNNI pairs)."""
+        from engine import native
+
+        if device.type != "cpu" or native.load() is None:
+            return False
+        return dtype == torch.float32 or (dtype == torch.bfloat16 and native.brgemm_bf16())
+
+
+paged_flash_attention = PagedPrefill()
+
+
+def as_pages(x: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, Hkv, S, D] -> pages [B * ceil(S / block), block, Hkv, D] (zero-padded), block
+    tables [B, ceil(S / block)]: request b's keys in its own run of pages."""
+    b, hkv, span, d = x.shape
+    nb = -(-span // block)
+    padded = x.new_zeros(b, hkv, nb * block, d)
+    padded[:, :, :span] = x
+    pages = padded.permute(0, 2, 1, 3).reshape(b * nb, block, hkv, d).contiguous()
+    return pages, torch.arange(b * nb, device=x.device).view(b, nb)
 
 
 def sdpa_prefill_attention(

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 NAMES: dict[str, tuple[str, ...]] = {
     "decode_attention": ("sdpa", "matmul", "paged"),
-    "prefill_attention": ("sdpa", "blocked", "sdpa-aligned", "blocked-aligned"),
+    "prefill_attention": ("sdpa", "blocked", "sdpa-aligned", "blocked-aligned", "flash"),
     "projections": ("plain", "packed", "brgemm"),
+    "norm": ("torch", "fused"),
+    "rope_kv": ("torch", "fused"),
 }
 """Each op's candidates by name, simplest first."""
 

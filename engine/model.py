@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import matmul_attention, paged_decode_attention
+from engine.attention import matmul_attention, paged_decode_attention, paged_flash_attention
 from engine.config import ModelConfig
 from engine.decode_workspace import DecodeWorkspace
 from engine.kernels import KernelSet, check_applies
 from engine.kv_cache import PagedKVCache
 from engine.model_weights import LayerWeights, ModelWeights
+from engine.norms import fused_rms_norm, gemma_rms_norm, rms_norm
 from engine.projections import OneDnnProjections, Projections
 from engine.rope import Rotary
 
@@ -59,6 +60,9 @@ class PrefillSegment:
     q_len: int
     ctx_len: int
     context_blocks: torch.Tensor | None = None  # [ceil(ctx_len / block_size)]
+    # the same blocks whether or not the chunk starts the prompt: a kernel that reads the
+    # pages in place (`KernelSet.prefill_reads_pages`) needs them for every chunk
+    blocks: torch.Tensor | None = None
 
 
 @dataclass
@@ -173,26 +177,6 @@ def keep_freed_memory() -> None:
     mallopt(m_trim_threshold, 1 << 30)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: statistics in float32, scale applied in the input dtype.
-
-    Bit for bit HF's ``weight * (xf * rsqrt(mean(xf^2) + eps)).to(dtype)``, with the cast
-    folded into the multiply's output (one rounding either way) and no other temporaries.
-    """
-    xf = x.float()
-    rstd = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # [T, 1]
-    normed = torch.mul(xf, rstd, out=torch.empty_like(x))  # rounded once to x.dtype
-    return normed.mul_(weight)
-
-
-def gemma_rms_norm(x: torch.Tensor, weight1: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma 3's RMSNorm: ``(xf * rsqrt(mean(xf^2) + eps) * (1 + w)).to(dtype)``, all in
-    float32 and rounded once; `weight1` is ``1 + w`` in float32 (`engine.weights`)."""
-    xf = x.float()
-    rstd = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
-    return (xf * rstd).mul_(weight1).to(x.dtype)
-
-
 class LlamaModel:
     """Forward pass over packed tokens; reads and writes the paged cache it is handed."""
 
@@ -233,11 +217,18 @@ class LlamaModel:
         self.proj = proj or kernels.make_projections(self.w, self.cfg.hidden_act)
         self._decode_kernel = kernels.decode_fn()
         self._prefill_kernel = kernels.prefill_fn()
+        self._fused_norm = kernels.norm == "fused"
+        self._rope_write = kernels.rope_kv_fn()
+        # a paged prefill kernel's tables, built at a step's first layer for its segments
+        self._tables: tuple[list[PrefillSegment], tuple[torch.Tensor, ...]] | None = None
         # single prompt rows (`_row_attention`) always take a gathered context
         self._row_kernel = matmul_attention if kernels.decode_reads_pages else self._decode_kernel
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """The model's RMSNorm (looked up when called: `pdserve trace` times it)."""
+        """The model's RMSNorm: the chosen kernel (torch's looked up when called: `pdserve
+        trace` times it)."""
+        if self._fused_norm:
+            return fused_rms_norm(x, weight, eps, self.cfg.gemma_norms)
         return (gemma_rms_norm if self.cfg.gemma_norms else rms_norm)(x, weight, eps)
 
     @property
@@ -330,12 +321,13 @@ class LlamaModel:
                 ),
                 dim=1,
             )
-        if rope is not None:
-            rotary, tables = rope
-            qk = rotary.rotate(qk, *tables)  # [T, H + Hkv, D]
-        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [T, H, D], [T, Hkv, D]
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, -1)  # [T, Hkv, D]
-        cache.write(i, meta.slot_mapping, k, v)
+        if rope is not None:  # rotate q and k, store the rotated k and v in the cache
+            tables = rope[1]
+            qk = self._rope_write(qk, v, *tables, *cache.layer_slots(i), meta.slot_mapping)
+        else:  # a NoPE layer
+            cache.write(i, meta.slot_mapping, qk[:, cfg.num_heads :], v)
+        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [T, H, D], [T, Hkv, D]
         tp = meta.num_prefill_tokens
         if meta.decode_workspace is not None:
             meta.decode_workspace.write(i, k[tp:], v[tp:])  # the decode rows' K/V
@@ -392,6 +384,15 @@ class LlamaModel:
         window: int | None,
     ) -> torch.Tensor:
         """Causal attention per segment: new tokens attend to the prefix and to each other."""
+        if self.kernels.prefill_reads_pages:  # every segment in one call, on the pages
+            if self._tables is None or self._tables[0] is not segments:  # once per step
+                self._tables = (segments, _segment_tables(segments, self.device))
+            tables, starts, lens = self._tables[1]
+            kp, vp = cache.layer_pages(layer)
+            tp = int(starts[-1])
+            return paged_flash_attention.paged(
+                q[:tp], kp, vp, tables, starts, lens, window, self.scale
+            )
         outs = []
         for seg in segments:
             qs = q[seg.q_start : seg.q_start + seg.q_len]  # [q_len, H, D]
@@ -415,6 +416,16 @@ class LlamaModel:
         Row r of segment s is position ``p = ctx_len - q_len + (r - q_start)``; it sees
         keys ``[max(0, p + 1 - window), p]``, so slicing the keys replaces the mask.
         """
+        if self.kernels.prefill_reads_pages:  # each row as a request of one query row
+            row_segs: list[PrefillSegment] = []
+            for r in rows:
+                seg = next(s for s in segments if s.q_start <= r < s.q_start + s.q_len)
+                p = seg.ctx_len - seg.q_len + (r - seg.q_start)
+                row_segs.append(PrefillSegment(len(row_segs), 1, p + 1, blocks=seg.blocks))
+            tables, starts, lens = _segment_tables(row_segs, self.device)
+            kp, vp = cache.layer_pages(layer)
+            qr = q[torch.tensor(rows, dtype=torch.long, device=q.device)]
+            return paged_flash_attention.paged(qr, kp, vp, tables, starts, lens, window, self.scale)
         outs = []
         for r in rows:
             seg = next(s for s in segments if s.q_start <= r < s.q_start + s.q_len)
@@ -453,6 +464,30 @@ class LlamaModel:
                 kp, vp = cache.gather(layer, meta.decode_slots)  # [B, S_max, Hkv, D]
             k, v = kp[:, :span].transpose(1, 2), vp[:, :span].transpose(1, 2)  # [B, Hkv, span, D]
         return self._decode_kernel(q, k, v, meta.decode_mask(window), self.scale)  # [B, H * D]
+
+
+def _segment_tables(
+    segments: Sequence[PrefillSegment], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A paged prefill kernel's inputs: block tables [R, nb] (zero-padded), query row starts
+    [R + 1] and context lengths [R], for segments packed back to back from row 0."""
+    width = max(len(_blocks_of(seg)) for seg in segments)
+    tables = torch.zeros(len(segments), width, dtype=torch.long, device=device)
+    for i, seg in enumerate(segments):
+        blocks = _blocks_of(seg)
+        tables[i, : len(blocks)] = blocks
+    starts = [0]
+    for seg in segments:
+        assert seg.q_start == starts[-1], "segments are packed back to back"
+        starts.append(starts[-1] + seg.q_len)
+    lens = [seg.ctx_len for seg in segments]
+    return tables, torch.tensor(starts), torch.tensor(lens)
+
+
+def _blocks_of(seg: PrefillSegment) -> torch.Tensor:
+    blocks = seg.blocks if seg.blocks is not None else seg.context_blocks
+    assert blocks is not None, "a paged prefill kernel needs every segment's blocks"
+    return blocks
 
 
 def _context_kv(

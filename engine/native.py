@@ -34,7 +34,7 @@ from engine import cpu
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "kernels" / "csrc"
-SOURCES = ("bindings.cpp", "gemm.cpp", "decode.cpp")
+SOURCES = ("bindings.cpp", "gemm.cpp", "decode.cpp", "flash.cpp", "norm.cpp", "rope.cpp")
 _why_not = ""
 
 
@@ -72,7 +72,8 @@ def build_dir() -> Path:
 
 def _cflags() -> list[str]:
     # OpenMP: at::parallel_for is header code, serial unless built with it
-    return ["-O3", "-march=native", "-std=c++17", "-fopenmp", *_vector_flags()]
+    # no FMA contraction: a kernel rounds where its torch counterpart rounds (fused = same bits)
+    return ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-ffp-contract=off", *_vector_flags()]
 
 
 @functools.cache

@@ -127,3 +127,58 @@ class Rotary:
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D] -> rotated [T, heads, D]."""
         return self.rotate(x, *self.tables(positions))
+
+
+def rope_write(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    k_slots: torch.Tensor,
+    v_slots: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """A step's RoPE and K/V write, torch's form (the reference candidate): qk [T, H + Hkv, D]
+    rotated (`Rotary.rotate`), its last Hkv heads and v [T, Hkv, D] stored at `slots` of the
+    layer's K and V [num_slots, Hkv, D]; returns the rotated qk."""
+    rotated = Rotary.rotate(qk, cos, sin_signed)
+    k_slots.index_copy_(0, slots, rotated[:, rotated.shape[1] - v.shape[1] :])
+    v_slots.index_copy_(0, slots, v)
+    return rotated
+
+
+class FusedRopeWrite:
+    """`rope_write` in one C++ kernel (`engine/kernels/csrc/rope.cpp`): the same roundings,
+    so the same bits, in one pass instead of six dispatches."""
+
+    __name__ = "fused_rope_write"
+
+    def __call__(
+        self,
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        k_slots: torch.Tensor,
+        v_slots: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        from engine import native
+
+        ext = native.load()
+        assert ext is not None, f"pdserve kernels: {native.why_not()}"
+        out: torch.Tensor = ext.rope_write(qk, v, cos, sin_signed, k_slots, v_slots, slots)
+        return out
+
+    @staticmethod
+    def available(device: torch.device, dtype: torch.dtype) -> bool:
+        from engine import native
+
+        return (
+            device.type == "cpu"
+            and dtype in (torch.float32, torch.bfloat16)
+            and (native.load() is not None)
+        )
+
+
+fused_rope_write = FusedRopeWrite()

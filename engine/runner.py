@@ -112,14 +112,14 @@ class ModelRunner:
             p.ids.append(torch.tensor(c.request.all_token_ids[c.start : c.end], dtype=torch.long))
             p.positions.append(pos)
             p.slots.append(self._slots(c.request.request_id, pos))
-            context = None
-            if c.start:  # the chunk attends to earlier positions: read them from the pages
-                table = self.blocks.block_table(c.request.request_id)
-                context = torch.tensor(
-                    table[: ceil_div(c.end, self.block_size)], dtype=torch.long, device=self.device
-                )
+            table = self.blocks.block_table(c.request.request_id)
+            blocks = torch.tensor(
+                table[: ceil_div(c.end, self.block_size)], dtype=torch.long, device=self.device
+            )
+            # a chunk after earlier positions reads them from the pages (`context_blocks`)
+            context = blocks if c.start else None
             q_start = p.num_tokens
-            p.segments.append(PrefillSegment(q_start, c.end - c.start, c.end, context))
+            p.segments.append(PrefillSegment(q_start, c.end - c.start, c.end, context, blocks))
             if c.request.wants_prompt_logprobs:
                 p.hidden_of.append((c.request.request_id, c.start, len(p.hidden_rows)))
                 p.hidden_rows.extend(range(q_start, q_start + c.end - c.start))

@@ -21,6 +21,7 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from engine import native
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import ContextLengthError, EngineConfig, LLMEngine
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
@@ -242,6 +243,32 @@ def test_preemption_by_recompute_keeps_outputs(make_engine: MakeEngine) -> None:
     assert all(r.finish_reason is FinishReason.LENGTH for r in got)
     eng.blocks.check_integrity()
     assert eng.blocks.num_used_blocks == 0
+
+
+@pytest.mark.skipif(native.load() is None, reason=f"no pdserve kernels: {native.why_not()}")
+def test_flash_prefill_on_the_pages_matches_torchs_kernels(make_engine: MakeEngine) -> None:
+    """pdserve's paged flash prefill (`prefill_attention=flash`) in the engine: prompts cut
+    into 32-token chunks and packed several to a step, mixed steps, a cached prefix, the last
+    layer's pruned rows; the same tokens as torch's kernels, logits within float32 noise."""
+    rng = random.Random(11)
+    shared = rand_prompt(rng, 70)
+    prompts = [shared + rand_prompt(rng, 5)]
+    prompts += [shared + rand_prompt(rng, 40)] + [rand_prompt(rng, n) for n in (1, 17, 130)]
+    params = greedy(max_tokens=6)
+    ref = make_engine()
+    ref_rec = Recorder(ref)
+    expected = ref.generate(prompts, params)
+    eng = make_engine(kernels="prefill_attention=flash", max_num_batched_tokens=32)
+    assert eng.runner.model.kernels.prefill_reads_pages
+    rec = Recorder(eng)
+    got = eng.generate(prompts[:1], params) + eng.generate(prompts[1:], params)
+    assert got[1].num_cached_tokens == 64  # the shared prefix's four full blocks
+    assert any(len(step) > 1 for step in rec.prefill_steps) and rec.mixed_steps
+    for want, have in zip(expected, got, strict=True):
+        assert min_gap(ref_rec.logits[want.request_id]) > MIN_GAP
+        assert have.output_token_ids == want.output_token_ids
+        for a, b in zip(rec.logits[have.request_id], ref_rec.logits[want.request_id], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
 def staggered_run(eng: LLMEngine, prompts: list[list[int]]) -> tuple[list[Request], Recorder]:

@@ -294,3 +294,171 @@ def test_paged_decode_matches_float64_and_ignores_the_batch(
         assert torch.equal(paged_decode_attention(q, kp, vp, tables, lens, window, 0.125), out)
     finally:
         torch.set_num_threads(threads)
+
+
+# ---- prefill attention on the pages (flash) ---------------------------------------------------
+def _paged_requests(
+    lens: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int
+) -> tuple[list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
+    """Requests of (query rows, context) in one cache, their pages scattered: the per-request
+    (q, k, v) and the kernel's inputs (q, k_pages, v_pages, tables, starts, lens)."""
+    from engine.attention import as_pages
+
+    g = torch.Generator().manual_seed(seed)
+    reqs = [
+        (
+            torch.randn(ql, heads, dim, generator=g).to(dtype),
+            torch.randn(n, kv_heads, dim, generator=g).to(dtype),
+            torch.randn(n, kv_heads, dim, generator=g).to(dtype),
+        )
+        for ql, n in lens
+    ]
+    width = max(-(-n // 16) for _, n in lens)
+    kps, vps, tables, base = [], [], [], 0
+    for _, k, v in reqs:
+        (kp, t), (vp, _) = (as_pages(x.transpose(0, 1)[None]) for x in (k, v))
+        row = torch.zeros(width, dtype=torch.long)
+        row[: t.shape[1]] = t[0] + base
+        kps.append(kp), vps.append(vp), tables.append(row)
+        base += kp.shape[0]
+    perm = torch.randperm(base, generator=g)  # pages anywhere in the cache
+    kp, vp = torch.cat(kps)[perm].contiguous(), torch.cat(vps)[perm].contiguous()
+    table = torch.argsort(perm)[torch.stack(tables)]
+    starts = torch.tensor([0] + [ql for ql, _ in lens]).cumsum(0)
+    q = torch.cat([r[0] for r in reqs])
+    return reqs, (q, kp, vp, table, starts, torch.tensor([n for _, n in lens]))
+
+
+FLASH_CASES = [
+    pytest.param(9, 3, 64, None, id="gqa"),
+    pytest.param(9, 3, 64, 100, id="gqa-window"),
+    pytest.param(8, 8, 128, None, id="mha-d128"),
+    pytest.param(32, 1, 64, 50, id="mqa-window"),
+]
+# (query rows, context): whole prompts, tails after a prefix, decode-like single rows, and
+# lengths at and around the 256-key parts and the 16-token pages
+FLASH_LENS = [(300, 300), (37, 700), (1, 1), (1, 256), (2, 257), (513, 1025), (16, 528)]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "window"), FLASH_CASES)
+def test_flash_prefill_matches_float64(
+    dtype: torch.dtype, heads: int, kv_heads: int, dim: int, window: int | None
+) -> None:
+    """Several requests in one call against eager float64 attention, each over its own keys:
+    causal masks, windows, GQA / MHA / MQA, part and page boundaries, scattered pages."""
+    from engine.attention import PagedPrefill, paged_flash_attention
+
+    if not PagedPrefill.available(torch.device("cpu"), dtype):
+        pytest.skip(f"flash in {dtype}: no bf16 brgemm here")
+    reqs, args = _paged_requests(FLASH_LENS, heads, kv_heads, dim, dtype, seed=heads + dim)
+    out = paged_flash_attention.paged(*args, window, dim**-0.5)
+    starts = args[4].tolist()
+    assert out.shape == (starts[-1], heads * dim) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, (q, k, v) in enumerate(reqs):
+        want = _prefill_reference(q.float(), k.float(), v.float(), window)
+        got = out[starts[i] : starts[i + 1]].double()
+        assert float((got - want).abs().max()) < tol, (i, FLASH_LENS[i])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 100])
+def test_flash_prefill_rows_do_not_depend_on_the_call(
+    dtype: torch.dtype, window: int | None
+) -> None:
+    """A row's bits are the same in the whole prompt, beside other requests, in a tail after
+    any cached prefix, in any 16-token chunk, alone as a decode-like single row, and on one
+    thread: batch invariance by construction, no aligned padding."""
+    from engine.attention import PagedPrefill, paged_flash_attention
+
+    if not PagedPrefill.available(torch.device("cpu"), dtype):
+        pytest.skip(f"flash in {dtype}: no bf16 brgemm here")
+    n = 600
+    _, (q, kp, vp, table, starts, lens) = _paged_requests(
+        [(n, n), (40, 900), (1, 77)], 9, 3, 64, dtype, seed=7
+    )
+    both = paged_flash_attention.paged(q, kp, vp, table, starts, lens, window, 0.125)
+    one = table[:1]
+
+    def rows(lo: int, hi: int) -> torch.Tensor:  # the first request's rows lo .. hi-1
+        s, c = torch.tensor([0, hi - lo]), torch.tensor([hi])
+        return paged_flash_attention.paged(q[lo:hi], kp, vp, one, s, c, window, 0.125)
+
+    whole = rows(0, n)
+    assert torch.equal(whole, both[:n])
+    for s in (1, 100, 255, 256, 599):
+        assert torch.equal(rows(s, n), whole[s:]), ("tail", s)
+    for s in range(0, n, 112):
+        assert torch.equal(rows(s, s + 16), whole[s : s + 16]), ("chunk", s)
+    for p in (0, 255, 256, 431):
+        assert torch.equal(rows(p, p + 1), whole[p : p + 1]), ("row", p)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        again = paged_flash_attention.paged(q, kp, vp, table, starts, lens, window, 0.125)
+        assert torch.equal(again, both)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---- fused elementwise kernels: RMSNorm, RoPE with the K/V write ------------------------------
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("one_plus", [False, True], ids=["llama", "gemma"])
+@pytest.mark.parametrize("width", [576, 100])
+def test_fused_norm_matches_torch_and_ignores_the_batch(
+    dtype: torch.dtype, one_plus: bool, width: int
+) -> None:
+    """The one-kernel RMSNorm against torch's form (HF's roundings: Llama's two, Gemma's
+    one), against float64, and a row's bits alone equal to its bits among 300."""
+    from engine.norms import fused_rms_norm, torch_norm
+
+    g = torch.Generator().manual_seed(width)
+    x = (torch.randn(300, width, generator=g) * 3).to(dtype)
+    w = torch.rand(width, generator=g) + 0.5
+    w = w if one_plus else w.to(dtype)
+    got, want = fused_rms_norm(x, w, 1e-6, one_plus), torch_norm(x, w, 1e-6, one_plus)
+    assert got.shape == x.shape and got.dtype == dtype
+    # float32: the sum of squares' order differs from torch's; bf16: at most one step
+    step = 1e-6 if dtype == torch.float32 else torch.finfo(torch.bfloat16).eps
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(((a.double() - b.double()) / b.double().abs().clamp_min(1)).abs().max())
+
+    assert rel(got, want) <= step
+    x64 = x.double()
+    ref = x64 * (x64.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt() * w.double()
+    assert rel(got, ref) < 3 * step
+    for r in (1, 7, 33):
+        assert torch.equal(fused_rms_norm(x[:r], w, 1e-6, one_plus), got[:r])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 128), (2, 1, 80)])
+def test_fused_rope_write_gives_torchs_bits(
+    dtype: torch.dtype, heads: int, kv_heads: int, dim: int
+) -> None:
+    """RoPE fused with the K/V write: the rotated q and k, and the cache rows written at the
+    slots, bit for bit those of torch's form (`engine.rope.rope_write`), on q/k/v taken as
+    strided views of one qkv product as the model does."""
+    from engine.rope import fused_rope_write, rope_write
+
+    g = torch.Generator().manual_seed(dim)
+    t = 37
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * dim].view(t, heads + kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim)
+    ang = torch.randn(t, 1, dim // 2, generator=g) * 10
+    cos = torch.cat((ang, ang), -1).cos().to(dtype)
+    sin = torch.cat((-ang.sin(), ang.sin()), -1).to(dtype)
+    slots = torch.randperm(100, generator=g)[:t]
+    caches = [torch.zeros(100, kv_heads, dim, dtype=dtype) for _ in range(4)]
+    want = rope_write(qk, v, cos, sin, caches[0], caches[1], slots)
+    got = fused_rope_write(qk, v, cos, sin, caches[2], caches[3], slots)
+    assert torch.equal(got, want)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert torch.equal(caches[2][slots], got[:, heads:])  # the rotated keys were stored

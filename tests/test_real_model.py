@@ -195,7 +195,7 @@ def _all_position_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     meta = AttentionMetadata(
         positions=rows,
         slot_mapping=rows,
-        prefill=[PrefillSegment(0, n, n, None)],
+        prefill=[PrefillSegment(0, n, n, None, torch.arange(-(-n // engine.cache.block_size)))],
         logit_rows=list(range(n)),
     )
     return engine.runner.model.forward(torch.tensor(ids), meta, engine.cache, rows).float()

@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 import torch
 
-import engine.model as engine_model
 from engine.engine import LLMEngine
 from engine.kernels import KernelSet
 from engine.model import LlamaModel
@@ -312,14 +311,13 @@ def _spy_calls(
 
     for attr in ("qkv", "o_residual", "mlp_residual", "lm_head"):
         spy(model.proj, attr, f"proj.{attr}")
-    spy(model.rotary, "rotate", "rotary.rotate")
+    spy(model, "_rope_write", "rope_kv")
     spy(inp.cache, "write", "cache.write")
     if inp.meta.decode_workspace is not None:
         spy(inp.meta.decode_workspace, "write", "workspace.write")
     for attr in ("_prefill_attention", "_row_attention", "_decode_attention"):
         spy(model, attr, attr)
-    norm = spy(engine_model, "rms_norm", "rms_norm")
-    monkeypatch.setattr(trace, "rms_norm", norm)
+    spy(model, "norm", "norm")
     return log
 
 
@@ -335,10 +333,10 @@ def test_per_op_calls_are_the_engine_calls(
     log = _spy_calls(monkeypatch, model, inp)
     _run_layer(model, inp, inp.x.clone())
     engine_calls = list(log)
-    assert engine_calls[:3] == ["rms_norm", "proj.qkv", "rotary.rotate"], engine_calls
+    assert engine_calls[:3] == ["norm", "proj.qkv", "rope_kv"], engine_calls
     log.clear()
     times = trace.time_layer_ops(model, inp)
-    one_pass = [*engine_calls, "rms_norm", "proj.lm_head"]
+    one_pass = [*engine_calls, "norm", "proj.lm_head"]
     passes = len(log) // len(one_pass)
     assert passes > 1 and log == one_pass * passes
     b = torch.empty((), dtype=model.dtype).element_size()

@@ -18,18 +18,24 @@ import torch
 from engine import kernel_spec
 from engine.attention import (
     PagedDecode,
+    PagedPrefill,
     aligned,
     blocked_prefill_attention,
     matmul_attention,
     paged_decode_attention,
+    paged_flash_attention,
     sdpa_attention,
     sdpa_prefill_attention,
 )
+from engine.norms import FusedNorm, fused_rms_norm, torch_norm
 from engine.projections import BrgemmProjections, OneDnnProjections, Projections
+from engine.rope import FusedRopeWrite, fused_rope_write, rope_write
 
 DecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor
 ]
+RopeWrite = Callable[..., torch.Tensor]
+"""(qk, v, cos, sin_signed, k_slots, v_slots, slots) -> rotated qk (`engine.rope.rope_write`)."""
 PrefillAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, int | None, float], torch.Tensor
 ]
@@ -72,11 +78,20 @@ OPS: dict[str, tuple[Candidate, ...]] = {
         Candidate("blocked", blocked_prefill_attention, _cpu, "never"),
         Candidate("sdpa-aligned", aligned(sdpa_prefill_attention), _anywhere, "only"),
         Candidate("blocked-aligned", aligned(blocked_prefill_attention), _cpu, "only"),
+        Candidate("flash", paged_flash_attention, PagedPrefill.available),
     ),
     "projections": (
         Candidate("plain", Projections, _anywhere),
         Candidate("packed", OneDnnProjections, OneDnnProjections.available),
         Candidate("brgemm", BrgemmProjections, BrgemmProjections.available),
+    ),
+    "norm": (
+        Candidate("torch", torch_norm, _anywhere),
+        Candidate("fused", fused_rms_norm, FusedNorm.available),
+    ),
+    "rope_kv": (
+        Candidate("torch", rope_write, _anywhere),
+        Candidate("fused", fused_rope_write, FusedRopeWrite.available),
     ),
 }
 """Every op's candidates, simplest (the reference) first."""
@@ -111,6 +126,8 @@ class KernelSet:
     decode_attention: str = "sdpa"
     prefill_attention: str = "sdpa"
     projections: str = "plain"
+    norm: str = "torch"
+    rope_kv: str = "torch"  # RoPE with the K/V cache write
     # the projections' row floors (`Projections.row_floors`), as (kind, rows) pairs
     row_floors: tuple[tuple[str, int], ...] = ()
     batch_invariant: bool = False  # every op's choice passed its invariance probe
@@ -137,6 +154,8 @@ class KernelSet:
             decode_attention=choice.get("decode_attention", default.decode_attention),
             prefill_attention=choice.get("prefill_attention", default.prefill_attention),
             projections=choice.get("projections", default.projections),
+            norm=choice.get("norm", default.norm),
+            rope_kv=choice.get("rope_kv", default.rope_kv),
             row_floors=floors,
             batch_invariant=batch_invariant,
         )
@@ -149,12 +168,22 @@ class KernelSet:
         """Decode attention reads the paged cache in place (no workspace, no gather)."""
         return isinstance(candidate("decode_attention", self.decode_attention).impl, PagedDecode)
 
+    @property
+    def prefill_reads_pages(self) -> bool:
+        """Prefill attention reads the paged cache in place (`PagedPrefill`, one call a step)."""
+        impl = candidate("prefill_attention", self.prefill_attention).impl
+        return isinstance(impl, PagedPrefill)
+
     def decode_fn(self) -> DecodeAttention:
         fn: DecodeAttention = candidate("decode_attention", self.decode_attention).impl
         return fn
 
     def prefill_fn(self) -> PrefillAttention:
         fn: PrefillAttention = candidate("prefill_attention", self.prefill_attention).impl
+        return fn
+
+    def rope_kv_fn(self) -> RopeWrite:
+        fn: RopeWrite = candidate("rope_kv", self.rope_kv).impl
         return fn
 
     def make_projections(self, weights: Any, act: str) -> Projections:

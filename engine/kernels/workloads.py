@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine.attention import PagedDecode
+from engine.attention import PagedDecode, PagedPrefill, as_pages
 from engine.config import ModelConfig
 from engine.kernels import Candidate, candidate
 from engine.model_weights import LayerWeights, ModelWeights
@@ -94,17 +94,6 @@ def _decode_bench(
     return Bench(run, reference, probe)
 
 
-def as_pages(x: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, Hkv, S, D] -> pages [B * ceil(S / block), block, Hkv, D] (zero-padded), block
-    tables [B, ceil(S / block)]: request b's keys in its own run of pages."""
-    b, hkv, span, d = x.shape
-    nb = -(-span // block)
-    padded = x.new_zeros(b, hkv, nb * block, d)
-    padded[:, :, :span] = x
-    pages = padded.permute(0, 2, 1, 3).reshape(b * nb, block, hkv, d).contiguous()
-    return pages, torch.arange(b * nb, device=x.device).view(b, nb)
-
-
 def _decode_call(
     c: Candidate,
     q: torch.Tensor,
@@ -133,6 +122,10 @@ def _prefill_bench(
     q, k, v = (x.to(dev, dtype) for x in (q64, k64, v64))
 
     def run(c: Candidate, floors: dict[str, int]) -> Callable[[], list[torch.Tensor]]:
+        if isinstance(c.impl, PagedPrefill):  # the pages laid out once, as the cache holds them
+            (kp, tables), (vp, _) = (as_pages(x.transpose(0, 1)[None]) for x in (k, v))
+            starts, lens = torch.tensor([0, t]), torch.tensor([t])
+            return lambda: [c.impl.paged(q, kp, vp, tables, starts, lens, window, scale)]
         return lambda: [c.impl(q, k, v, window, scale)]
 
     def reference() -> list[torch.Tensor]:
@@ -295,8 +288,85 @@ def _double_layer(lw: LayerWeights) -> LayerWeights:
     return LayerWeights(**values)
 
 
+def _norm_bench(
+    cfg: ModelConfig, w: ModelWeights, dtype: torch.dtype, dev: torch.device, gen: Any
+) -> Bench:
+    """The model's RMSNorm (layer 0's input norm) on a prompt's rows and on a decode batch,
+    weighed as the projections are (one prompt pass to `DECODE_STEPS_PER_PROMPT` steps)."""
+    weight, eps, one_plus = w.layers[0].input_norm, cfg.rms_norm_eps, cfg.gemma_norms
+    xs64 = [_rand(gen, PROMPT_ROWS, cfg.hidden_size), _rand(gen, DECODE_BATCH, cfg.hidden_size)]
+    xs = [x.to(dev, dtype) for x in xs64]
+
+    def run(c: Candidate, floors: dict[str, int]) -> Callable[[], list[torch.Tensor]]:
+        def go() -> list[torch.Tensor]:
+            out = [c.impl(xs[0], weight, eps, one_plus)]
+            out += [c.impl(xs[1], weight, eps, one_plus) for _ in range(DECODE_STEPS_PER_PROMPT)]
+            return out[:2]
+
+        return go
+
+    def reference() -> list[torch.Tensor]:
+        w64 = weight.double().cpu()
+        return [x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * w64 for x in xs64]
+
+    def probe(c: Candidate) -> tuple[str | None, dict[str, int]]:
+        x = _rand(gen, 600, cfg.hidden_size).to(dev, dtype)
+        whole = c.impl(x, weight, eps, one_plus)
+        for r in (1, 3, 8, 33, 512):
+            if not torch.equal(c.impl(x[:r], weight, eps, one_plus), whole[:r]):
+                return f"batch-variant at {r} rows", {}
+        return None, {}
+
+    return Bench(run, reference, probe)
+
+
+def _rope_bench(
+    cfg: ModelConfig, w: ModelWeights, dtype: torch.dtype, dev: torch.device, gen: Any
+) -> Bench:
+    """RoPE on a step's query and key heads with the K/V cache write, on a prompt's rows and
+    on a decode batch (weighed as the projections are), into a cache of the step's size."""
+    heads, kv, d = cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads, cfg.head_dim
+    rows = (PROMPT_ROWS, DECODE_BATCH)
+    qk64 = [_rand(gen, t, heads, d) for t in rows]
+    v64 = [_rand(gen, t, kv, d) for t in rows]
+    ang64 = [_rand(gen, t, 1, d // 2) for t in rows]
+    cos64 = [torch.cat((a, a), -1).cos() for a in ang64]
+    sin64 = [torch.cat((-a.sin(), a.sin()), -1) for a in ang64]  # `Rotary`'s signed sin
+    qk, v, cos, sin = ([x.to(dev, dtype) for x in xs] for xs in (qk64, v64, cos64, sin64))
+    slots = [torch.randperm(PROMPT_ROWS, generator=gen)[:t].to(dev) for t in rows]
+    k_slots, v_slots = (torch.zeros(PROMPT_ROWS, kv, d, dtype=dtype, device=dev) for _ in "kv")
+
+    def call(c: Candidate, i: int) -> torch.Tensor:
+        out: torch.Tensor = c.impl(qk[i], v[i], cos[i], sin[i], k_slots, v_slots, slots[i])
+        return out
+
+    def run(c: Candidate, floors: dict[str, int]) -> Callable[[], list[torch.Tensor]]:
+        def go() -> list[torch.Tensor]:
+            out = [call(c, 0)]
+            out += [call(c, 1) for _ in range(DECODE_STEPS_PER_PROMPT)]
+            return out[:2]
+
+        return go
+
+    def reference() -> list[torch.Tensor]:
+        return [x * c + x.roll(d // 2, -1) * s for x, c, s in zip(qk64, cos64, sin64, strict=True)]
+
+    def probe(c: Candidate) -> tuple[str | None, dict[str, int]]:
+        whole = call(c, 0)
+        for r in (1, 8, 33):
+            ins = (x[0][:r] for x in (qk, v, cos, sin))
+            part = c.impl(*ins, k_slots, v_slots, slots[0][:r])
+            if not torch.equal(part, whole[:r]):
+                return f"batch-variant at {r} rows", {}
+        return None, {}
+
+    return Bench(run, reference, probe)
+
+
 BENCHES: dict[str, Callable[..., Bench]] = {
     "decode_attention": _decode_bench,
     "prefill_attention": _prefill_bench,
     "projections": _projection_bench,
+    "norm": _norm_bench,
+    "rope_kv": _rope_bench,
 }

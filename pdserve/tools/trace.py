@@ -19,10 +19,11 @@ What is timed
   after the last hook is reported as the head (final norm + lm_head).
 * **Per-op time** (`layer_ops[j].time_ms`): layer 0 re-run call by call outside the engine,
   on a scratch KV cache, making the very calls `LlamaModel._layer` makes, in its order, with
-  its weights and shapes: `rms_norm`; the model's projection object `model.proj` (packed
-  oneDNN matmuls with fused epilogues on CPU, `F.linear` elsewhere) for qkv, for o_proj
-  with its residual add and for the MLP with its residual add; `model.rotary.rotate` on q
-  and k in one pass; `PagedKVCache.write` and `DecodeWorkspace.write`; the attention method
+  its weights and shapes: the chosen RMSNorm (`model.norm`); the model's projection object
+  `model.proj` (the chosen kernels, with fused epilogues) for qkv, for o_proj with its
+  residual add and for the MLP with its residual add; the chosen RoPE with the K/V cache
+  write (`rope_kv`: q and k rotated in one pass, the rotated K and V stored);
+  `DecodeWorkspace.write`; the attention method
   `_layer` dispatches to. So each row times code the engine runs; a call that runs several
   logical ops is one timed row with the ops as its untimed parts. Whole passes (embedding,
   layer 0, head) are repeated after one warm-up and each call is timed in its place in the
@@ -69,7 +70,7 @@ import torch
 from engine.config import CacheConfig, ModelConfig, ceil_div
 from engine.decode_workspace import DecodeWorkspace
 from engine.kv_cache import PagedKVCache, dtype_name
-from engine.model import AttentionMetadata, LlamaModel, PrefillSegment, rms_norm
+from engine.model import AttentionMetadata, LlamaModel, PrefillSegment
 from engine.sampling import SamplingParams
 from pdserve.engine_load import load_engine
 from pdserve.tools.trace_counts import OpCount, Totals, embed_ops, head_ops, layer_ops
@@ -355,8 +356,8 @@ def layer_inputs(
                 positions, positions, decode_ctx_lens=lens, decode_workspace=ws
             )
     else:
-        blocks = None if ctx == t else torch.arange(cache.num_blocks, device=dev)
-        segment = PrefillSegment(0, t, ctx, blocks)
+        blocks = torch.arange(cache.num_blocks, device=dev)
+        segment = PrefillSegment(0, t, ctx, None if ctx == t else blocks, blocks)
         meta = AttentionMetadata(positions, positions, prefill=[segment], logit_rows=[t - 1])
         if cfg.num_layers == 1 and t > 1:  # layer 0 is the last: forward prunes it
             keep = [t - 1]
@@ -412,13 +413,13 @@ def _run_layer_ops(model: LlamaModel, inp: LayerInputs, timed: CallTimer) -> tor
     """
     cfg, lw, proj, eps = model.cfg, model.w.layers[0], model.proj, model.cfg.rms_norm_eps
     cache, meta, x, t = inp.cache, inp.meta, inp.x, inp.x.shape[0]
-    h = timed("input_norm", lambda: rms_norm(x, lw.input_norm, eps))
+    h = timed("input_norm", lambda: model.norm(x, lw.input_norm, eps))
     qkv = timed("qkv_proj", lambda: proj.qkv(0, h))
     qk_in = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, -1)
-    qk = timed("rotary", lambda: model.rotary.rotate(qk_in, *inp.rope))
-    q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
     v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, -1)
-    timed("kv_write", lambda: cache.write(0, meta.slot_mapping, k, v))
+    slots = cache.layer_slots(0)
+    qk = timed("rope_kv", lambda: model._rope_write(qk_in, v, *inp.rope, *slots, meta.slot_mapping))
+    q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
     ws = meta.decode_workspace
     if ws is not None:
         timed("kv_append", lambda: ws.write(0, k, v))
@@ -427,7 +428,7 @@ def _run_layer_ops(model: LlamaModel, inp: LayerInputs, timed: CallTimer) -> tor
     # `inp.x` must enter every pass unchanged.
     x = x.clone()
     x = timed("o_residual", lambda: proj.o_residual(0, o, x))
-    h = timed("post_norm", lambda: rms_norm(x, lw.post_norm, eps))
+    h = timed("post_norm", lambda: model.norm(x, lw.post_norm, eps))
     return timed("mlp_residual", lambda: proj.mlp_residual(0, h, x))
 
 
@@ -436,7 +437,7 @@ def _timed_pass(model: LlamaModel, inp: LayerInputs, timed: CallTimer) -> None:
     (the head on the row that gives logits)."""
     timed("embed", lambda: model.w.embed[inp.input_ids])
     last = _run_layer_ops(model, inp, timed)[-1:]
-    h = timed("final_norm", lambda: rms_norm(last, model.w.norm, model.cfg.rms_norm_eps))
+    h = timed("final_norm", lambda: model.norm(last, model.w.norm, model.cfg.rms_norm_eps))
     timed("lm_head", lambda: model.proj.lm_head(h).float())
 
 

@@ -321,11 +321,18 @@ def layer_ops(
         _matmul_op("o_proj", "o", "y", t, cfg.q_size, d, b),
         _residual_op("attn_residual", t, d, b),
     ]
+    kv_write, *kv_append = _kv_ops(cfg, t_in, b, decode, workspace)
+    rope_kv = fused(
+        "rope_kv",
+        {"qk": (t_in, h + hkv, hd), "v": (t_in, hkv, hd), "cos": (t_in, hd), "sin": (t_in, hd)},
+        {"qk": (t_in, h + hkv, hd), "cache": (2, t_in, hkv, hd)},
+        [rotary, kv_write],
+    )
     return [
         _norm_op("input_norm", t_in, d, b, "x", "h"),
         _qkv_op(cfg, t_in, b),
-        rotary,
-        *_kv_ops(cfg, t_in, b, decode, workspace),
+        rope_kv,
+        *kv_append,
         _attention_op(cfg, layer, t, ctx, b, decode),
         fused("o_residual", {"o": (t, cfg.q_size), "x": (t, d)}, {"x": (t, d)}, o_parts),
         _norm_op("post_norm", t, d, b, "x", "h"),

@@ -10,6 +10,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pages,
                                   const at::Tensor& v_pages, const at::Tensor& tables,
                                   const at::Tensor& lens, int64_t window, double scale);
+at::Tensor paged_flash_attention(const at::Tensor& q, const at::Tensor& k_pages,
+                                 const at::Tensor& v_pages, const at::Tensor& tables,
+                                 const at::Tensor& q_starts, const at::Tensor& ctx_lens,
+                                 int64_t window, double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool one_plus);
+at::Tensor rope_write(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
+                      const at::Tensor& sin_signed, const at::Tensor& k_slots,
+                      const at::Tensor& v_slots, const at::Tensor& slots);
 }  // namespace pdserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -19,4 +27,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &pdserve::packed_linear, "x @ W^T (+ bias) (+ residual), invariant");
   m.def("paged_decode_attention", &pdserve::paged_decode_attention,
         "one query row per request against its paged keys, invariant");
+  m.def("paged_flash_attention", &pdserve::paged_flash_attention,
+        "each request's last query rows against its paged keys (prompt chunks and decode "
+        "rows alike), causal, invariant");
+  m.def("rms_norm", &pdserve::rms_norm, "RMSNorm in one kernel, HF's rounding, invariant");
+  m.def("rope_write", &pdserve::rope_write,
+        "RoPE on the query and key heads, the rotated K and V stored at their cache slots");
 }

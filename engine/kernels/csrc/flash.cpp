@@ -1,0 +1,273 @@
+// Flash attention over the paged KV cache on torch's brgemm, one code path for prompt chunks
+// and decode rows, batch-invariant by construction.
+//
+// Each request r has query rows [q_starts[r], q_starts[r + 1]), its last positions: row i of
+// a request with ctx_lens[r] = n and q_len = L sits at position n - L + i and sees keys
+// (p - window, p] (all of [0, p] without one). Its keys are read from its block table.
+//
+// The keys are cut into parts of PART keys counted from position 0. A part's K (transposed)
+// and V are gathered from the pages once per (request, KV head) and packed for brgemm (VNNI
+// pairs in bf16); every block of query rows of that request reads the packed part. A task is
+// (request, KV head, block of query rows); its A matrix holds the block's rows for all G query
+// heads of the group, so a K/V part is read once for the group (GQA). Per part: scores =
+// Q K^T (brgemm, float32), masked and scaled, a part-local softmax (max, exp, sum over the
+// whole part in a fixed lane order, masked columns exactly 0), P V (brgemm over the part's
+// keys, P rounded to the input dtype as flash attention does), then merged into the row's
+// running (max, sum, output) in part order.
+//
+// What must hold (batch invariance): a row's bits depend on its own query, position, window
+// and keys only. The parts start at fixed absolute positions, brgemm computes a row of C from
+// that row of A alone (the same bits for any M and tile position: `engine.kernels` probes it),
+// and the softmax and merge are per row in part order. So a prompt row computes the same bits
+// whole, after a cached prefix, in a 16-token chunk, beside other requests, and as a decode row
+// (one query row per request): recompute after preemption reproduces the decoded tokens' K/V.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "common.h"
+
+namespace pdserve {
+
+constexpr int64_t PART = 256;  // keys per part
+constexpr int64_t MAX_M = 96;  // A rows per brgemm call: query rows x the GQA group
+constexpr int64_t COLS = 32;  // a part's columns are computed up to a multiple of this
+
+// x[j] = exp(x[j] - shift) for j in [lo, hi), 0 elsewhere in [0, cols); returns their sum,
+// lane-wise then a fixed lane tree (zeros add exactly: the sum depends on [lo, hi) only).
+inline float exp_row(float* __restrict__ x, float shift, int64_t lo, int64_t hi, int64_t cols) {
+  using fV = at::vec::Vectorized<float>;
+  static_assert(COLS % 16 == 0 && PART % COLS == 0, "whole vectors");
+  const fV sh(shift);
+  for (int64_t j = 0; j < cols; j += fV::size()) (fV::loadu(x + j) - sh).exp_u20().store(x + j);
+  std::fill(x, x + lo, 0.f);
+  std::fill(x + hi, x + cols, 0.f);
+  fV sum(0.f);
+  for (int64_t j = 0; j < cols; j += fV::size()) sum = sum + fV::loadu(x + j);
+  return at::vec::vec_reduce_all<float>([](fV& a, fV& b) { return a + b; }, sum);
+}
+
+// x[j] *= scale for j < cols; returns the max over [lo, hi) (a max is exact in any order)
+inline float scaled_max(float* __restrict__ x, float scale, int64_t lo, int64_t hi,
+                        int64_t cols) {
+  using fV = at::vec::Vectorized<float>;
+  const fV sv(scale);
+  for (int64_t j = 0; j < cols; j += fV::size()) (fV::loadu(x + j) * sv).store(x + j);
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t j = lo;
+  for (; j < hi && j % fV::size(); ++j) mx = std::max(mx, x[j]);
+  fV vm(mx);
+  for (; j + fV::size() <= hi; j += fV::size()) vm = at::vec::maximum(vm, fV::loadu(x + j));
+  mx = at::vec::vec_reduce_all<float>([](fV& a, fV& b) { return at::vec::maximum(a, b); }, vm);
+  for (; j < hi; ++j) mx = std::max(mx, x[j]);
+  return mx;
+}
+
+template <typename T>
+at::Tensor paged_flash_impl(const at::Tensor& q, const at::Tensor& k_pages,
+                            const at::Tensor& v_pages, const at::Tensor& tables,
+                            const at::Tensor& q_starts, const at::Tensor& ctx_lens,
+                            int64_t window, double scale) {
+  constexpr bool vnni = !std::is_same_v<T, float>;
+  const int64_t TQ = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = k_pages.size(1), HKV = k_pages.size(2), G = H / HKV;
+  const int64_t R = tables.size(0), W = tables.size(1);
+  TORCH_CHECK(G <= MAX_M, "flash: a GQA group of ", G, " heads exceeds ", MAX_M);
+  TORCH_CHECK(!vnni || D % 2 == 0, "flash: odd head_dim");
+  const int64_t QB = MAX_M / G;  // query rows per task
+  auto out = at::empty({TQ, H * D}, q.options());
+  if (TQ == 0) return out;
+  auto qc = q.contiguous();
+  auto tab = tables.to(at::kLong).contiguous();
+  auto qst = q_starts.to(at::kLong).contiguous();
+  auto len = ctx_lens.to(at::kLong).contiguous();
+  const T* qp = qc.data_ptr<T>();
+  const T* kp = k_pages.data_ptr<T>();
+  const T* vp = v_pages.data_ptr<T>();
+  const int64_t* tp = tab.data_ptr<int64_t>();
+  const int64_t* qs = qst.data_ptr<int64_t>();
+  const int64_t* lp = len.data_ptr<int64_t>();
+  const int64_t page_stride = k_pages.stride(0), row_stride = k_pages.stride(1);
+  TORCH_CHECK(k_pages.stride(2) == D && k_pages.stride(3) == 1, "pages: [NB, BS, Hkv, D] rows");
+  TORCH_CHECK(v_pages.stride(0) == page_stride && v_pages.stride(1) == row_stride,
+              "K and V pages share a layout");
+  TORCH_CHECK(qst.numel() == R + 1 && len.numel() == R && qs[0] == 0 && qs[R] == TQ,
+              "flash: q_starts [R + 1] from 0 to the query rows, ctx_lens [R]");
+
+  auto lo_of = [&](int64_t p) { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; };
+  // per request: its packed parts [first_part, last part] and its tasks
+  std::vector<int64_t> first_part(R), num_parts(R), pack_base(R + 1, 0), task_base(R + 1, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = lp[r], ql = qs[r + 1] - qs[r];
+    TORCH_CHECK(ql >= 1 && ql <= n && n <= W * BS, "flash: request ", r, " has ", ql,
+                " query rows and ", n, " keys (table of ", W * BS, ")");
+    first_part[r] = lo_of(n - ql) / PART;
+    num_parts[r] = (n - 1) / PART + 1 - first_part[r];
+    pack_base[r + 1] = pack_base[r] + HKV * num_parts[r];
+    task_base[r + 1] = task_base[r] + HKV * ((ql + QB - 1) / QB);
+  }
+  const int64_t units = pack_base[R], tasks = task_base[R], part_elems = PART * D;
+  std::vector<T> kpk(units * part_elems), vpk(units * part_elems);
+  auto request_of = [](const std::vector<int64_t>& base, int64_t i) {
+    return std::upper_bound(base.begin(), base.end(), i) - base.begin() - 1;
+  };
+
+  // 1. gather and pack each (request, KV head, part): B of Q K^T is K^T [D, PART], B of P V
+  // is V [PART, D]; in bf16 both in VNNI pairs ([K / 2, N, 2], brgemm's layout), in float32
+  // row-major. Keys past the context are zeros (their scores are masked, their P is 0).
+  at::parallel_for(0, units, 0, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t r = request_of(pack_base, u), local = u - pack_base[r];
+      const int64_t h = local / num_parts[r], part = first_part[r] + local % num_parts[r];
+      T* kd = kpk.data() + u * part_elems;
+      T* vd = vpk.data() + u * part_elems;
+      for (int64_t j = 0; j < PART; ++j) {
+        const int64_t t = part * PART + j;
+        const T* krow = nullptr;
+        const T* vrow = nullptr;
+        if (t < lp[r]) {
+          const int64_t off = tp[r * W + t / BS] * page_stride + (t % BS) * row_stride + h * D;
+          krow = kp + off;
+          vrow = vp + off;
+        }
+        for (int64_t d = 0; d < D; ++d) {
+          const T kx = krow ? krow[d] : T(0.f), vx = vrow ? vrow[d] : T(0.f);
+          if constexpr (vnni) {
+            kd[(d / 2) * PART * 2 + j * 2 + d % 2] = kx;
+            vd[(j / 2) * D * 2 + d * 2 + j % 2] = vx;
+          } else {
+            kd[d * PART + j] = kx;
+            vd[j * D + d] = vx;
+          }
+        }
+      }
+    }
+  });
+
+  // 2. tasks, the costliest (most parts) first, taken by whichever thread is free
+  std::vector<int64_t> order(tasks), cost(tasks);
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t r = request_of(task_base, t), ql = qs[r + 1] - qs[r];
+    const int64_t blk = (t - task_base[r]) % ((ql + QB - 1) / QB);
+    const int64_t p0 = lp[r] - ql + blk * QB, p1 = std::min(lp[r], p0 + QB) - 1;
+    cost[t] = p1 / PART - lo_of(p0) / PART + 1;
+  }
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  T* op = out.data_ptr<T>();
+  const float sc = static_cast<float>(scale);
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks);
+
+  at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
+    using fV = at::vec::Vectorized<float>;
+    std::vector<T> a(MAX_M * D), prob(MAX_M * PART);
+    std::vector<float> s(MAX_M * PART), o(MAX_M * D), acc(MAX_M * D);
+    std::vector<float> m_run(MAX_M), l_run(MAX_M), m_loc(MAX_M), l_loc(MAX_M);
+    std::vector<int64_t> pos(MAX_M);
+    std::vector<char> seen(MAX_M), live(MAX_M);
+    for (int64_t w = w0; w < w1; ++w) {
+      for (int64_t i; (i = next.fetch_add(1)) < tasks;) {
+        const int64_t t = order[i], r = request_of(task_base, t);
+        const int64_t n = lp[r], ql = qs[r + 1] - qs[r], nqb = (ql + QB - 1) / QB;
+        const int64_t h = (t - task_base[r]) / nqb, blk = (t - task_base[r]) % nqb;
+        const int64_t row0 = blk * QB, rows = std::min(QB, ql - row0), M = rows * G;
+        for (int64_t i2 = 0; i2 < rows; ++i2) {
+          const T* src = qp + ((qs[r] + row0 + i2) * H + h * G) * D;
+          std::copy(src, src + G * D, a.data() + i2 * G * D);  // rows (query row, head)
+          for (int64_t g = 0; g < G; ++g) pos[i2 * G + g] = n - ql + row0 + i2;
+        }
+        std::fill(seen.begin(), seen.begin() + M, 0);
+        const int64_t part_lo = lo_of(pos[0]) / PART, part_hi = pos[M - 1] / PART;
+        for (int64_t part = part_lo; part <= part_hi; ++part) {
+          const int64_t u = pack_base[r] + h * num_parts[r] + (part - first_part[r]);
+          // columns up to the block's last visible key, whole COLS: the rest is masked for
+          // every row (P = 0 there, and a sum of exact zeros changes no bit of the result)
+          const int64_t cols = std::min(PART, (pos[M - 1] + 1 - part * PART + COLS - 1) / COLS * COLS);
+          at::native::cpublas::brgemm(M, cols, D, D, PART, PART, false, a.data(),
+                                      kpk.data() + u * part_elems, s.data(), vnni);
+          for (int64_t m = 0; m < M; ++m) {
+            float* row = s.data() + m * PART;
+            const int64_t lo = std::max(lo_of(pos[m]), part * PART) - part * PART;
+            const int64_t hi = std::min(pos[m] + 1, (part + 1) * PART) - part * PART;
+            live[m] = hi > lo;
+            if (!live[m]) {  // no key of this part is visible to the row: P row of zeros
+              std::fill(prob.begin() + m * PART, prob.begin() + m * PART + cols, T(0.f));
+              continue;
+            }
+            m_loc[m] = scaled_max(row, sc, lo, hi, cols);
+            const float mx = m_loc[m];
+            l_loc[m] = exp_row(row, mx, lo, hi, cols);
+            if constexpr (vnni) {
+              for (int64_t j = 0; j < cols; j += fV::size() * 2) {
+                at::vec::convert_from_float<T>(fV::loadu(row + j), fV::loadu(row + j + fV::size()))
+                    .store(prob.data() + m * PART + j);
+              }
+            } else {
+              std::copy(row, row + cols, prob.data() + m * PART);
+            }
+          }
+          at::native::cpublas::brgemm(M, D, cols, PART, D, D, false, prob.data(),
+                                      vpk.data() + u * part_elems, o.data(), vnni);
+          for (int64_t m = 0; m < M; ++m) {
+            if (!live[m]) continue;
+            float* ar = acc.data() + m * D;
+            const float* orow = o.data() + m * D;
+            if (!seen[m]) {
+              seen[m] = 1;
+              m_run[m] = m_loc[m];
+              l_run[m] = l_loc[m];
+              std::copy(orow, orow + D, ar);
+              continue;
+            }
+            const float mn = std::max(m_run[m], m_loc[m]);
+            const float ea = std::exp(m_run[m] - mn), eb = std::exp(m_loc[m] - mn);
+            l_run[m] = l_run[m] * ea + l_loc[m] * eb;
+            m_run[m] = mn;
+            const fV va(ea), vb(eb);
+            int64_t d = 0;
+            for (; d + fV::size() <= D; d += fV::size())
+              (fV::loadu(ar + d) * va + fV::loadu(orow + d) * vb).store(ar + d);
+            for (; d < D; ++d) ar[d] = ar[d] * ea + orow[d] * eb;
+          }
+        }
+        for (int64_t m = 0; m < M; ++m) {
+          float* ar = acc.data() + m * D;
+          const float inv = 1.f / l_run[m];
+          for (int64_t d = 0; d < D; ++d) ar[d] *= inv;
+          const int64_t row = qs[r] + row0 + m / G, head = h * G + m % G;
+          store_row<T>(op + (row * H + head) * D, ar, nullptr, D);
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release(vnni);
+  });
+  return out;
+}
+
+at::Tensor paged_flash_attention(const at::Tensor& q, const at::Tensor& k_pages,
+                                 const at::Tensor& v_pages, const at::Tensor& tables,
+                                 const at::Tensor& q_starts, const at::Tensor& ctx_lens,
+                                 int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.dim() == 4, "flash: shapes");
+  TORCH_CHECK(tables.dim() == 2, "flash: block tables are [R, W]");
+  TORCH_CHECK(q.scalar_type() == k_pages.scalar_type() &&
+                  q.scalar_type() == v_pages.scalar_type(),
+              "flash: q and the pages differ in dtype");
+  TORCH_CHECK(q.size(1) % k_pages.size(2) == 0, "flash: query heads not a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_pages.size(3), "flash: head_dim differs");
+  if (q.scalar_type() == at::kBFloat16)
+    return paged_flash_impl<at::BFloat16>(q, k_pages, v_pages, tables, q_starts, ctx_lens,
+                                          window, scale);
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "flash: bf16 or float32");
+  return paged_flash_impl<float>(q, k_pages, v_pages, tables, q_starts, ctx_lens, window, scale);
+}
+
+}  // namespace pdserve
