@@ -78,6 +78,74 @@ inline void axpy(float* __restrict__ acc, float p, const float* __restrict__ v, 
   for (; i < n; ++i) acc[i] += p * v[i];
 }
 
+constexpr int64_t MAX_G = 8;  // GQA groups up to this take the register-blocked paths
+
+// s[g * PART + t - start] = dot(q_g, k_t) for t in [start, end), g < G: the same arithmetic
+// as `dot` (lane-wise fmadd over D in order, then the fixed lane tree), but four keys and all
+// G heads in flight at once, so the FMA chains overlap instead of waiting on each other.
+template <typename T, typename RowOf>
+inline void scores_fast(int64_t G, const float* __restrict__ qf, const T* kp, RowOf row_of,
+                        int64_t start, int64_t end, int64_t D, float* __restrict__ s) {
+  using fV = at::vec::Vectorized<float>;
+  constexpr int64_t KEYS = 4;
+  const auto tree = [](fV& x, fV& y) { return x + y; };
+  for (int64_t t = start; t < end; t += KEYS) {
+    const int64_t kn = std::min(KEYS, end - t);
+    const T* rows[KEYS];
+    for (int64_t j = 0; j < KEYS; ++j) rows[j] = row_of(kp, t + std::min(j, kn - 1));
+    fV acc[KEYS][MAX_G];
+    for (int64_t j = 0; j < KEYS; ++j)
+      for (int64_t g = 0; g < G; ++g) acc[j][g] = fV(0.f);
+    for (int64_t d = 0; d < D; d += fV::size()) {
+      fV k[KEYS];
+      for (int64_t j = 0; j < KEYS; ++j) {
+        if constexpr (std::is_same_v<T, float>) {
+          k[j] = fV::loadu(rows[j] + d);
+        } else {  // fV::size() elements of T, widened
+          k[j] = std::get<0>(at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(rows[j] + d, fV::size())));
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const fV q = fV::loadu(qf + g * D + d);
+        for (int64_t j = 0; j < KEYS; ++j) acc[j][g] = at::vec::fmadd(q, k[j], acc[j][g]);
+      }
+    }
+    for (int64_t j = 0; j < kn; ++j)
+      for (int64_t g = 0; g < G; ++g)
+        s[g * PART + (t + j - start)] = at::vec::vec_reduce_all<float>(tree, acc[j][g]);
+  }
+}
+
+// out_g[:] += p_g[t] * v_t[:] for t in [start, end) in order, g < G: `axpy`'s arithmetic with
+// each D slice's G accumulators held in registers across the keys.
+template <typename T, typename RowOf>
+inline void values_fast(int64_t G, const float* __restrict__ s, const T* vp, RowOf row_of,
+                        int64_t start, int64_t end, int64_t D, float* __restrict__ out) {
+  using fV = at::vec::Vectorized<float>;
+  constexpr int64_t SLICES = 2;  // D slices per pass: 2G independent chains
+  for (int64_t d0 = 0; d0 < D; d0 += SLICES * fV::size()) {
+    const int64_t ns = std::min<int64_t>(SLICES, (D - d0) / fV::size());
+    fV acc[SLICES][MAX_G];
+    for (int64_t c = 0; c < ns; ++c)
+      for (int64_t g = 0; g < G; ++g) acc[c][g] = fV::loadu(out + g * D + d0 + c * fV::size());
+    for (int64_t t = start; t < end; ++t) {
+      const T* row = row_of(vp, t) + d0;
+      for (int64_t c = 0; c < ns; ++c) {
+        fV v;
+        if constexpr (std::is_same_v<T, float>) {
+          v = fV::loadu(row + c * fV::size());
+        } else {
+          v = std::get<0>(at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(row + c * fV::size(), fV::size())));
+        }
+        for (int64_t g = 0; g < G; ++g)
+          acc[c][g] = at::vec::fmadd(fV(s[g * PART + (t - start)]), v, acc[c][g]);
+      }
+    }
+    for (int64_t c = 0; c < ns; ++c)
+      for (int64_t g = 0; g < G; ++g) acc[c][g].store(out + g * D + d0 + c * fV::size());
+  }
+}
+
 template <typename T>
 at::Tensor paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pages,
                              const at::Tensor& v_pages, const at::Tensor& tables,
@@ -113,6 +181,7 @@ at::Tensor paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pages,
   std::vector<float> m(tasks * G), l(tasks * G), acc(tasks * G * D);
 
   at::parallel_for(0, tasks, 0, [&](int64_t t0, int64_t t1) {
+    using fV = at::vec::Vectorized<float>;
     std::vector<float> qf(G * D), kf(D), vf(D), s(G * PART);
     int64_t b = std::upper_bound(task_base.begin(), task_base.end(), t0) - task_base.begin() - 1;
     for (int64_t task = t0; task < t1; ++task) {
@@ -125,11 +194,18 @@ at::Tensor paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pages,
         to_float<T>(qp + (b * H + h * G + g) * D, qf.data() + g * D, D);
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= static_cast<float>(scale);
       }
-      for (int64_t t = start; t < end; ++t) {
-        const T* row = kp + tp[b * W + t / BS] * page_stride + (t % BS) * row_stride + h * D;
-        to_float<T>(row, kf.data(), D);
-        for (int64_t g = 0; g < G; ++g) {
-          s[g * PART + (t - start)] = dot(qf.data() + g * D, kf.data(), D);
+      auto row_of = [&](const T* base, int64_t t) {
+        return base + tp[b * W + t / BS] * page_stride + (t % BS) * row_stride + h * D;
+      };
+      const bool fast = G <= MAX_G && D % fV::size() == 0;
+      if (fast) {
+        scores_fast<T>(G, qf.data(), kp, row_of, start, end, D, s.data());
+      } else {
+        for (int64_t t = start; t < end; ++t) {
+          to_float<T>(row_of(kp, t), kf.data(), D);
+          for (int64_t g = 0; g < G; ++g) {
+            s[g * PART + (t - start)] = dot(qf.data() + g * D, kf.data(), D);
+          }
         }
       }
       float* mt = m.data() + task * G;
@@ -142,10 +218,13 @@ at::Tensor paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pages,
         lt[g] = exp_shifted(s.data() + g * PART, mx, end - start);
         std::fill(at + g * D, at + (g + 1) * D, 0.f);
       }
-      for (int64_t t = start; t < end; ++t) {
-        const T* row = vp + tp[b * W + t / BS] * page_stride + (t % BS) * row_stride + h * D;
-        to_float<T>(row, vf.data(), D);
-        for (int64_t g = 0; g < G; ++g) axpy(at + g * D, s[g * PART + (t - start)], vf.data(), D);
+      if (fast) {
+        values_fast<T>(G, s.data(), vp, row_of, start, end, D, at);
+      } else {
+        for (int64_t t = start; t < end; ++t) {
+          to_float<T>(row_of(vp, t), vf.data(), D);
+          for (int64_t g = 0; g < G; ++g) axpy(at + g * D, s[g * PART + (t - start)], vf.data(), D);
+        }
       }
     }
   });
