@@ -28,6 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from engine import native
+
 PrefillKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, int | None, float], torch.Tensor
 ]
@@ -83,24 +85,14 @@ class PagedDecode:
     ) -> torch.Tensor:
         """q [B, H, D]; pages [num_blocks, block_size, Hkv, D]; block_tables [B, nb];
         ctx_lens [B] (this token included) -> [B, H * D]."""
-        from engine import native
-
-        ext = native.load()
-        assert ext is not None, f"pdserve kernels: {native.why_not()}"
-        out: torch.Tensor = ext.paged_decode_attention(
+        out: torch.Tensor = native.ext().paged_decode_attention(
             q, k_pages, v_pages, block_tables, ctx_lens, window or 0, scale
         )
         return out
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:
-        from engine import native
-
-        return (
-            device.type == "cpu"
-            and dtype in (torch.float32, torch.bfloat16)
-            and (native.load() is not None)
-        )
+        return native.runs(device, dtype)
 
 
 paged_decode_attention = PagedDecode()
@@ -133,11 +125,7 @@ class PagedPrefill:
         """q [T, H, D]: request r's rows ``q_starts[r] .. q_starts[r + 1] - 1`` are its last
         positions before ``ctx_lens[r]``; pages [num_blocks, block_size, Hkv, D];
         block_tables [R, nb] -> [T, H * D]."""
-        from engine import native
-
-        ext = native.load()
-        assert ext is not None, f"pdserve kernels: {native.why_not()}"
-        out: torch.Tensor = ext.paged_flash_attention(
+        out: torch.Tensor = native.ext().paged_flash_attention(
             q, k_pages, v_pages, block_tables, q_starts, ctx_lens, window or 0, scale
         )
         return out
@@ -153,11 +141,8 @@ class PagedPrefill:
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:
         """float32 anywhere our kernels built; bf16 where brgemm runs it (VNNI pairs)."""
-        from engine import native
-
-        if device.type != "cpu" or native.load() is None:
-            return False
-        return dtype == torch.float32 or (dtype == torch.bfloat16 and native.brgemm_bf16())
+        bf16_ok = dtype != torch.bfloat16 or native.brgemm_bf16()
+        return native.runs(device, dtype) and bf16_ok
 
 
 paged_flash_attention = PagedPrefill()

@@ -131,6 +131,20 @@ def why_not() -> str:
     return _why_not
 
 
+def ext() -> ModuleType:
+    """The loaded extension, for a kernel that is running: its candidate's `applies` (`runs`)
+    was checked before it was chosen, so a missing extension here is a bug, not a state."""
+    mod = load()
+    assert mod is not None, f"pdserve kernels: {why_not()}"
+    return mod
+
+
+def runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Our kernels serve `device` in `dtype`: a CPU, float32 or bf16, the extension built
+    (a candidate's `applies`)."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and load() is not None
+
+
 def brgemm_bf16() -> bool:
     """The extension is here and brgemm runs bf16 with packed (VNNI) weights on this CPU."""
     ext = load()

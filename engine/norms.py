@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from engine import native
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm: statistics in float32, scale applied in the input dtype.
@@ -50,22 +52,12 @@ class FusedNorm:
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, one_plus: bool
     ) -> torch.Tensor:
-        from engine import native
-
-        ext = native.load()
-        assert ext is not None, f"pdserve kernels: {native.why_not()}"
-        out: torch.Tensor = ext.rms_norm(x, weight, eps, one_plus)
+        out: torch.Tensor = native.ext().rms_norm(x, weight, eps, one_plus)
         return out
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:
-        from engine import native
-
-        return (
-            device.type == "cpu"
-            and dtype in (torch.float32, torch.bfloat16)
-            and (native.load() is not None)
-        )
+        return native.runs(device, dtype)
 
 
 fused_rms_norm = FusedNorm()

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from engine import native
 from engine.config import RopeScaling
 
 
@@ -163,22 +164,12 @@ class FusedRopeWrite:
         v_slots: torch.Tensor,
         slots: torch.Tensor,
     ) -> torch.Tensor:
-        from engine import native
-
-        ext = native.load()
-        assert ext is not None, f"pdserve kernels: {native.why_not()}"
-        out: torch.Tensor = ext.rope_write(qk, v, cos, sin_signed, k_slots, v_slots, slots)
+        out: torch.Tensor = native.ext().rope_write(qk, v, cos, sin_signed, k_slots, v_slots, slots)
         return out
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:
-        from engine import native
-
-        return (
-            device.type == "cpu"
-            and dtype in (torch.float32, torch.bfloat16)
-            and (native.load() is not None)
-        )
+        return native.runs(device, dtype)
 
 
 fused_rope_write = FusedRopeWrite()

@@ -19,6 +19,7 @@ namespace pdserve {
 
 constexpr int64_t BLOCK_M = 32;
 constexpr int64_t BLOCK_N = 64;
+constexpr int64_t CHUNK_M = 256;  // rows of x kept in L2 across a thread's panels
 
 bool brgemm_packs_bf16() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
@@ -69,22 +70,26 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const at::BFloat16* a = x.data_ptr<at::BFloat16>();
   const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
-  // Threads take whole weight panels (column blocks) and walk every row block over them.
+  // Threads take whole weight panels (column blocks). Rows go in chunks of CHUNK_M: a chunk
+  // of x stays in L2 while the thread walks its panels over it (all rows at once re-read x
+  // from memory once per panel: 2.4 MB x 48 panels for a 2048-row MLP up-projection).
   at::parallel_for(0, nt, 0, [&](int64_t nb0, int64_t nb1) {
     alignas(64) float acc[BLOCK_M * BLOCK_N];
-    for (int64_t nb = nb0; nb < nb1; ++nb) {
-      const int64_t n0 = nb * BLOCK_N, cols = std::min(BLOCK_N, N - n0);
-      for (int64_t mb = 0; mb < mt; ++mb) {
-        const int64_t m0 = mb * BLOCK_M, rows = std::min(BLOCK_M, M - m0);
-        at::native::cpublas::brgemm(rows, BLOCK_N, K, lda, BLOCK_N, BLOCK_N, false,
-                                    a + m0 * lda, w + nb * K * BLOCK_N, acc, true);
-        for (int64_t r = 0; r < rows; ++r) {
-          float* row = acc + r * BLOCK_N;
-          if (b) {
-            for (int64_t c = 0; c < cols; ++c) row[c] += b[n0 + c];
+    for (int64_t mc = 0; mc < mt; mc += CHUNK_M / BLOCK_M) {
+      for (int64_t nb = nb0; nb < nb1; ++nb) {
+        const int64_t n0 = nb * BLOCK_N, cols = std::min(BLOCK_N, N - n0);
+        for (int64_t mb = mc; mb < std::min(mt, mc + CHUNK_M / BLOCK_M); ++mb) {
+          const int64_t m0 = mb * BLOCK_M, rows = std::min(BLOCK_M, M - m0);
+          at::native::cpublas::brgemm(rows, BLOCK_N, K, lda, BLOCK_N, BLOCK_N, false,
+                                      a + m0 * lda, w + nb * K * BLOCK_N, acc, true);
+          for (int64_t r = 0; r < rows; ++r) {
+            float* row = acc + r * BLOCK_N;
+            if (b) {
+              for (int64_t c = 0; c < cols; ++c) row[c] += b[n0 + c];
+            }
+            store_row<at::BFloat16>(o + (m0 + r) * N + n0, row,
+                                    res ? res + (m0 + r) * N + n0 : nullptr, cols);
           }
-          store_row<at::BFloat16>(o + (m0 + r) * N + n0, row,
-                                  res ? res + (m0 + r) * N + n0 : nullptr, cols);
         }
       }
     }
