@@ -131,6 +131,11 @@ class TokenSinkServer:
                         stream.put(batch_of(d))
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             reason = f"connection ended: {type(e).__name__}"
+        except asyncio.CancelledError:
+            # The router's loop is stopping. End the handler instead of re-raising: Python
+            # 3.11's start_server callback calls `exception()` on a cancelled handler task
+            # and logs a CancelledError traceback for every open connection.
+            reason = "the router stopped"
         except (TimeoutError, ValueError) as e:
             self.num_rejected_total += not worker
             reason = f"bad stream: {e or type(e).__name__}"
