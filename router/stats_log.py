@@ -100,8 +100,17 @@ def stats_line(prev: Snapshot, cur: Snapshot) -> str:
         f"Running: {cur.running:.0f} reqs, Waiting: {cur.waiting:.0f} reqs, "
         f"KV cache usage: {usage or 'n/a'}, "
         f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%, "
-        f"KV transfer: {cur.rate(prev, 'kv_bytes') / 1e9:.3f} GB/s"
+        f"KV transfer: {byte_rate(cur.rate(prev, 'kv_bytes'))}"
     )
+
+
+def byte_rate(bytes_per_s: float) -> str:
+    """1.2e9 -> '1.200 GB/s', 3.4e5 -> '340.0 kB/s': a small model's transfers (kilobytes a
+    request) read as what they are, not as 0.000 GB/s."""
+    for scale, unit in ((1e9, "GB/s"), (1e6, "MB/s"), (1e3, "kB/s")):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:.{3 if unit == 'GB/s' else 1}f} {unit}"
+    return f"{bytes_per_s:.0f} B/s"
 
 
 class StatsLog:

@@ -25,7 +25,7 @@ from pdserve.models import DEFAULT_MODEL, resolve_model
 from protos.pdserve.v1 import generation_pb2 as gen
 from router.http import create_app
 from router.metrics import RouterMetrics
-from tests.in_process import asgi_request, run_with_workers
+from tests.in_process import all_of, asgi_request, run_with_workers
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -131,22 +131,25 @@ def answers(real_dir: Path) -> dict[str, dict[str, Any]]:
             got["prompt_tokens_counted"] = _metric(
                 metrics.render().decode(), "pdserve:prompt_tokens_total"
             )
-            got["n1_ids"] = await _ask(router, make_request(IDS_B, **SEEDED))
-            got["s4"] = await _ask(router, make_request(PROMPT, n=4, **SEEDED))
-            got["s4_again"] = await _ask(router, make_request(PROMPT, n=4, **SEEDED))
+            calls = {
+                "n1_ids": _ask(router, make_request(IDS_B, **SEEDED)),
+                "s4": _ask(router, make_request(PROMPT, n=4, **SEEDED)),
+                "s4_again": _ask(router, make_request(PROMPT, n=4, **SEEDED)),
+            }
             for i in range(4):
                 seeded = {**SEEDED, "seed": SEEDED["seed"] + i}
-                got[f"s1_{i}"] = await _ask(router, make_request(PROMPT, **seeded))
+                calls[f"s1_{i}"] = _ask(router, make_request(PROMPT, **seeded))
             greedy = {"temperature": 0.0, "max_tokens": 12}
-            got["g4"] = await _ask(router, make_request(PROMPT, n=4, **greedy))
-            got["g1"] = await _ask(router, make_request(PROMPT, **greedy))
+            calls["g4"] = _ask(router, make_request(PROMPT, n=4, **greedy))
+            calls["g1"] = _ask(router, make_request(PROMPT, **greedy))
             three = {**SEEDED, "seed": 11}
-            got["n3_lp"] = await _ask(router, make_request(PROMPT, n=3, logprobs=0, **three))
-            got["best_of3"] = await _ask(router, make_request(PROMPT, best_of=3, **three))
-            got["best2_of3"] = await _ask(router, make_request(PROMPT, n=2, best_of=3, **three))
+            calls["n3_lp"] = _ask(router, make_request(PROMPT, n=3, logprobs=0, **three))
+            calls["best_of3"] = _ask(router, make_request(PROMPT, best_of=3, **three))
+            calls["best2_of3"] = _ask(router, make_request(PROMPT, n=2, best_of=3, **three))
             choice = make_request(PROMPT, n=3, **{**SEEDED, "max_tokens": 8})
             choice.structured_output.choice.choices.extend(["yes", "no", "maybe"])
-            got["choice"] = await _ask(router, choice)
+            calls["choice"] = _ask(router, choice)
+            got.update(await all_of((prefill, decode), calls))
             if not router.colocated:
                 got["http"] = await _http_answers(create_app(router))
 

@@ -21,7 +21,7 @@ from pool_api.messages import WorkerRequest
 from router.active import ActiveRequest, Observers, RequestObserver
 from router.config import RouterConfig
 from router.metrics import RouterMetrics, one_two_five
-from router.stats_log import RequestLog, Snapshot, StatsLog, stats_line
+from router.stats_log import RequestLog, Snapshot, StatsLog, byte_rate, stats_line
 
 SECRET_PROMPT = "the prompt text never reaches a log"
 
@@ -202,6 +202,17 @@ def test_stats_line_from_the_metrics(loop: asyncio.AbstractEventLoop) -> None:
     assert "Prefix cache hit rate: 50.0%" in line
     assert "KV transfer: 1.000 GB/s" in line
     assert cur.active(prev) and not cur.active(cur)
+
+
+def test_the_transfer_rate_reads_at_every_scale() -> None:
+    """A small model moves kilobytes a request: its rate must not print as 0.000 GB/s."""
+    assert [byte_rate(r) for r in (1.5e9, 2.5e6, 3.4e5, 12.0, 0.0)] == [
+        "1.500 GB/s",
+        "2.5 MB/s",
+        "340.0 kB/s",
+        "12 B/s",
+        "0 B/s",
+    ]
 
 
 def test_stats_log_levels(loop: asyncio.AbstractEventLoop, caplog: Any) -> None:

@@ -34,7 +34,7 @@ from pdserve.models import DEFAULT_MODEL, resolve_model
 from prefill_workers.worker import PrefillWorker
 from protos.pdserve.v1 import generation_pb2 as gen
 from router.active import RequestFailed
-from tests.in_process import run_with_workers
+from tests.in_process import all_of, run_with_workers
 from tests.structured_data import PROMPTS, SCHEMAS, SLOW_SCHEMA
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -91,27 +91,30 @@ async def drive(router: Any, request: gen.GenerateRequest) -> tuple[str, list[in
 
 
 def run_schemas(real_dir: Path, colocated: bool) -> tuple[dict[str, Any], dict[str, float]]:
-    """Every (schema, prompt) once, one at a time (each alone in its batch, so both modes
-    compute the same floats); the results, and the decode worker's counters."""
+    """Every (schema, prompt) once, all at once where the kernels are batch-invariant
+    (`tests.in_process.all_of`: both modes compute the same tokens either way); the
+    results, and the decode worker's counters."""
     prompts = [chat_ids(real_dir, p) for p in PROMPTS]
     out: dict[str, Any] = {}
     counts: dict[str, float] = {}
 
     async def body(router: Any, prefill: PrefillWorker, decode: DecodeWorker) -> None:
-        prompt_passes = 0
+        prompt_chunks = 0
         forward = decode.engine.runner.step
 
         def counted(chunks: Any, *args: Any, **kwargs: Any) -> Any:
-            nonlocal prompt_passes
-            prompt_passes += bool(chunks)  # a step that runs prompt tokens (mixed or not)
+            nonlocal prompt_chunks
+            prompt_chunks += len(chunks)  # prompt chunks in this step (mixed or not)
             return forward(chunks, *args, **kwargs)
 
         decode.engine.runner.step = counted  # type: ignore[method-assign]
-        for i, schema in enumerate(SCHEMAS):
-            for j, ids in enumerate(prompts):
-                key = f"s{i}-p{j}"
-                out[key] = await drive(router, json_request(ids, key, schema))
-        counts["decode_prompt_passes"] = prompt_passes
+        calls = {
+            f"s{i}-p{j}": drive(router, json_request(ids, f"s{i}-p{j}", schema))
+            for i, schema in enumerate(SCHEMAS)
+            for j, ids in enumerate(prompts)
+        }
+        out.update(await all_of((prefill, decode), calls))
+        counts["decode_prompt_chunks"] = prompt_chunks
         counts["first_tokens_checked"] = decode.num_first_tokens_checked
         counts["prefill_requests"] = prefill.num_requests_total
 
@@ -153,12 +156,12 @@ def test_token_one_is_checked_on_the_decode_side_never_recomputed(
     _, counts = both_modes["disaggregated"]
     n = len(SCHEMAS) * len(PROMPTS)
     assert counts == {
-        "decode_prompt_passes": 0,
+        "decode_prompt_chunks": 0,
         "first_tokens_checked": n,
         "prefill_requests": n,
     }, counts
     _, colocated = both_modes["colocated"]
-    assert colocated["first_tokens_checked"] == 0 and colocated["decode_prompt_passes"] >= n
+    assert colocated["first_tokens_checked"] == 0 and colocated["decode_prompt_chunks"] >= n
 
 
 # ---- the engine ---------------------------------------------------------------------------
