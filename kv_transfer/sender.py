@@ -62,9 +62,10 @@ class KVSender:
         self.layers_per_frame = layers_per_frame
         self.timeout_s = timeout_s
         self._channels: OrderedDict[str, SendChannel] = OrderedDict()
-        self._queue: queue.SimpleQueue[tuple[OutboundTransfer, int, threading.Event | None]] = (
-            queue.SimpleQueue()
-        )
+        # None stops the pusher (`close`)
+        self._queue: queue.SimpleQueue[
+            tuple[OutboundTransfer, int, threading.Event | None] | None
+        ] = queue.SimpleQueue()
         self._pusher: threading.Thread | None = None
         self._lock = threading.Lock()
         self._connect_lock = threading.Lock()
@@ -128,8 +129,8 @@ class KVSender:
         self._queue.put((out, layer_end, None))
 
     def _push_loop(self) -> None:
-        while True:
-            out, layer_end, done = self._queue.get()
+        while (item := self._queue.get()) is not None:
+            out, layer_end, done = item
             if done is not None:
                 done.set()
                 continue
@@ -212,6 +213,13 @@ class KVSender:
         return self.finish(self.start(ticket, src_block_ids))
 
     def close(self) -> None:
+        """Close every channel and end the pusher thread (after the pushes queued before):
+        a thread left running would keep this sender, its cache and its last transfer alive
+        for as long as the process lives."""
+        if self._pusher is not None:
+            self._queue.put(None)
+            self._pusher.join(self.timeout_s)
+            self._pusher = None
         with self._lock:
             channels = list(self._channels.values())
             self._channels.clear()

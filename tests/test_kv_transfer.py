@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import filecmp
 import functools
+import gc
 import os
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -145,6 +147,36 @@ def test_local_transport_bit_exact(dtype: str) -> None:
         rx.assert_released()
     finally:
         sender.close()
+        endpoint.close()
+
+
+def test_close_ends_the_pusher_thread_after_its_queued_pushes() -> None:
+    """A layer-by-layer transfer (`push_async`) runs on the sender's own thread; `close`
+    ends that thread, after what was queued, so that nothing keeps the sender (its cache,
+    its last transfer) alive: a prefill worker shut down in-process otherwise left its
+    whole engine in memory."""
+    rx = Rx("float32")
+    endpoint = get_transport("local").listen(rx.receiver)
+    rx.receiver.address = endpoint.address
+    sender = KVSender(src_cache(), "p", get_transport("local"))
+    try:
+        ticket = rx.receiver.reserve("r", 16 * 3)
+        out = sender.start(ticket, kv_procs.spread_ids(len(ticket.dst_block_ids)))
+        for layer in range(L):
+            sender.push_async(out, layer + 1)
+        pusher = sender._pusher
+        assert pusher is not None and pusher.is_alive()
+        assert sender.finish(out).status == pb.TRANSFER_STATUS_COMPLETE
+        assert out.layers_sent == L
+        sender.close()
+        assert not pusher.is_alive() and sender._pusher is None
+        rx.blocks.free(rx.receiver.take(ticket.transfer_id).request_id)
+        rx.assert_released()
+        ref = weakref.ref(sender)
+        del sender, out
+        gc.collect()
+        assert ref() is None, "something still holds the closed sender"
+    finally:
         endpoint.close()
 
 
