@@ -319,7 +319,12 @@ class KVReceiver:
         self._reaper.start()
 
     def close(self) -> None:
+        """Stop the reaper and wait for it: until it has returned, its loop holds this
+        receiver (and through its callbacks the worker and its engine)."""
         self._closed.set()
+        reaper = self._reaper
+        if reaper is not None and reaper is not threading.current_thread():
+            reaper.join(5.0)
 
 
 def ack_of(res: Reservation) -> pb.TransferAck:

@@ -223,6 +223,34 @@ def test_engine_local_transfer_matches_colocated(tiny_checkpoint: str) -> None:
         endpoint.close()
 
 
+def test_workers_shut_down_in_process_leave_no_engine_or_thread(tiny_checkpoint: str) -> None:
+    """`run_with_workers` (the census tool, these tests) shuts its workers down in this
+    process: afterwards no engine may stay reachable and no KV thread run. A sender's pusher
+    and a receiver's lease reaper each held their worker's engine, and its memory, after
+    shutdown (one forever, one for up to its interval)."""
+    import threading
+
+    from pdserve.client import make_request
+    from pdserve.config import ServeConfig
+    from pdserve.launch import run_with_workers
+    from tests.in_process import generate
+
+    cfg = ServeConfig.load(
+        None, {"model": {"model": tiny_checkpoint}, "transfer": {"transport": "local"}}
+    )
+    seen: list[weakref.ref[LLMEngine]] = []
+
+    async def body(router: Any, prefill: Any, decode: Any) -> None:
+        seen.extend(weakref.ref(w.engine) for w in (prefill, decode))
+        toks, act = await generate(router, make_request(PROMPTS[2], max_tokens=4))
+        assert len(toks) == 4 and act.kv_transfer_bytes > 0  # the KV went through a sender
+
+    run_with_workers(cfg, Path(tiny_checkpoint), body)
+    gc.collect()
+    assert [r() for r in seen] == [None, None]
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("kv-")]
+
+
 # ---- headers that must be refused before a byte lands --------------------------------------
 def _layout(field: str, value: Any) -> Any:
     def mutate(h: pb.KVFrameHeader) -> None:
