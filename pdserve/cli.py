@@ -31,6 +31,7 @@ _ON_ARGV = (
     "Ray's job table (ray job list, the dashboard's /api/jobs) show it to others; {instead}"
 )
 
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     """`generate` and `trace`: the model section's settings, with their own docs."""
     from pdserve.config import setting_doc
@@ -365,6 +366,25 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+def in_flag_terms(message: str, overrides: dict[str, Any]) -> str:
+    """A config error about a setting the command line gave, told by its flag: "config:
+    cache.block_size=3 must be a power of two" -> "--block-size 3: must be a power of two"."""
+    for flag in SERVE_TABLE:
+        prefix = f"config: {flag.path}="
+        if message.startswith(prefix) and _has_path(overrides, flag.path):
+            value, _, rest = message.removeprefix(prefix).partition(" ")
+            return f"{flag.option} {value}: {rest}"
+    return message
+
+
+def _has_path(tree: dict[str, Any], path: str) -> bool:
+    for name in path.split("."):
+        if not isinstance(tree, dict) or name not in tree:
+            return False
+        tree = tree[name]
+    return True
+
+
 def set_path(tree: dict[str, Any], path: str, value: Any) -> None:
     """tree[a][b][c] = value for the dotted path a.b.c, making the sections on the way."""
     *sections, key = path.split(".")
@@ -378,7 +398,10 @@ def serve_config(args: argparse.Namespace, overrides: dict[str, Any] | None = No
 
     if overrides is None:
         overrides = serve_overrides(args)
-    cfg = ServeConfig.load(args.config, overrides)
+    try:
+        cfg = ServeConfig.load(args.config, overrides)
+    except ValueError as e:
+        raise ValueError(in_flag_terms(str(e), overrides)) from e
     password = _redis_password(args)
     if password is None:
         return cfg
@@ -506,7 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_chaos(args)
     except ValueError as e:  # bad input, InvalidParameterError and ModelError included
-        print(f"pdserve: error: {e}", file=sys.stderr)
+        for line in str(e).splitlines() or [""]:  # each line of a many-part error marked
+            print(f"pdserve: error: {line}", file=sys.stderr)
         return 2
     return 1
 

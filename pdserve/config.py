@@ -303,7 +303,9 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str) -> T:
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"config {where or '<root>'}: {e}") from e
+        # a setting's own check names its dotted path already ("cache.block_size=3 ...")
+        named = where and str(e).startswith(where)
+        raise ValueError(f"config: {e}" if named else f"config {where or '<root>'}: {e}") from e
 
 
 def _dataclass_in(hint: Any) -> type | None:

@@ -33,6 +33,8 @@ RETRY_AFTER_S = "1"
 def field_names(body: dict[str, Any], chat: bool) -> dict[str, str]:
     """The router's field names as this body spells them (`from_failed`)."""
     names = {"prompt": "messages"} if chat else {}
+    if chat and "max_completion_tokens" in body:  # it wins over max_tokens (protocol.py)
+        names["max_tokens"] = "max_completion_tokens"
     if field := structured_field(body):
         names[STRUCTURED_FIELD] = field
     elif chat and body.get("tool_choice") not in (None, "none", "auto"):

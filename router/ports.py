@@ -26,7 +26,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def port_taken(key: str, host: str, port: int, e: OSError) -> str:
-    flag = "--port (--http-port)" if key == "http.port" else "--grpc-port"
+    flag = "--http-port" if key == "http.port" else "--grpc-port"
     return (
         f"router.{key}: cannot listen on {host}:{port} ({e.strerror or e}); another server "
         f"holds it? Choose another port with {flag} (0 picks a free one)"
@@ -34,24 +34,29 @@ def port_taken(key: str, host: str, port: int, e: OSError) -> str:
 
 
 def check_ports(cfg: RouterConfig, keep_http: bool) -> socket.socket | None:
-    """Raise ValueError (one line naming the port) when a port is taken; port 0 needs no
-    check. `keep_http`: return the bound HTTP socket for the server, so nothing can take the
-    port meanwhile; the gRPC port is only probed (grpc binds its own socket)."""
+    """Raise ValueError naming every taken port (one line each, so that a user with both
+    taken learns it at once, not one start at a time); port 0 needs no check. `keep_http`:
+    return the bound HTTP socket for the server, so nothing can take the port meanwhile;
+    the gRPC port is only probed (grpc binds its own socket)."""
     ports = [("grpc.port", cfg.grpc.port)]
     if cfg.http.enabled:
         ports.append(("http.port", cfg.http.port))
     kept = None
+    taken: list[str] = []
     for key, port in ports:
         if not port:
             continue
         try:
             sock = bind_socket(cfg.host, port)
         except OSError as e:
-            if kept is not None:
-                kept.close()
-            raise ValueError(port_taken(key, cfg.host, port, e)) from e
+            taken.append(port_taken(key, cfg.host, port, e))
+            continue
         if keep_http and key == "http.port":
             kept = sock
         else:
             sock.close()
+    if taken:
+        if kept is not None:
+            kept.close()
+        raise ValueError("\n".join(taken))
     return kept

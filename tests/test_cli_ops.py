@@ -279,6 +279,49 @@ def test_a_value_out_of_its_declared_bounds_is_refused_naming_it(
         ServeConfig.load(None, section)
 
 
+def test_a_flag_out_of_bounds_is_refused_naming_the_flag() -> None:
+    """The command line's own words: `--block-size 3` is named as such, not as the config
+    path it sets; the same value from a YAML file keeps the config path."""
+    args = build_parser().parse_args(["serve", "--model", "tiny", "--block-size", "3"])
+    with pytest.raises(ValueError) as e:
+        serve_config(args)
+    assert str(e.value) == "--block-size 3: must be a power of two"
+    with pytest.raises(ValueError, match=r"^config: cache\.block_size=3 must be a power of two"):
+        ServeConfig.load(None, {"cache": {"block_size": 3}})
+
+
+def test_every_taken_port_is_named_at_once() -> None:
+    """Both router ports held by other servers: one refusal names both, each with its flag
+    (a user fixing one learns of the other only on the next start otherwise)."""
+    import socket
+
+    from router.ports import check_ports
+
+    held = []
+    for _ in range(2):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        held.append(s)
+    grpc_port, http_port = (s.getsockname()[1] for s in held)
+    router = ServeConfig.load(
+        None,
+        {"router": {"host": "127.0.0.1", "grpc": {"port": grpc_port}, "http": {"port": http_port}}},
+    ).router
+    try:
+        with pytest.raises(ValueError) as e:
+            check_ports(router, keep_http=True)
+    finally:
+        for s in held:
+            s.close()
+    lines = str(e.value).splitlines()
+    assert len(lines) == 2, lines
+    assert f"router.grpc.port: cannot listen on 127.0.0.1:{grpc_port}" in lines[0]
+    assert "--grpc-port" in lines[0]
+    assert f"router.http.port: cannot listen on 127.0.0.1:{http_port}" in lines[1]
+    assert "--http-port" in lines[1]
+
+
 def test_every_serve_flag_has_help_and_its_default() -> None:
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     for name in ("serve", "generate", "trace", "client"):  # bench, chaos: pdserve.tools
@@ -342,7 +385,7 @@ def test_help_is_fast(argv: list[str]) -> None:
     assert wall < 5.0, f"{wall:.2f} s"
 
 
-@pytest.mark.parametrize("flag", ["--port", "--grpc-port"])
+@pytest.mark.parametrize("flag", ["--http-port", "--grpc-port"])
 def test_a_busy_port_exits_2_within_3_s(tmp_path: Path, flag: str) -> None:
     """Checked before torch is imported: ~0.5 s of CPU. The wall-clock bound is looser than
     3 s only because a loaded CI host (2 cores, other suites) stretches wall time."""
@@ -350,7 +393,7 @@ def test_a_busy_port_exits_2_within_3_s(tmp_path: Path, flag: str) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        other = "--grpc-port" if flag == "--port" else "--port"
+        other = "--grpc-port" if flag == "--http-port" else "--http-port"
         env = {**os.environ, "PDSERVE_HOME": str(tmp_path), "RAY_ADDRESS": ""}
         argv = [str(BIN / "pdserve"), "serve", "--model", "tiny", flag, str(port), other, "0"]
         proc, wall, cpu = timed(argv, env=env)

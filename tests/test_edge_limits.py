@@ -238,7 +238,7 @@ def _http_cases() -> list[tuple[str, str, str, Any]]:
     add("chat", "response_format", ({"type": "json_schema"}, "x"))
     add("chat", "logprobs", ("x", 3))
     add("chat", "top_logprobs", (-1, "x", 10**6))
-    add("chat", "max_completion_tokens", ("x", -1, 2**31))
+    add("chat", "max_completion_tokens", ("x", -1, 0, 2**31))
     return cases
 
 
@@ -265,7 +265,6 @@ def _names_the_field(param: str | None, field: str, body: bytes) -> bool:
     if param is None:
         return b"NaN" in body or b"Infinity" in body
     aliases = {
-        "max_completion_tokens": ("max_tokens",),
         "top_logprobs": ("logprobs",),
         "prompt": ("prompt_token_ids",),
     }
