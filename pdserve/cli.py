@@ -136,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_argument(
         "--temperature", type=float, default=None, help="0 means greedy (default: the server's)"
     )
+    client.add_argument(
+        "--chat",
+        action="store_true",
+        help="send PROMPT as one user message through the server's chat template",
+    )
+    client.add_argument(
+        "--n", type=int, default=None, help="choices to sample from the prompt (default: 1)"
+    )
     client.add_argument("--json", action="store_true", help="print the final message as JSON")
     client.add_argument(
         "--api-key", default=None, help="sent as `authorization: Bearer KEY` (env PDSERVE_API_KEY)"

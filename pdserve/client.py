@@ -28,15 +28,24 @@ FINISH_NAMES = {
 
 
 def make_request(
-    prompt: str | list[int], request_id: str = "", cache_salt: str = "", **sampling: Any
+    prompt: str | list[int] | list[dict[str, str]],
+    request_id: str = "",
+    cache_salt: str = "",
+    **sampling: Any,
 ) -> gen.GenerateRequest:
-    """`sampling` takes SamplingParams field names; None values stay unset."""
+    """`prompt`: text, token ids or chat messages ({"role", "content"} each: the server's
+    chat template renders them). `sampling` takes SamplingParams field names; None values
+    stay unset."""
     params = gen.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
     req = gen.GenerateRequest(request_id=request_id, sampling=params, cache_salt=cache_salt)
     if isinstance(prompt, str):
         req.text = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        for m in prompt:
+            assert isinstance(m, dict)
+            req.chat.messages.add(role=m["role"], content=m["content"])
     else:
-        req.token_ids.ids.extend(prompt)
+        req.token_ids.ids.extend(int(t) for t in prompt)  # type: ignore[arg-type]
     return req
 
 
@@ -208,19 +217,24 @@ class Client:
 
 
 def run_client(args: argparse.Namespace) -> int:
-    """`pdserve client`: stream one request to the terminal."""
+    """`pdserve client`: stream one request to the terminal (with `--n` above 1, each
+    choice is printed whole at the end, numbered: their chunks interleave)."""
     api_key = args.api_key or os.environ.get("PDSERVE_API_KEY")
     client = Client(args.target, tls=ClientTLS.from_args(args), api_key=api_key)
+    prompt: str | list[dict[str, str]] = (
+        [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    )
+    request = make_request(
+        prompt, max_tokens=args.max_tokens, temperature=args.temperature, n=args.n
+    )
+    streamed = not args.json and (args.n or 1) == 1
     out = Completion()
     try:
-        for resp in client.stream(
-            make_request(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature)
-        ):
+        for resp in client.stream(request):
             out.request_id = resp.request_id
             if resp.HasField("chunk"):
-                out.token_ids.extend(resp.chunk.token_ids)
-                out.text += resp.chunk.text
-                if not args.json:
+                out.add(resp.chunk)
+                if streamed:
                     print(resp.chunk.text, end="", flush=True)
             else:
                 out.complete = resp.complete
@@ -231,14 +245,17 @@ def run_client(args: argparse.Namespace) -> int:
         client.close()
     if args.json:
         print(json.dumps(out.to_json()))
-    else:
-        c = out.complete
-        assert c is not None
-        print(
-            f"\n[{out.finish_reason}: {c.usage.completion_tokens} tokens, TTFT "
-            f"{c.timings.ttft_ms:.1f} ms (queue {c.timings.queue_ms:.1f}, prefill "
-            f"{c.timings.prefill_ms:.1f}, transfer {c.timings.transfer_ms:.1f}), "
-            f"decode {c.timings.decode_ms:.1f} ms]",
-            file=sys.stderr,
-        )
+        return 0
+    if not streamed:
+        for i in sorted(out.choices):
+            print(f"[{i}] {out.choices[i].text}")
+    c = out.complete
+    assert c is not None
+    print(
+        f"\n[{out.finish_reason}: {c.usage.completion_tokens} tokens, TTFT "
+        f"{c.timings.ttft_ms:.1f} ms (queue {c.timings.queue_ms:.1f}, prefill "
+        f"{c.timings.prefill_ms:.1f}, transfer {c.timings.transfer_ms:.1f}), "
+        f"decode {c.timings.decode_ms:.1f} ms]",
+        file=sys.stderr,
+    )
     return 0

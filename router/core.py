@@ -194,7 +194,7 @@ class Router:
     async def _prepare(self, request: gen.GenerateRequest) -> WorkerRequest:
         """Validate and tokenize. Text is tokenized on a worker thread (after the edge
         limits, which run first either way): the event loop keeps serving meanwhile."""
-        if request.WhichOneof("prompt") == "text":
+        if request.WhichOneof("prompt") in ("text", "chat"):
             wr = await asyncio.to_thread(prepare, request, self.tokenizer, self.limits)
         else:
             wr = prepare(request, self.tokenizer, self.limits)

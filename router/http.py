@@ -495,23 +495,67 @@ def create_app(router: Router) -> FastAPI:
     """The routes (docs/http.md#endpoints). The API key guards /v1/*, /tokenize and
     /detokenize; probes, metrics, the version and the API's own docs (/docs, /redoc,
     /openapi.json) stay open, as vLLM leaves everything outside /v1."""
-    oa = OpenAIApp(router)
     app = FastAPI(title="pdserve", version=_VERSION)  # serves /docs, /redoc, /openapi.json
-    app.state.openai = oa
+    app.state.openai = OpenAIApp(router)
     _install_error_handlers(app)
     post = ["POST"]
-    app.add_api_route("/v1/completions", oa.completions, methods=post)
-    app.add_api_route("/v1/chat/completions", oa.chat_completions, methods=post)
-    app.add_api_route("/v1/models", oa.models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", oa.model_card, methods=["GET"])
-    app.add_api_route("/tokenize", oa.tokenize, methods=post)
-    app.add_api_route("/detokenize", oa.detokenize, methods=post)
-    app.add_api_route("/health", oa.health, methods=["GET"])
-    app.add_api_route("/ping", oa.health, methods=["GET"], name="ping")
-    app.add_api_route("/ping", oa.health, methods=["POST"], name="ping")
-    app.add_api_route("/version", oa.version, methods=["GET"])
-    app.add_api_route("/metrics", oa.metrics_text, methods=["GET"])
+    app.add_api_route("/v1/completions", _completions, methods=post)
+    app.add_api_route("/v1/chat/completions", _chat_completions, methods=post)
+    app.add_api_route("/v1/models", _models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", _model_card, methods=["GET"])
+    app.add_api_route("/tokenize", _tokenize, methods=post)
+    app.add_api_route("/detokenize", _detokenize, methods=post)
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/ping", _health, methods=["GET"], name="ping")
+    app.add_api_route("/ping", _health, methods=["POST"], name="ping")
+    app.add_api_route("/version", _version, methods=["GET"])
+    app.add_api_route("/metrics", _metrics_text, methods=["GET"])
     return app
+
+
+# The endpoints are module functions that find the app's OpenAIApp on the request, never its
+# bound methods: FastAPI caches each endpoint's signature in module-level LRU caches keyed on
+# the callable (fastapi.dependencies.models, 4096 entries), where a bound method would keep
+# its router, and any workers hosted in the process, alive after the app is gone.
+def _oa(request: Request) -> OpenAIApp:
+    oa: OpenAIApp = request.app.state.openai
+    return oa
+
+
+async def _completions(request: Request) -> Response:
+    return await _oa(request).completions(request)
+
+
+async def _chat_completions(request: Request) -> Response:
+    return await _oa(request).chat_completions(request)
+
+
+async def _models(request: Request) -> Response:
+    return await _oa(request).models(request)
+
+
+async def _model_card(request: Request, model_id: str) -> Response:
+    return await _oa(request).model_card(request, model_id)
+
+
+async def _tokenize(request: Request) -> Response:
+    return await _oa(request).tokenize(request)
+
+
+async def _detokenize(request: Request) -> Response:
+    return await _oa(request).detokenize(request)
+
+
+async def _health(request: Request) -> Response:
+    return await _oa(request).health()
+
+
+async def _version(request: Request) -> Response:
+    return await _oa(request).version()
+
+
+async def _metrics_text(request: Request) -> Response:
+    return await _oa(request).metrics_text()
 
 
 # ---- the server ---------------------------------------------------------------------------

@@ -105,6 +105,13 @@ class EdgeLimits:
                 f"{self.max_prompt_chars} are accepted before it is tokenized"
             )
             raise ContextLengthError("prompt", too_long_message(self.max_prompt_tokens, what))
+        chat_chars = sum(len(m.role) + len(m.content) for m in request.chat.messages)
+        if chat_chars > self.max_prompt_chars:
+            what = (
+                f"your chat has {chat_chars} characters, and at most "
+                f"{self.max_prompt_chars} are accepted before it is tokenized"
+            )
+            raise ContextLengthError("chat", too_long_message(self.max_prompt_tokens, what))
         if len(request.token_ids.ids) > self.max_prompt_tokens:
             what = f"your prompt has {len(request.token_ids.ids)} tokens"
             raise ContextLengthError("prompt", too_long_message(self.max_prompt_tokens, what))
@@ -296,8 +303,12 @@ def prepare(
         ids = tokenizer.encode(request.text)
     elif kind == "token_ids":
         ids = [int(t) for t in request.token_ids.ids]
+    elif kind == "chat":
+        if tokenizer is None:
+            raise InvalidParameterError("chat", "this model has no tokenizer; send token_ids")
+        ids = chat_ids(tokenizer, request.chat)
     else:
-        raise InvalidParameterError("prompt", "must not be empty: set text or token_ids")
+        raise InvalidParameterError("prompt", "must not be empty: set text, token_ids or chat")
     check_request(
         ids,
         params,
@@ -312,3 +323,25 @@ def prepare(
         params=params,
         cache_salt=request.cache_salt,
     )
+
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def chat_ids(tokenizer: Tokenizer, chat: gen.Chat) -> list[int]:
+    """A gRPC chat's prompt ids: the model's chat template with the generation prompt, then
+    tokenized without adding special tokens again (what HTTP's chat does, router/openai)."""
+    if not chat.messages:
+        raise InvalidParameterError("chat.messages", "must not be empty")
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidParameterError(
+                f"chat.messages[{i}].role",
+                f"must be one of {', '.join(CHAT_ROLES)}, got {echo(m.role)}",
+            )
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, True)
+    except ValueError as e:  # the template's own refusal (a role order it does not take)
+        raise InvalidParameterError("chat.messages", str(e).removeprefix("messages: ")) from e
+    return tokenizer.encode(text, False)

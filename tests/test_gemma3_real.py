@@ -46,9 +46,9 @@ PARAGRAPH = (
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 # Memory: the model is 1.1 GB in float32 (a 262144-token vocabulary), a packed copy as much
-# again and the default KV cache 576 MiB: engines in this process use the plain matmuls
-# (the packed path is the service's, in its workers) and 64 KV blocks, enough for these
-# prompts; the test process's heap keeps its peak (engine.model.keep_freed_memory).
+# again and the default KV cache 576 MiB: engines in this process, the in-process service's
+# included, use torch's own kernels (no packed copies) and 64 KV blocks, enough for these
+# prompts.
 SMALL_CACHE = CacheConfig(num_blocks=64)
 
 
@@ -137,7 +137,7 @@ def test_the_disaggregated_service_gives_the_engines_tokens(
     cfg = ServeConfig.load(
         None,
         {
-            "model": {"model": str(gemma_dir)},
+            "model": {"model": str(gemma_dir), "kernels": "reference"},  # no packed copies
             "transfer": {"transport": "local"},
             "cache": {"num_blocks": 64},
             "router": {"policy": {"local_prefill_threshold": 0}},

@@ -405,3 +405,23 @@ def test_failure_mapping() -> None:
     auth = from_failed(RequestFailed(grpc.StatusCode.UNAUTHENTICATED, "no key"))
     assert auth.status == 401
     assert from_failed(RequestFailed(grpc.StatusCode.NOT_FOUND, "no such model")).status == 404
+
+
+def test_an_app_that_is_gone_leaves_its_router_collectable() -> None:
+    """FastAPI caches every endpoint's signature, keyed on the callable, in module-level
+    caches: endpoints bound to the router's objects kept each app's router (and the workers
+    a test or the census hosts in-process) alive for as long as the process lived."""
+    import gc
+    import weakref
+
+    from router.config import RouterConfig
+    from router.http import create_app
+
+    router = router_without_workers(RouterConfig())
+    app = create_app(router)
+    status, _, _ = asgi_call(app, "GET", "/v1/models")  # its routes ran, their caches filled
+    assert status == 200
+    ref = weakref.ref(router)
+    del app, router
+    gc.collect()
+    assert ref() is None, "something still holds the router of an app that is gone"

@@ -369,6 +369,38 @@ def test_service_chat_equals_hf(server: ServeProcess, hf_runs: list[HFRun]) -> N
         assert resp.choices[0].message.content == run.text, prompt
 
 
+def test_grpc_chat_through_the_client_equals_hf(
+    server: ServeProcess, hf_runs: list[HFRun], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pdserve client --chat --n 2`: the gRPC chat, rendered by the server's template, is
+    HF's prompt and each greedy choice is HF's answer; a role the template does not take is
+    INVALID_ARGUMENT naming it, before any worker sees the request."""
+    import grpc
+
+    from pdserve.client import Client, make_request
+
+    prompt, run = CHAT_PROMPTS[0], hf_runs[0]
+    argv = ["client", "--target", server.grpc_target, "--chat", "--n", "2", "--json"]
+    argv += ["--temperature", "0", "--max-tokens", str(NEW_TOKENS), prompt]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert int(out["usage"]["prompt_tokens"]) == len(run.prompt_ids)
+    assert [c["token_ids"] for c in out["choices"]] == [run.output_ids] * 2
+    assert [c["text"] for c in out["choices"]] == [run.text] * 2
+    client = Client(server.grpc_target)
+    try:
+        for messages, field in [
+            ([{"role": "bogus", "content": "hi"}], "chat.messages[0].role"),
+            ([{"role": "user", "content": "x" * 10**6}], "chat"),
+        ]:
+            with pytest.raises(grpc.RpcError) as e:
+                list(client.stream(make_request(messages, max_tokens=2)))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            assert (e.value.details() or "").startswith(f"{field}: "), e.value.details()
+    finally:
+        client.close()
+
+
 def test_service_chat_without_max_tokens_ends_with_stop(server: ServeProcess) -> None:
     """As in vLLM, an absent max_tokens leaves the rest of the context: the answer ends
     because the model said so, and in sentences."""

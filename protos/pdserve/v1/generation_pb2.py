@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/pdserve/v1/generation.proto\x12\npdserve.v1\"\xb3\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0b \x01(\x08H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x0e\n\x01n\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12/\n\x11\x61llowed_token_ids\x18\x11 \x01(\x0b\x32\x14.pdserve.v1.TokenIds\x12\x11\n\tbad_words\x18\x12 \x03(\t\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\r\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x14 \x01(\x05H\x0e\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x04\n\x02_nB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\n\n\x08_best_of\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc1\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x0f\n\x07lenient\x18\x07 \x01(\x08\x42\x06\n\x04kind\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\r\n\x05model\x18\x04 \x01(\t\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x37\n\x11structured_output\x18\x07 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutputB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\x05\"\xcf\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\x05 \x01(\x05\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"h\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\"\xf3\x01\n\x10GenerateComplete\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\x12\x37\n\x15\x63hoice_finish_reasons\x18\x06 \x03(\x0e\x32\x18.pdserve.v1.FinishReason\"\x8c\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.GenerateChunkH\x00\x12\x30\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.GenerateCompleteH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xab\x01\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\"\x16\n\x14GetServerInfoRequest\"\xe6\x01\n\nWorkerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x05\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x1a\n\x12num_requests_total\x18\x07 \x01(\x05\x12\x1d\n\x15num_preemptions_total\x18\x08 \x01(\x05\x12\x0f\n\x07healthy\x18\t \x01(\x08\x12\x13\n\x0bstats_age_s\x18\n \x01(\x01\"\xa0\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x15\n\rindex_backend\x18\x04 \x01(\t\x12\'\n\x07workers\x18\x05 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x0e\n\x06status\x18\x06 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x07 \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa6\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12I\n\rGetServerInfo\x12 .pdserve.v1.GetServerInfoRequest\x1a\x16.pdserve.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/pdserve/v1/generation.proto\x12\npdserve.v1\"\xb3\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0b \x01(\x08H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x0e\n\x01n\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12/\n\x11\x61llowed_token_ids\x18\x11 \x01(\x0b\x32\x14.pdserve.v1.TokenIds\x12\x11\n\tbad_words\x18\x12 \x03(\t\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\r\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x14 \x01(\x05H\x0e\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x04\n\x02_nB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\n\n\x08_best_of\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc1\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x0f\n\x07lenient\x18\x07 \x01(\x08\x42\x06\n\x04kind\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"1\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x96\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12 \n\x04\x63hat\x18\x08 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x12\r\n\x05model\x18\x04 \x01(\t\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x37\n\x11structured_output\x18\x07 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutputB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\x05\"\xcf\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\x05 \x01(\x05\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"h\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\"\xf3\x01\n\x10GenerateComplete\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\x12\x37\n\x15\x63hoice_finish_reasons\x18\x06 \x03(\x0e\x32\x18.pdserve.v1.FinishReason\"\x8c\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.GenerateChunkH\x00\x12\x30\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.GenerateCompleteH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xab\x01\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\"\x16\n\x14GetServerInfoRequest\"\xe6\x01\n\nWorkerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x05\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x1a\n\x12num_requests_total\x18\x07 \x01(\x05\x12\x1d\n\x15num_preemptions_total\x18\x08 \x01(\x05\x12\x0f\n\x07healthy\x18\t \x01(\x08\x12\x13\n\x0bstats_age_s\x18\n \x01(\x01\"\xa0\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x15\n\rindex_backend\x18\x04 \x01(\t\x12\'\n\x07workers\x18\x05 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\x0e\n\x06status\x18\x06 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x07 \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa6\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12I\n\rGetServerInfo\x12 .pdserve.v1.GetServerInfoRequest\x1a\x16.pdserve.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2994
-  _globals['_FINISHREASON']._serialized_end=3114
+  _globals['_FINISHREASON']._serialized_start=3125
+  _globals['_FINISHREASON']._serialized_end=3245
   _globals['_SAMPLINGPARAMS']._serialized_start=51
   _globals['_SAMPLINGPARAMS']._serialized_end=870
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=605
@@ -45,36 +45,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STRUCTUREDOUTPUT']._serialized_end=1097
   _globals['_TOKENIDS']._serialized_start=1099
   _globals['_TOKENIDS']._serialized_end=1122
-  _globals['_GENERATEREQUEST']._serialized_start=1125
-  _globals['_GENERATEREQUEST']._serialized_end=1369
-  _globals['_TOPLOGPROB']._serialized_start=1371
-  _globals['_TOPLOGPROB']._serialized_end=1418
-  _globals['_TOKENLOGPROB']._serialized_start=1420
-  _globals['_TOKENLOGPROB']._serialized_end=1520
-  _globals['_GENERATECHUNK']._serialized_start=1523
-  _globals['_GENERATECHUNK']._serialized_end=1730
-  _globals['_USAGE']._serialized_start=1732
-  _globals['_USAGE']._serialized_end=1812
-  _globals['_TIMINGS']._serialized_start=1814
-  _globals['_TIMINGS']._serialized_end=1918
-  _globals['_GENERATECOMPLETE']._serialized_start=1921
-  _globals['_GENERATECOMPLETE']._serialized_end=2164
-  _globals['_GENERATERESPONSE']._serialized_start=2167
-  _globals['_GENERATERESPONSE']._serialized_end=2307
-  _globals['_ABORTREQUEST']._serialized_start=2309
-  _globals['_ABORTREQUEST']._serialized_end=2343
-  _globals['_ABORTRESPONSE']._serialized_start=2345
-  _globals['_ABORTRESPONSE']._serialized_end=2375
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2377
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2398
-  _globals['_MODELINFO']._serialized_start=2401
-  _globals['_MODELINFO']._serialized_end=2572
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2574
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2596
-  _globals['_WORKERINFO']._serialized_start=2599
-  _globals['_WORKERINFO']._serialized_end=2829
-  _globals['_SERVERINFO']._serialized_start=2832
-  _globals['_SERVERINFO']._serialized_end=2992
-  _globals['_GENERATION']._serialized_start=3117
-  _globals['_GENERATION']._serialized_end=3411
+  _globals['_CHATMESSAGE']._serialized_start=1124
+  _globals['_CHATMESSAGE']._serialized_end=1168
+  _globals['_CHAT']._serialized_start=1170
+  _globals['_CHAT']._serialized_end=1219
+  _globals['_GENERATEREQUEST']._serialized_start=1222
+  _globals['_GENERATEREQUEST']._serialized_end=1500
+  _globals['_TOPLOGPROB']._serialized_start=1502
+  _globals['_TOPLOGPROB']._serialized_end=1549
+  _globals['_TOKENLOGPROB']._serialized_start=1551
+  _globals['_TOKENLOGPROB']._serialized_end=1651
+  _globals['_GENERATECHUNK']._serialized_start=1654
+  _globals['_GENERATECHUNK']._serialized_end=1861
+  _globals['_USAGE']._serialized_start=1863
+  _globals['_USAGE']._serialized_end=1943
+  _globals['_TIMINGS']._serialized_start=1945
+  _globals['_TIMINGS']._serialized_end=2049
+  _globals['_GENERATECOMPLETE']._serialized_start=2052
+  _globals['_GENERATECOMPLETE']._serialized_end=2295
+  _globals['_GENERATERESPONSE']._serialized_start=2298
+  _globals['_GENERATERESPONSE']._serialized_end=2438
+  _globals['_ABORTREQUEST']._serialized_start=2440
+  _globals['_ABORTREQUEST']._serialized_end=2474
+  _globals['_ABORTRESPONSE']._serialized_start=2476
+  _globals['_ABORTRESPONSE']._serialized_end=2506
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2508
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2529
+  _globals['_MODELINFO']._serialized_start=2532
+  _globals['_MODELINFO']._serialized_end=2703
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2705
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2727
+  _globals['_WORKERINFO']._serialized_start=2730
+  _globals['_WORKERINFO']._serialized_end=2960
+  _globals['_SERVERINFO']._serialized_start=2963
+  _globals['_SERVERINFO']._serialized_end=3123
+  _globals['_GENERATION']._serialized_start=3248
+  _globals['_GENERATION']._serialized_end=3542
 # @@protoc_insertion_point(module_scope)
