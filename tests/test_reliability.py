@@ -207,9 +207,10 @@ def test_kill_9_of_a_decode_worker(chaos: Chaos, n: int) -> None:
     UNAVAILABLE within 10 s of the kill, no block is held anywhere afterwards, and a request
     is served by the restarted worker within 30 s. With n = 4 each request runs as four
     forked sequences on its decode worker (8 tokens each, as many per request as n = 1's):
-    none hangs, none is lost and no block is stranded. The 10 s bound on ending is not held
-    for n = 4: two fresh-clone runs saw a request in flight end 10.3 s and 27.8 s after the
-    kill (an open finding, in the closing note), the other runs under 2 s."""
+    none hangs, none is lost and no block is stranded, and the 10 s bound holds for n = 4
+    as for n = 1 (two fresh-clone runs of an older tree saw an n = 4 request end 10.3 s and
+    27.8 s after the kill; on this tree 13 runs of the row, 5 of them beside a CPU hog,
+    ended every in-flight request within 2.2 s)."""
     sized = chaos
     if n > 1:
         sizes = replace(SIZES, output_len=SIZES.output_len // n)
@@ -217,8 +218,6 @@ def test_kill_9_of_a_decode_worker(chaos: Chaos, n: int) -> None:
     res = scenario_kill(sized, "decode", n)
     chaos._n = sized._n
     assert res.figures["in_flight_at_kill"] >= 1, res.figures
-    if n > 1:
-        res.checks = {k: v for k, v in res.checks.items() if not k.startswith("in flight at")}
     assert_passed(res)
 
 
