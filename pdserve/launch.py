@@ -369,6 +369,15 @@ def run_with_workers(cfg: Any, model_dir: Any, body: Any) -> None:
         decode.shutdown()
 
 
+_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def _token_auth_on_notice(record: logging.LogRecord) -> bool:
+    """Drop Ray's notice that a new local cluster has token auth on (its default), which
+    advises opting out on every start; its warning that auth is *off* still shows."""
+    return not record.getMessage().startswith("Token authentication is enabled")
+
+
 def init_ray(**kwargs: Any) -> None:
     """`ray.init(**kwargs)`, tried a second time, saying so, when a fresh local node does
     not come up ("The current node timed out during startup": its raylet never started,
@@ -376,6 +385,8 @@ def init_ray(**kwargs: Any) -> None:
     there a failure is the cluster's to report."""
     import ray
 
+    if kwargs.get("address") == "local":
+        logging.getLogger(_RAY_AUTH_LOGGER).addFilter(_token_auth_on_notice)
     try:
         ray.init(**kwargs)
     except Exception as e:  # ray raises plain Exception subclasses here

@@ -417,3 +417,17 @@ def test_model_list_names_what_model_accepts(capsys: pytest.CaptureFixture[str])
     assert f"{DEFAULT_MODEL} (the default)" in out
     for name in [*NAMED_MODELS, *PRESETS]:
         assert any(line.startswith(f"{name}") for line in out.splitlines()), name
+
+
+def test_ray_token_auth_notice_is_dropped_and_its_off_warning_kept() -> None:
+    """A local start does not print Ray's notice that token auth is on (advising to turn it
+    off, on every start); Ray's warning that auth is off still shows."""
+    from pdserve.launch import _token_auth_on_notice
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("ray", logging.WARNING, "f", 1, msg, None, None)
+
+    assert not _token_auth_on_notice(
+        record("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=...")
+    )
+    assert _token_auth_on_notice(record("Token authentication is disabled for this Ray cluster."))
