@@ -35,6 +35,7 @@ from starlette.types import Receive, Scope, Send
 
 from pool_api.version import package_version
 from protos.pdserve.v1 import generation_pb2 as gen
+from router import endpoints
 from router.active import ActiveRequest, RequestFailed
 from router.auth import bearer_ok
 from router.core import Router
@@ -499,63 +500,18 @@ def create_app(router: Router) -> FastAPI:
     app.state.openai = OpenAIApp(router)
     _install_error_handlers(app)
     post = ["POST"]
-    app.add_api_route("/v1/completions", _completions, methods=post)
-    app.add_api_route("/v1/chat/completions", _chat_completions, methods=post)
-    app.add_api_route("/v1/models", _models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", _model_card, methods=["GET"])
-    app.add_api_route("/tokenize", _tokenize, methods=post)
-    app.add_api_route("/detokenize", _detokenize, methods=post)
-    app.add_api_route("/health", _health, methods=["GET"])
-    app.add_api_route("/ping", _health, methods=["GET"], name="ping")
-    app.add_api_route("/ping", _health, methods=["POST"], name="ping")
-    app.add_api_route("/version", _version, methods=["GET"])
-    app.add_api_route("/metrics", _metrics_text, methods=["GET"])
+    app.add_api_route("/v1/completions", endpoints.completions, methods=post)
+    app.add_api_route("/v1/chat/completions", endpoints.chat_completions, methods=post)
+    app.add_api_route("/v1/models", endpoints.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", endpoints.model_card, methods=["GET"])
+    app.add_api_route("/tokenize", endpoints.tokenize, methods=post)
+    app.add_api_route("/detokenize", endpoints.detokenize, methods=post)
+    app.add_api_route("/health", endpoints.health, methods=["GET"])
+    app.add_api_route("/ping", endpoints.health, methods=["GET"], name="ping")
+    app.add_api_route("/ping", endpoints.health, methods=["POST"], name="ping")
+    app.add_api_route("/version", endpoints.version, methods=["GET"])
+    app.add_api_route("/metrics", endpoints.metrics_text, methods=["GET"])
     return app
-
-
-# The endpoints are module functions that find the app's OpenAIApp on the request, never its
-# bound methods: FastAPI caches each endpoint's signature in module-level LRU caches keyed on
-# the callable (fastapi.dependencies.models, 4096 entries), where a bound method would keep
-# its router, and any workers hosted in the process, alive after the app is gone.
-def _oa(request: Request) -> OpenAIApp:
-    oa: OpenAIApp = request.app.state.openai
-    return oa
-
-
-async def _completions(request: Request) -> Response:
-    return await _oa(request).completions(request)
-
-
-async def _chat_completions(request: Request) -> Response:
-    return await _oa(request).chat_completions(request)
-
-
-async def _models(request: Request) -> Response:
-    return await _oa(request).models(request)
-
-
-async def _model_card(request: Request, model_id: str) -> Response:
-    return await _oa(request).model_card(request, model_id)
-
-
-async def _tokenize(request: Request) -> Response:
-    return await _oa(request).tokenize(request)
-
-
-async def _detokenize(request: Request) -> Response:
-    return await _oa(request).detokenize(request)
-
-
-async def _health(request: Request) -> Response:
-    return await _oa(request).health()
-
-
-async def _version(request: Request) -> Response:
-    return await _oa(request).version()
-
-
-async def _metrics_text(request: Request) -> Response:
-    return await _oa(request).metrics_text()
 
 
 # ---- the server ---------------------------------------------------------------------------
