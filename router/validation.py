@@ -99,19 +99,18 @@ class EdgeLimits:
                 raise InvalidParameterError(name, f"must be at most {_MAX_NAME_CHARS} characters")
         if any(ord(c) < 0x20 for c in request.request_id):  # the engine's choice separator
             raise InvalidParameterError("request_id", "must not contain control characters")
-        if len(request.text) > self.max_prompt_chars:
+        chat = request.WhichOneof("prompt") == "chat"
+        field, chars = (
+            ("chat", sum(len(m.role) + len(m.content) for m in request.chat.messages))
+            if chat
+            else ("prompt", len(request.text))
+        )
+        if chars > self.max_prompt_chars:
             what = (
-                f"your prompt has {len(request.text)} characters, and at most "
+                f"your {field} has {chars} characters, and at most "
                 f"{self.max_prompt_chars} are accepted before it is tokenized"
             )
-            raise ContextLengthError("prompt", too_long_message(self.max_prompt_tokens, what))
-        chat_chars = sum(len(m.role) + len(m.content) for m in request.chat.messages)
-        if chat_chars > self.max_prompt_chars:
-            what = (
-                f"your chat has {chat_chars} characters, and at most "
-                f"{self.max_prompt_chars} are accepted before it is tokenized"
-            )
-            raise ContextLengthError("chat", too_long_message(self.max_prompt_tokens, what))
+            raise ContextLengthError(field, too_long_message(self.max_prompt_tokens, what))
         if len(request.token_ids.ids) > self.max_prompt_tokens:
             what = f"your prompt has {len(request.token_ids.ids)} tokens"
             raise ContextLengthError("prompt", too_long_message(self.max_prompt_tokens, what))
@@ -341,7 +340,6 @@ def chat_ids(tokenizer: Tokenizer, chat: gen.Chat) -> list[int]:
             )
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
     try:
-        text = tokenizer.apply_chat_template(messages, True)
+        return tokenizer.encode_chat(messages)
     except ValueError as e:  # the template's own refusal (a role order it does not take)
         raise InvalidParameterError("chat.messages", str(e).removeprefix("messages: ")) from e
-    return tokenizer.encode(text, False)
