@@ -66,6 +66,7 @@ def _engine(dtype: torch.dtype, num_blocks: int, invariant: bool) -> Any:
         dtype=name,
         cache=CacheConfig(num_blocks=num_blocks),
         batch_invariant=invariant,
+        keep_plain_weights=True,  # every kernel set's projections are built from them
     )
     return LLMEngine.from_config(cfg)
 

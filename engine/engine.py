@@ -88,6 +88,9 @@ class EngineConfig:
     # a request's greedy tokens independent of its batch, chunks and cached prefix
     # (engine.kernels.select: only kernels that pass the invariance probe)
     batch_invariant: bool = True
+    # keep the plain weight matrices when the chosen projections run on packed copies (a
+    # benchmark that switches kernels at run time needs them; a server frees them)
+    keep_plain_weights: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -242,6 +245,8 @@ class LLMEngine:
             raise ConfigError(str(e)) from None
         log.info("%s", selection.line())
         model = LlamaModel(mcfg, weights, max_len, selection.kernels)
+        if not model.proj.reads_plain and not cfg.keep_plain_weights:
+            weights.release_matrices()  # the projections hold packed copies
         engine = cls(mcfg, model, tokenizer, cache, sched)
         engine.kernel_selection = selection
         return engine

@@ -30,3 +30,26 @@ class ModelWeights:
     norm: torch.Tensor  # [d]
     lm_head: torch.Tensor  # [V, d]; the same storage as `embed` when tied
     fingerprint: str = ""
+
+    def release_matrices(self) -> None:
+        """Free every layer's matrices (and an untied `lm_head`), keeping their shapes as
+        meta tensors. For projections that run on packed copies of their own
+        (`Projections.reads_plain` False): they would otherwise hold the model's matrices
+        twice. Norms, biases and the embedding
+        stay; a product with a released matrix fails loudly (a meta tensor has no data)."""
+        for lw in self.layers:
+            for name in MATRICES:
+                setattr(lw, name, _shape_only(getattr(lw, name)))
+        if self.lm_head.data_ptr() != self.embed.data_ptr():
+            self.lm_head = _shape_only(self.lm_head)
+
+    @property
+    def matrices_released(self) -> bool:
+        return any(lw.qkv.is_meta for lw in self.layers)
+
+
+MATRICES = ("qkv", "o", "gate_up", "down")  # a layer's matrices (`release_matrices`)
+
+
+def _shape_only(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")

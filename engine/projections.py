@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,9 @@ class Projections:
     """
 
     KINDS = ("qkv", "o_residual", "mlp_residual", "o", "mlp", "lm_head")
+    # its products read the plain matrices of `ModelWeights` (False: packed copies of its own,
+    # and the engine frees the plain ones: `ModelWeights.release_matrices`)
+    reads_plain: ClassVar[bool] = True
 
     def __init__(
         self, weights: ModelWeights, act: str = "silu", row_floors: dict[str, int] | None = None
@@ -138,9 +142,11 @@ class OneDnnProjections(Projections):
     The products are the same; rounding differs: a post-op sees the float32 accumulator, so
     bfloat16 output is rounded once where eager rounds after each op, and float32 results
     move by rounding only (well inside the 1e-4 logit tolerance against HF). The packed
-    copies are extra memory, one more copy of every matrix; the plain weights stay for
-    everything else (the `plain` candidate skips them).
+    copies would be one more copy of every matrix: an engine that serves with them frees
+    the plain ones (`reads_plain`).
     """
+
+    reads_plain = False
 
     def __init__(
         self, weights: ModelWeights, act: str = "silu", row_floors: dict[str, int] | None = None
@@ -219,6 +225,8 @@ class BrgemmProjections(Projections):
     into brgemm's VNNI panels once at load; residual adds and biases ride in the store of
     the float32 accumulator, so each output is rounded once.
     """
+
+    reads_plain = False
 
     def __init__(
         self, weights: ModelWeights, act: str = "silu", row_floors: dict[str, int] | None = None

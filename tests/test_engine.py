@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from engine import native
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine import ContextLengthError, EngineConfig, LLMEngine
+from engine.kernels import KernelSet
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from engine.sampling import InvalidParameterError, SamplingParams, SamplingState, sample
 from engine.scheduler import PrefillChunk
@@ -269,6 +270,35 @@ def test_flash_prefill_on_the_pages_matches_torchs_kernels(make_engine: MakeEngi
         assert have.output_token_ids == want.output_token_ids
         for a, b in zip(rec.logits[have.request_id], ref_rec.logits[want.request_id], strict=True):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def test_packed_projections_free_the_plain_matrices(make_engine: MakeEngine, tiny: Path) -> None:
+    """An engine serving with packed projections holds each matrix once: the plain ones are
+    freed (shapes kept), its logits are those of an engine that keeps them, and switching it
+    to projections that read the plain matrices is refused, naming the way to keep them."""
+    rng = random.Random(3)
+    prompts = [rand_prompt(rng, n) for n in (5, 40)]
+    params = greedy(max_tokens=4)
+    eng = make_engine(kernels="projections=packed")
+    w = eng.runner.model.w
+    assert w.matrices_released and w.layers[0].qkv.is_meta
+    mc = eng.model_config
+    assert w.layers[0].qkv.shape == (mc.q_size + 2 * mc.kv_size, mc.hidden_size)
+    kept = LLMEngine.from_config(
+        EngineConfig(
+            model=str(tiny), dtype="float32", kernels="projections=packed", keep_plain_weights=True
+        )
+    )
+    assert not kept.runner.model.w.matrices_released
+    rec, kept_rec = Recorder(eng), Recorder(kept)
+    got, want = eng.generate(prompts, params), kept.generate(prompts, params)
+    for a, b in zip(got, want, strict=True):
+        assert a.output_token_ids == b.output_token_ids
+        for x, y in zip(rec.logits[a.request_id], kept_rec.logits[b.request_id], strict=True):
+            assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="keep_plain_weights"):
+        eng.runner.model.set_kernels(KernelSet.reference())
+    kept.runner.model.set_kernels(KernelSet.reference())  # it kept them: allowed
 
 
 def staggered_run(eng: LLMEngine, prompts: list[list[int]]) -> tuple[list[Request], Recorder]:

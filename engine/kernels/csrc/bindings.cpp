@@ -1,5 +1,7 @@
 // The Python binding of every op in this folder (one extension module, `pdserve_kernels`).
-#include <torch/extension.h>
+// Light headers: torch/extension.h (all of torch's C++ API) tripled the build time.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 namespace pdserve {
 bool brgemm_packs_bf16();

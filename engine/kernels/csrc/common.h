@@ -1,7 +1,11 @@
 // Shared helpers of pdserve's CPU kernels: float32 accumulators stored to the output dtype.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>

@@ -7,8 +7,6 @@
 // reads each K and V row once for all the query heads of its group (GQA). A second pass merges
 // a row's partitions in partition order (log-sum-exp). So every reduction of a row runs in one
 // order fixed by its own length: alone, in any batch, on any thread count, the same bits.
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
 
 #include <cmath>

@@ -21,8 +21,6 @@
 // and the softmax and merge are per row in part order. So a prompt row computes the same bits
 // whole, after a cached prefix, in a 16-token chunk, beside other requests, and as a decode row
 // (one query row per request): recompute after preemption reproduces the decoded tokens' K/V.
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
 
 #include <algorithm>

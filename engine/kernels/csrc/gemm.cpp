@@ -9,8 +9,6 @@
 //
 // Weights are packed once: [N, K] -> ceil(N / BLOCK_N) panels of [K / 2, BLOCK_N, 2] (VNNI pairs),
 // each contiguous so a panel stays in L2 while the thread walks all row blocks over it.
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
 
 #include "common.h"

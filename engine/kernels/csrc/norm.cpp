@@ -6,8 +6,6 @@
 // dtype and then the product with the weight; Gemma 3's `(x * rstd * (1 + w)).to(dtype)`
 // rounds once (`one_plus` holds 1 + w in float32). The sum of squares runs lane-wise, then a
 // fixed lane tree: a row's bits depend on that row alone, whatever the row count or threads.
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
 
 #include <cmath>

@@ -6,8 +6,6 @@
 // the same bits: out = round(round(x * cos) + round(roll(x, D/2) * sin_signed)), each product
 // and the sum rounded to the dtype as torch's bf16 ops round them (float32 arithmetic, one
 // rounding per op). Rows are independent: a row's bits depend on that row alone.
-#include <torch/extension.h>
-
 #include <ATen/Parallel.h>
 
 #include "common.h"
