@@ -38,7 +38,7 @@ test: $(STAMP) redis
 	# Two workers (pytest-xdist), each taking whole modules (their module-scoped servers start
 	# once), the longest modules first (tests/conftest.py). PYTHONFAULTHANDLER: a crash, even
 	# at exit, prints its stack, in the workers too.
-	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscopereorder tests
+	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -26,6 +26,7 @@ from kv_transfer.config import TransferConfig
 from pdserve.checkpoint import PRESETS
 from pdserve.config import PoolConfig, ServeConfig, cpu_sets
 from pdserve.models import NAMED_MODELS, require_tokenizer, resolve_model
+from pool_api import logs
 from pool_api.config import WorkerConfig
 from pool_api.messages import Role
 from pool_api.prefix_index import make_index
@@ -387,7 +388,8 @@ def init_ray(**kwargs: Any) -> None:
 
     if kwargs.get("address") == "local":
         logging.getLogger(_RAY_AUTH_LOGGER).addFilter(_token_auth_on_notice)
-    try:
+    logs.adopt("ray")  # Ray's driver-side lines in pdserve's format (before and after init:
+    try:  # ray.init sets its own formatter again)
         ray.init(**kwargs)
     except Exception as e:  # ray raises plain Exception subclasses here
         if kwargs.get("address") != "local" or "timed out" not in str(e):
@@ -395,3 +397,4 @@ def init_ray(**kwargs: Any) -> None:
         log.warning("ray.init: the local node did not start (%s); starting it again", e)
         ray.shutdown()
         ray.init(**kwargs)
+    logs.adopt("ray")

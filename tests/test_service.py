@@ -22,7 +22,9 @@ import asyncio
 import contextlib
 import io
 import json
+import logging
 import random
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -296,6 +298,18 @@ def ray_cluster(model_dir: Path) -> Iterator[None]:
     start_local_ray()
     yield
     ray.shutdown()
+
+
+def test_rays_own_driver_lines_take_pdserves_format(ray_cluster: None) -> None:
+    """One timestamp format on a driver's terminal: Ray's `ray` logger (its own handler and
+    format, which `ray.init` sets again) formats as pdserve's lines do (`pool_api.logs`)."""
+    handlers = logging.getLogger("ray").handlers
+    assert handlers
+    record = logging.LogRecord("ray", logging.WARNING, __file__, 1, "a worker died", None, None)
+    for handler in handlers:
+        assert handler.formatter is not None
+        line = handler.formatter.format(record)
+        assert re.fullmatch(r"\d\d:\d\d:\d\d WARNING ray: a worker died", line), line
 
 
 @pytest.fixture(scope="module")

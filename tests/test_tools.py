@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -184,10 +185,12 @@ def _streamed_calls(stream: Any) -> tuple[list[dict[str, Any]], str | None]:
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", ["required", "add", "get_weather"])
 def test_forced_calls_are_always_valid(client: Any, choice: str, stream: bool) -> None:
+    """Every prompt at once (the server batches them; each is checked on its own)."""
     tool_choice: Any = choice
     if choice != "required":
         tool_choice = {"type": "function", "function": {"name": choice}}
-    for prompt in PROMPTS:
+
+    def check(prompt: str) -> None:
         kwargs = dict(
             model=_model(client),
             messages=[{"role": "user", "content": prompt}],
@@ -210,6 +213,9 @@ def test_forced_calls_are_always_valid(client: Any, choice: str, stream: bool) -
         for call in calls:
             assert call["name"] == choice or (choice == "required" and call["name"] in NAMES)
             jsonschema.validate(json.loads(call["arguments"]), SCHEMA[call["name"]])
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        list(pool.map(check, PROMPTS))  # re-raises the first failure
 
 
 def test_parallel_required_calls_are_each_valid_even_when_cut_short(client: Any) -> None:

@@ -79,6 +79,7 @@ from tqdm import tqdm
 
 from kv_transfer.registry import SERVE_TRANSPORT_NAMES
 from pdserve.client import make_request
+from pool_api import logs
 from protos.pdserve.v1 import generation_pb2 as gen
 from protos.pdserve.v1 import generation_pb2_grpc as gen_grpc
 
@@ -1636,7 +1637,7 @@ def plot(results: Sequence[ScenarioResult], path: Path) -> None:
 def _log_to(path: Path) -> None:
     """Warnings (a worker died, a call failed: expected here) go to a file, not the table."""
     handler = logging.FileHandler(path, mode="w")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    handler.setFormatter(logs.formatter())
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)

@@ -83,8 +83,15 @@ def run(
     max_tokens: int = 16,
     dtype: str = "auto",
     progress: Callable[[str], None] | None = None,
+    at_once: bool = False,
 ) -> Census:
-    """The census over `texts` on the checkpoint in `model_dir` (module docstring)."""
+    """The census over `texts` on the checkpoint in `model_dir` (module docstring).
+
+    `at_once`: the chunked and disaggregated conditions (and the cache fill before the
+    cached one) send every prompt together instead of one at a time. Their tokens must
+    still equal the cold ones, which is the stronger claim (chunks or the handover, and
+    batching), in a fraction of the time: the short census of `make test`. The full census
+    keeps them apart, so that a difference names one cause."""
     from engine.config import CacheConfig, SchedulerConfig
     from engine.engine import EngineConfig, LLMEngine
     from engine.sampling import SamplingParams
@@ -123,6 +130,11 @@ def run(
     def one_by_one(e: LLMEngine, salted: bool) -> list[list[int]]:
         return [list(generate(e, [p], salted, greedy)[0].output_token_ids) for p in ids]
 
+    def alone_or_at_once(e: LLMEngine, salted: bool) -> list[list[int]]:
+        if not at_once:
+            return one_by_one(e, salted)
+        return [list(r.output_token_ids) for r in generate(e, ids, salted, greedy)]
+
     def batched() -> list[list[int]]:
         out: list[list[int]] = []
         for i in range(0, len(ids), 8):
@@ -142,15 +154,15 @@ def run(
         "cold": lambda: one_by_one(eng, True),
         "cached": lambda: one_by_one(eng, False),
         "batched": batched,
-        "chunked": lambda: one_by_one(engine(max_num_batched_tokens=16), True),
-        "disaggregated": lambda: _disaggregated(model_dir, ids, max_tokens, dtype),
+        "chunked": lambda: alone_or_at_once(engine(max_num_batched_tokens=16), True),
+        "disaggregated": lambda: _disaggregated(model_dir, ids, max_tokens, dtype, at_once),
         "n4": n4,
     }
     for name in CONDITIONS:
         if progress is not None:
             progress(name)
         if name == "cached":  # fill the cache first: the cold run salted its blocks away
-            one_by_one(eng, False)
+            alone_or_at_once(eng, False)
         t = time.perf_counter()
         census.tokens[name] = steps[name]()
         census.seconds[name] = time.perf_counter() - t
@@ -158,9 +170,12 @@ def run(
 
 
 def _disaggregated(
-    model_dir: Path, ids: Sequence[list[int]], max_tokens: int, dtype: str
+    model_dir: Path, ids: Sequence[list[int]], max_tokens: int, dtype: str, at_once: bool
 ) -> list[list[int]]:
-    """Each prompt through an in-process prefill worker and decode worker, one at a time."""
+    """Each prompt through an in-process prefill worker and decode worker, one at a time
+    (or all together: `at_once`)."""
+    import asyncio
+
     from pdserve.client import make_request
     from pdserve.config import ServeConfig
     from pdserve.launch import run_with_workers
@@ -174,24 +189,28 @@ def _disaggregated(
             "cache": {"num_blocks": 256},
         },
     )
-    out: list[list[int]] = []
+    out: list[list[int]] = [[] for _ in ids]
+
+    async def one(router: Any, i: int) -> None:
+        request = make_request(ids[i], f"census-d{i}", max_tokens=max_tokens, temperature=0.0,
+                               ignore_eos=True, cache_salt=f"d{i}")  # fmt: skip
+        act = await router.admit(request)
+        completed = False
+        try:
+            async for resp in router.run(act):
+                if resp.HasField("chunk"):
+                    out[i].extend(resp.chunk.token_ids)
+                else:
+                    completed = True
+        finally:
+            router.finish(act, completed)
 
     async def body(router: Any, prefill: Any, decode: Any) -> None:
-        for i, p in enumerate(ids):
-            request = make_request(p, f"census-d{i}", max_tokens=max_tokens, temperature=0.0,
-                                   ignore_eos=True, cache_salt=f"d{i}")  # fmt: skip
-            act = await router.admit(request)
-            got: list[int] = []
-            completed = False
-            try:
-                async for resp in router.run(act):
-                    if resp.HasField("chunk"):
-                        got.extend(resp.chunk.token_ids)
-                    else:
-                        completed = True
-            finally:
-                router.finish(act, completed)
-            out.append(got)
+        if at_once:
+            await asyncio.gather(*(one(router, i) for i in range(len(ids))))
+        else:
+            for i in range(len(ids)):
+                await one(router, i)
         assert prefill.num_requests_total == len(ids), "every prompt pass ran on the prefill side"
 
     run_with_workers(cfg, model_dir, body)
