@@ -6,6 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 PACKAGES := engine kv_transfer pool_api worker_common prefill_workers decode_workers router pdserve
 export PDSERVE_HOME ?= $(CURDIR)/.venv/pdserve-home
 TEST_WORKERS ?= 2
+PYTEST_ARGS ?=
 
 .PHONY: install demo test lint bench bench-determinism bench-engine bench-transfer bench-prefix bench-serving bench-structured bench-choices bench-pinning bench-kernels bench-peers bench-peers-api redis chaos
 
@@ -38,7 +39,8 @@ test: $(STAMP) redis
 	# Two workers (pytest-xdist), each taking whole modules (their module-scoped servers start
 	# once), the longest modules first (tests/conftest.py). PYTHONFAULTHANDLER: a crash, even
 	# at exit, prints its stack, in the workers too.
-	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	# --durations: where the suite's time goes, on every run.
+	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -31,10 +31,26 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     proc.stop()
 
 
-def decode_worker_pids() -> list[int]:
-    """Processes Ray titled after the decode actor (`ray::DecodeActor...`)."""
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if "ray::DecodeActor" in line]
+def decode_worker_pids(server: ServeProcess) -> list[int]:
+    """The server's processes that Ray titled after the decode actor (`ray::DecodeActor...`):
+    descendants of its `pdserve serve` (its own local Ray), never another server's on the
+    host (`make test` runs two test workers side by side)."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 2) for line in out.splitlines()]
+    parent = {int(r[0]): int(r[1]) for r in rows}
+
+    def under_server(pid: int) -> bool:
+        while pid > 1:
+            if pid == server.proc.pid:
+                return True
+            pid = parent.get(pid, 0)
+        return False
+
+    return [
+        int(r[0])
+        for r in rows
+        if len(r) == 3 and "ray::DecodeActor" in r[2] and under_server(int(r[0]))
+    ]
 
 
 def health(server: ServeProcess) -> int:
@@ -55,7 +71,7 @@ def grpc_health(server: ServeProcess) -> str:
 def test_kill_9_of_the_only_decode_worker_heals(server: ServeProcess) -> None:
     client = Client(server.grpc_target, timeout_s=60)
     assert client.generate("warm up", max_tokens=4, temperature=0).complete is not None
-    (pid,) = decode_worker_pids()
+    (pid,) = decode_worker_pids(server)
 
     ends: list[tuple[str, float]] = []  # (outcome, monotonic end)
 
@@ -107,7 +123,7 @@ def test_kill_9_of_the_only_decode_worker_heals(server: ServeProcess) -> None:
     assert "NOT_SERVING" in grpc_statuses, "gRPC health never said the decode pool was down"
     assert server.wait_for(lambda: health(server) == 200, timeout_s=10)
     assert server.wait_for(lambda: grpc_health(server) == "SERVING", timeout_s=10)
-    (new_pid,) = decode_worker_pids()
+    (new_pid,) = decode_worker_pids(server)
     assert new_pid != pid
     log = Path(server.log_path).read_text()
     assert "decode worker pdserve-decode-0 is down" in log
