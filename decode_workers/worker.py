@@ -260,7 +260,10 @@ class DecodeWorker(WorkerBase):
 
     def shutdown(self) -> None:
         if self._stream_reaper is not None:
+            # Dropped too: a task that ended cancelled keeps its CancelledError, whose
+            # traceback holds the reaper's frame and so this worker (and its engine) alive.
             self._stream_reaper.cancel()
+            self._stream_reaper = None
         with self._sinks_lock:
             for conn in self._sinks.values():
                 conn.close()

@@ -39,6 +39,7 @@ MAX_FRAME_BYTES = 64 << 20  # a frame past this is a broken or hostile peer
 # A router that reads nothing for this long is treated as gone: its streams are aborted.
 SEND_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 5.0
+CLOSE_JOIN_S = 2.0  # how long `close` waits for the flusher thread to return
 
 # The one map from the engine's finish reasons to the proto's (the router's responses too).
 FINISH_TO_PROTO = {
@@ -146,7 +147,10 @@ class SinkConnection:
         self._pending: list[bytes] = []  # bytes not yet sent, in order
         self._busy = False  # the flusher is writing a backlog: new frames queue behind it
         self.closed = False
-        threading.Thread(target=self._flush_loop, name="pd-token-flush", daemon=True).start()
+        self._flusher = threading.Thread(
+            target=self._flush_loop, name="pd-token-flush", daemon=True
+        )
+        self._flusher.start()
 
     def send(self, data: bytes) -> None:
         with self._lock:
@@ -167,10 +171,14 @@ class SinkConnection:
             self._ready.notify()
 
     def close(self) -> None:
+        """Drop what is pending and end the flusher (waited for: it holds `on_lost`, and so
+        the worker, until it returns; a blocked write ends with the socket)."""
         with self._lock:
             self.closed = True
             self._ready.notify()
         self._sock.close()
+        if threading.current_thread() is not self._flusher:
+            self._flusher.join(CLOSE_JOIN_S)
 
     def _lose_locked(self, why: str) -> None:
         if self.closed:

@@ -124,7 +124,9 @@ class PrefillWorker(WorkerBase):
     def shutdown(self) -> None:
         super().shutdown()
         self.sender.close()
-        self._finisher.shutdown(wait=False, cancel_futures=True)
+        # waits for a completion under way (the sender is closed: it ends at once); one left
+        # running held this worker's jobs, and so its engine, past shutdown
+        self._finisher.shutdown(wait=True, cancel_futures=True)
 
     # ---- engine thread -------------------------------------------------------------------
     def _on_engine_thread(self) -> None:

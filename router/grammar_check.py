@@ -97,6 +97,7 @@ class GrammarChecker:
         self._good: OrderedDict[str, None] = OrderedDict()
         self._timed_out: OrderedDict[str, None] = OrderedDict()
         self.num_timeouts = 0
+        self._closed = False  # `close` ran: a start it cut short is no warning
 
     async def check(self, so: StructuredOutput) -> None:
         """Raise InvalidParameterError naming `so.field` when it does not compile, or not
@@ -119,8 +120,8 @@ class GrammarChecker:
                 try:
                     self._child_conn()
                 except (RuntimeError, OSError, EOFError) as e:  # the first check tries again
-                    # EOFError: the router closed (killed the child) while it started
-                    log.warning("the grammar checker did not start: %r", e)
+                    if not self._closed:  # else the router closed (killed it) as it started
+                        log.warning("the grammar checker did not start: %r", e)
 
         thread = threading.Thread(target=warm, name="grammar-check-start", daemon=True)
         thread.start()
@@ -193,6 +194,7 @@ class GrammarChecker:
     def close(self) -> None:
         """Stop the child without waiting for a check in progress (that check then ends
         UNAVAILABLE)."""
+        self._closed = True
         proc = self._proc
         if proc is not None:
             proc.kill()

@@ -144,7 +144,11 @@ def test_streams_cut_at_random_points_end_and_leave_nothing(chaos: Chaos) -> Non
     every block is back and no per-request state is left on any worker."""
     res = scenario_cancel(chaos)
     assert res.sent == 200
-    assert res.figures["cut"] >= 150, res.figures  # the rest ended before their cut
+    f = res.figures
+    not_cut = Counter(o.planned_stage for o in res.outcomes if o.cut_s is None)
+    why = Counter(o.detail or o.status for o in res.outcomes if o.cut_s is None)
+    # the rest ended before their cut, or were not admitted yet when aborted
+    assert f["cut"] >= 150, (f["stage_windows_ms"], f["cut"], dict(not_cut), dict(why))
     assert {"cancel", "abort"} <= set(res.figures["cut_by_kind"])
     assert set(res.figures["cut_by_planned_stage"]) == {
         "before prefill",

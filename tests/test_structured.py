@@ -290,7 +290,8 @@ def test_closing_the_router_while_its_checker_starts_is_quiet(
 ) -> None:
     """The router starts its checker at start-up, in the background; a router stopped while
     the child still starts (a SIGTERM seconds after start) kills it, and the start-up thread
-    ends with a warning, not an uncaught exception's traceback in the server's log."""
+    ends quietly: no uncaught exception's traceback, and no warning (the stop was asked
+    for) in the server's log."""
     import threading
 
     from engine.tokenizer import Tokenizer
@@ -312,7 +313,8 @@ def test_closing_the_router_while_its_checker_starts_is_quiet(
     finally:
         threading.excepthook = hook
     assert not starting.is_alive() and uncaught == []
-    assert "did not start" in caplog.text
+    assert checker._proc is None or not checker._proc.is_alive()
+    assert "did not start" not in caplog.text
 
 
 def test_structural_tags_in_both_forms_constrain_the_tagged_part(
