@@ -197,6 +197,8 @@ class Shot:
     cut: str = ""  # "cancel" (client cancels the stream) | "abort" (Abort RPC) | ""
     cut_after_s: float = 0.0  # after sending
     stage: str = ""  # the stage the cut was planned to hit
+    # with a rig: how long after the router has the request in `stage` (`Driver._until_cut`)
+    cut_in_stage_s: float = 0.0
 
 
 @dataclass
@@ -338,10 +340,34 @@ class Driver:
                 cutter.cancel()
         return out
 
+    async def _until_cut(self, shot: Shot) -> None:
+        """Sleep until the cut: `cut_after_s` after sending. With a rig the router's view
+        steers it instead: once the router has the request in the planned stage (or past
+        it), `cut_in_stage_s` later. A cut then lands in its stage whatever the host's load
+        did since the calibration (a run faster than its calibration put every cut planned
+        in prefill or transfer into decode)."""
+        if self.rig is None or self.rig.router is None or not shot.stage:
+            await asyncio.sleep(shot.cut_after_s)
+            return
+        order = list(dict.fromkeys(ROUTER_STAGE.values()))
+        want = order.index(ROUTER_STAGE[shot.stage])
+        rid, admitted = shot.request.request_id, False
+        deadline = self.now() + shot.cut_after_s + self.bound_s + 30.0
+        while self.now() < deadline:
+            seen = self._stage(rid)
+            if seen in order:
+                admitted = True
+                if order.index(seen) >= want:
+                    break
+            elif admitted:  # done: the cut finds it ended
+                return
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(shot.cut_in_stage_s)
+
     async def _cut(
         self, stub: gen_grpc.GenerationStub, call: Any, shot: Shot, out: Outcome
     ) -> None:
-        await asyncio.sleep(shot.cut_after_s)
+        await self._until_cut(shot)
         if call.done() or out.ended_s is not None:
             return
         rid = shot.request.request_id
@@ -588,6 +614,7 @@ def scenario_cancel(ch: Chaos) -> ScenarioResult:
                 cut="cancel" if ch.rng.random() < 0.5 else "abort",
                 cut_after_s=ch.rng.uniform(lo, hi),
                 stage=stage,
+                cut_in_stage_s=ch.rng.uniform(0.0, (hi - lo) / 2),
             )
         )
     d = ch.driver()

@@ -18,6 +18,7 @@ every condition's tokens are compared with the cold run's, token for token:
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import sys
@@ -166,6 +167,7 @@ def run(
         t = time.perf_counter()
         census.tokens[name] = steps[name]()
         census.seconds[name] = time.perf_counter() - t
+        gc.collect()  # a condition's own engines (chunked, disaggregated) go before the next
     return census
 
 
