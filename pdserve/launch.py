@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import ConfigError, GenerationDefaults, ModelConfig
 from engine.engine import EngineConfig, resolve_dtype
+from engine.model import give_freed_memory_back
 from engine.structured import backend_name
 from engine.tokenizer import Tokenizer
 from engine.weights import checkpoint_files, checkpoint_fingerprint
@@ -337,7 +338,15 @@ class Deployment:
 def run_with_workers(cfg: Any, model_dir: Any, body: Any) -> None:
     """`await body(router, prefill, decode)` against a started Router over one in-process
     prefill and one decode worker of `cfg` (a ServeConfig; use transport `local`); drained
-    and shut down afterwards, whatever happens. Tests and the determinism census use it."""
+    and shut down afterwards, whatever happens, and their memory handed back (the caller
+    may host the next set). Tests and the determinism census use it."""
+    try:
+        _serve_in_process(cfg, model_dir, body)
+    finally:
+        give_freed_memory_back()
+
+
+def _serve_in_process(cfg: Any, model_dir: Any, body: Any) -> None:
     import asyncio
 
     from decode_workers.worker import DecodeWorker

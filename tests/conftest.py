@@ -16,9 +16,6 @@
   out last would run alone on one core at the end.
 """
 
-import contextlib
-import ctypes
-import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,6 +57,4 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(autouse=True, scope="module")
 def _give_memory_back() -> Iterator[None]:
     yield
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    engine.model.give_freed_memory_back()
