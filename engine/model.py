@@ -226,15 +226,14 @@ class LlamaModel:
         """Run `kernels` from now on; `proj`: their projections, already built (packing the
         weights takes a while: `make bench-kernels` alternates prebuilt ones)."""
         check_applies(kernels, self.device, self.dtype)
-        if proj is None and self.w.matrices_released:
-            proj = kernels.make_projections(self.w, self.cfg.hidden_act)
-            if proj.reads_plain:
-                raise ValueError(
-                    f"kernels: projections={kernels.projections} needs the plain weights, "
-                    "which this engine freed (EngineConfig.keep_plain_weights keeps them)"
-                )
+        proj = proj or kernels.make_projections(self.w, self.cfg.hidden_act)
+        if proj.reads_plain and self.w.matrices_released:
+            raise ValueError(
+                f"kernels: projections={kernels.projections} needs the plain weights, "
+                "which this engine freed (EngineConfig.keep_plain_weights keeps them)"
+            )
         self.kernels = kernels
-        self.proj = proj or kernels.make_projections(self.w, self.cfg.hidden_act)
+        self.proj = proj
         self._decode_kernel = kernels.decode_fn()
         self._prefill_kernel = kernels.prefill_fn()
         self._fused_norm = kernels.norm == "fused"

@@ -35,8 +35,8 @@ class ModelWeights:
         """Free every layer's matrices (and an untied `lm_head`), keeping their shapes as
         meta tensors. For projections that run on packed copies of their own
         (`Projections.reads_plain` False): they would otherwise hold the model's matrices
-        twice. Norms, biases and the embedding
-        stay; a product with a released matrix fails loudly (a meta tensor has no data)."""
+        twice. Norms, biases and the embedding stay; a product with a released matrix fails
+        loudly (a meta tensor has no data)."""
         for lw in self.layers:
             for name in MATRICES:
                 setattr(lw, name, _shape_only(getattr(lw, name)))

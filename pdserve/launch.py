@@ -397,8 +397,10 @@ def init_ray(**kwargs: Any) -> None:
 
     if kwargs.get("address") == "local":
         logging.getLogger(_RAY_AUTH_LOGGER).addFilter(_token_auth_on_notice)
-    logs.adopt("ray")  # Ray's driver-side lines in pdserve's format (before and after init:
-    try:  # ray.init sets its own formatter again)
+    # Ray's driver-side lines in pdserve's format: before init, and again after it
+    # (ray.init sets its own formatter on the `ray` logger)
+    logs.adopt("ray")
+    try:
         ray.init(**kwargs)
     except Exception as e:  # ray raises plain Exception subclasses here
         if kwargs.get("address") != "local" or "timed out" not in str(e):
