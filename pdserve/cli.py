@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.engine_load import load_engine
 from pool_api.logs import log_to_stderr
-from pool_api.version import package_version
 
 if TYPE_CHECKING:
     from pdserve.config import ServeConfig
@@ -61,15 +60,51 @@ class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    shown = _DefaultsShown
+class _LazyVersion(argparse.Action):
+    """`--version`, reading the installed package's metadata only when asked (it costs an
+    importlib.metadata scan that `--help` need not pay)."""
 
-    model = sub.add_parser("model", help="checkpoint tools", formatter_class=shown).add_subparsers(
-        dest="model_command", required=True
-    )
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        from pool_api.version import package_version
+
+        print(f"{parser.prog} {package_version()}")  # to stdout, as argparse's own does
+        parser.exit()
+
+
+# (name, one-line help, whether its help shows defaults). The flags of each live in _FILL.
+_COMMANDS: tuple[tuple[str, str, bool], ...] = (
+    ("model", "checkpoint tools", True),
+    ("generate", "run the engine in process (colocated)", True),
+    ("trace", "anatomy of prefill and decode against the roofline", True),
+    ("serve", "run the disaggregated service (gRPC and the OpenAI HTTP API)", False),
+    ("client", "stream one request from a running server", True),
+    ("bench", "load-test a server like `vllm bench serve`", False),
+    ("chaos", "load while faults are injected (make chaos)", False),
+)
+
+
+def build_parser(command: str | None = None, *, every: bool = True) -> argparse.ArgumentParser:
+    """The whole parser, or (`every=False`) one whose subcommands are named but whose flags
+    are filled in only for `command`. `main` builds the narrow one: filling `bench` or `chaos`
+    imports grpc and numpy, and `serve` the config tree, which `pdserve --help` (every
+    subcommand named, none of its flags) and another subcommand need not pay."""
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser.add_argument("--version", action=_LazyVersion, help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text, shown in _COMMANDS:
+        formatter = _DefaultsShown if shown else argparse.HelpFormatter
+        p = sub.add_parser(name, help=text, formatter_class=formatter)
+        if every or name == command:
+            _FILL[name](p)
+    return parser
+
+
+def _fill_model(p: argparse.ArgumentParser) -> None:
+    shown = _DefaultsShown
+    model = p.add_subparsers(dest="model_command", required=True)
     init = model.add_parser(
         "init", help="write a random-weight HF-format Llama checkpoint", formatter_class=shown
     )
@@ -89,14 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="weights' dtype"
     )
-
     model.add_parser(
         "list", help="the named models and presets, and which are fetched", formatter_class=shown
     )
 
-    gen = sub.add_parser(
-        "generate", help="run the engine in process (colocated)", formatter_class=shown
-    )
+
+def _fill_generate(gen: argparse.ArgumentParser) -> None:
     _add_model_flags(gen)
     gen.add_argument("--max-tokens", type=int, default=32, help="output tokens per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
@@ -112,23 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt (JSONL)")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text")
 
-    trace = sub.add_parser(
-        "trace", help="anatomy of prefill and decode against the roofline", formatter_class=shown
-    )
+
+def _fill_trace(trace: argparse.ArgumentParser) -> None:
     _add_model_flags(trace)
     trace.add_argument("--json", action="store_true", help="print the trace as JSON")
     trace.add_argument("prompt", metavar="PROMPT", help="prompt text")
 
-    serve = sub.add_parser(
-        "serve", help="run the disaggregated service (gRPC and the OpenAI HTTP API)"
-    )
-    _add_serve_flags(serve)
 
+def _fill_client(client: argparse.ArgumentParser) -> None:
     from pdserve.client import add_tls_args
 
-    client = sub.add_parser(
-        "client", help="stream one request from a running server", formatter_class=shown
-    )
     client.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT")
     client.add_argument(
         "--max-tokens", type=int, default=None, help="output tokens (default: the server's)"
@@ -151,14 +177,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_tls_args(client)
     client.add_argument("prompt", metavar="PROMPT", help="prompt text")
 
-    from pdserve.tools.bench import add_cli_args as add_bench_args
 
-    add_bench_args(sub.add_parser("bench", help="load-test a server like `vllm bench serve`"))
+def _fill_bench(p: argparse.ArgumentParser) -> None:
+    from pdserve.tools.bench import add_cli_args
 
-    from pdserve.tools.chaos import add_cli_args as add_chaos_args
+    add_cli_args(p)
 
-    add_chaos_args(sub.add_parser("chaos", help="load while faults are injected (make chaos)"))
-    return parser
+
+def _fill_chaos(p: argparse.ArgumentParser) -> None:
+    from pdserve.tools.chaos import add_cli_args
+
+    add_cli_args(p)
 
 
 @dataclass(frozen=True)
@@ -508,8 +537,22 @@ def _serve(args: argparse.Namespace) -> int:
     return run(cfg)
 
 
+_FILL: dict[str, Callable[[argparse.ArgumentParser], None]] = {
+    "model": _fill_model,
+    "generate": _fill_generate,
+    "trace": _fill_trace,
+    "serve": _add_serve_flags,
+    "client": _fill_client,
+    "bench": _fill_bench,
+    "chaos": _fill_chaos,
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    # the top level has no option that takes a value, so its first word is the subcommand
+    command = next((w for w in words if not w.startswith("-")), None)
+    args = build_parser(command, every=False).parse_args(words)
     try:
         # serve logs at info by default (as vLLM does); the other commands print their output
         configure_logging(getattr(args, "log_level", None), default=_default_level(args))
