@@ -50,7 +50,8 @@ def write_hf_metadata(gguf_path: str | Path, out_dir: str | Path) -> dict[str, A
     src = Path(gguf_path)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = tf.AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
+    with _faster_gguf():
+        config = tf.AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
     arch = _ARCH_OF_MODEL_TYPE.get(MODEL_TYPES.get(config.model_type, config.model_type))
     if arch is None:
         raise ConfigError(
@@ -60,7 +61,8 @@ def write_hf_metadata(gguf_path: str | Path, out_dir: str | Path) -> dict[str, A
     config.architectures = [arch]
     config.save_pretrained(str(out))
     tf.GenerationConfig.from_model_config(config).save_pretrained(str(out))
-    tokenizer = tf.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    with _faster_gguf():
+        tokenizer = tf.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     tokenizer.save_pretrained(str(out))
     with open(out / "config.json") as f:
         written: dict[str, Any] = json.load(f)
@@ -82,7 +84,7 @@ def gguf_tensors(
     config = tf.AutoConfig.from_pretrained(str(hf_config_dir))
     with torch.device("meta"):
         skeleton = tf.AutoModelForCausalLM.from_config(config)
-    with _memoized_name_maps():
+    with _faster_gguf():
         parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
     tensors: dict[str, torch.Tensor] = parsed["tensors"]
     while tensors:
@@ -91,15 +93,44 @@ def gguf_tensors(
 
 
 @contextlib.contextmanager
-def _memoized_name_maps() -> Iterator[None]:
-    """transformers builds gguf's tensor-name map anew for every module of the model (397
-    times for a 30-layer Llama: 14 of a 35 s load here); the map is a pure function of
-    (architecture, layer count), so one is built and reused while the load runs."""
+def _faster_gguf() -> Iterator[None]:
+    """Two costs of `gguf` that transformers' GGUF loader pays, removed while it runs:
+
+    - transformers builds gguf's tensor-name map anew for every module of the model (397
+      times for a 30-layer Llama); the map is a pure function of (architecture, layer count),
+      so one is built and reused;
+    - `GGUFReader` walks the metadata one element at a time through `np.memmap` views, whose
+      subclass hooks cost more than the walk itself: a 262k-token vocabulary is millions of
+      them. `_PlainViewReader` reads the same mapped bytes through plain ndarray views (the
+      same fields and tensors, and still no copy).
+    """
     import gguf
 
-    original = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    lib: Any = gguf  # its attributes are replaced for the load, then put back
+    names, reader = lib.get_tensor_name_map, lib.GGUFReader
+    lib.get_tensor_name_map = functools.lru_cache(maxsize=None)(names)
+    lib.GGUFReader = _plain_view_reader()
     try:
         yield
     finally:
-        gguf.get_tensor_name_map = original
+        lib.get_tensor_name_map, lib.GGUFReader = names, reader
+
+
+@functools.cache
+def _plain_view_reader() -> type:
+    import gguf
+    import numpy as np
+
+    class _PlainViewReader(gguf.GGUFReader):
+        """`GGUFReader` whose `data` (set once, in its constructor, to the file's memmap) is
+        a plain ndarray view of that memmap."""
+
+        @property
+        def data(self) -> Any:
+            return self._plain_data
+
+        @data.setter
+        def data(self, value: Any) -> None:
+            self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return _PlainViewReader

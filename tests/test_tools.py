@@ -11,9 +11,9 @@ template that renders the tools (a Hermes-style one, given with --chat-template)
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -56,6 +56,7 @@ PROMPTS = [
     "What is 40 plus 2?",
 ]
 NAMES = {"get_weather", "add"}
+T = TypeVar("T")
 
 # A Hermes-style template (Qwen2.5's format) that renders `tools` and the tool turns.
 HERMES_TEMPLATE = """\
@@ -182,6 +183,18 @@ def _streamed_calls(stream: Any) -> tuple[list[dict[str, Any]], str | None]:
     return [calls[i] for i in sorted(calls)], finish
 
 
+def at_once(
+    check: Callable[[T], None], items: Sequence[T], also: Callable[[None], None] | None = None
+) -> None:
+    """Every item's request at once (the server batches them; each is checked on its own),
+    re-raising the first failure. `also` runs beside them."""
+    with ThreadPoolExecutor(len(items) + 1) as pool:
+        extra = pool.submit(also, None) if also is not None else None
+        list(pool.map(check, items))
+        if extra is not None:
+            extra.result()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", ["required", "add", "get_weather"])
 def test_forced_calls_are_always_valid(client: Any, choice: str, stream: bool) -> None:
@@ -214,8 +227,7 @@ def test_forced_calls_are_always_valid(client: Any, choice: str, stream: bool) -
             assert call["name"] == choice or (choice == "required" and call["name"] in NAMES)
             jsonschema.validate(json.loads(call["arguments"]), SCHEMA[call["name"]])
 
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        list(pool.map(check, PROMPTS))  # re-raises the first failure
+    at_once(check, PROMPTS)
 
 
 def test_parallel_required_calls_are_each_valid_even_when_cut_short(client: Any) -> None:
@@ -264,7 +276,8 @@ def test_auto_renders_the_tools_and_reads_calls_with_hermes(client: Any) -> None
     model = _model(client)
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     plain = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
-    for prompt in PROMPTS:
+
+    def check(prompt: str) -> None:
         r = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompt}], tools=TOOLS,
             temperature=0, max_tokens=80,
@@ -279,6 +292,8 @@ def test_auto_renders_the_tools_and_reads_calls_with_hermes(client: Any) -> None
                 )
         else:
             assert choice.finish_reason in ("stop", "length") and choice.message.content
+
+    at_once(check, PROMPTS)
 
 
 def test_parse_with_a_pydantic_model(client: Any) -> None:
@@ -313,17 +328,23 @@ def test_structured_output_forms_through_the_client(client: Any, server: ServePr
          lambda t: t.startswith("city: ")),
         ({"guided_json": WEATHER}, lambda t: jsonschema.validate(json.loads(t), WEATHER) is None),
     ]  # fmt: skip
-    for extra, ok in forms:
+
+    def check(form: tuple[dict[str, Any], Any]) -> None:
+        extra, ok = form
         r = client.chat.completions.create(
             model=model, messages=ask, temperature=0, max_tokens=40, extra_body=extra
         )
         text = r.choices[0].message.content
         assert ok(text), (extra, text)
-    r = client.chat.completions.create(
-        model=model, messages=ask, temperature=0, max_tokens=60,
-        response_format={"type": "json_object"},
-    )  # fmt: skip
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+    def json_object(_: None) -> None:
+        r = client.chat.completions.create(
+            model=model, messages=ask, temperature=0, max_tokens=60,
+            response_format={"type": "json_object"},
+        )  # fmt: skip
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+    at_once(check, forms, also=json_object)
 
 
 def test_tokenize_renders_the_tools_as_chat_does(client: Any, server: ServeProcess) -> None:
