@@ -36,8 +36,8 @@ test: $(STAMP) redis
 	$(BIN)/ruff check .
 	$(BIN)/mypy $(PACKAGES)
 	$(BIN)/mypy benchmarks  # apart: benchmarks/engine.py would clash with the engine package
-	# Two workers (pytest-xdist), each taking whole modules (their module-scoped servers start
-	# once), the longest modules first (tests/conftest.py). PYTHONFAULTHANDLER: a crash, even
+	# Two workers (pytest-xdist), each taking whole groups: a module, or the modules that
+	# share one server (their servers start once), the longest first (tests/conftest.py). PYTHONFAULTHANDLER: a crash, even
 	# at exit, prints its stack, in the workers too.
 	# --durations: where the suite's time goes, on every run.
 	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests $(PYTEST_ARGS)

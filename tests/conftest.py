@@ -12,17 +12,24 @@
   (workers in Ray and `pdserve serve` children still apply it), and after each module the
   freed memory is trimmed.
 - The longest modules are collected first: `make test` runs the suite on two workers
-  (`pytest -n 2 --dist loadfile`, a module whole on one worker), and a long module handed
-  out last would run alone on one core at the end.
+  (`pytest -n 2 --dist loadfile`), and a long module handed out last would run alone on one
+  core at the end.
+- Under `--dist loadfile`, each module runs whole on one worker, except that the modules of
+  `SHARED_SERVERS` run together: one after another, on one worker, sharing one server
+  (tests/serve_proc.py `shared_server`), stopped after their last test. (xdist's own
+  `loadgroup` cannot say this: with pytest 9 it reads marks onto a node id that pytest no
+  longer keeps, and hands the tests out one by one.)
 """
 
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import engine.model
+from tests.serve_proc import stop_shared_server
 
 os.environ.setdefault("PDSERVE_CHECK_OWNERS", "1")
 os.environ.setdefault("PDSERVE_KERNELS_DIR", str(Path.home() / ".cache" / "pdserve" / "kernels"))
@@ -49,9 +56,54 @@ _LONGEST_FIRST = (
 )
 
 
+# group name -> the modules that share its server (tests/serve_proc.py `_SHARED_STARTS`)
+SHARED_SERVERS = {
+    "tiny-server": ("test_http.py", "test_edge_limits.py", "test_vllm_endpoints.py"),
+    "default-model-server": ("test_real_model.py", "test_prompt_logprobs.py"),
+}
+_GROUP_OF = {module: group for group, modules in SHARED_SERVERS.items() for module in modules}
+
+
+def group_of(item: pytest.Item) -> str:
+    return _GROUP_OF.get(item.path.name, item.path.name)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    # a group ranks as its first-ranked module, and its modules stay together in their order
+    group_rank = {g: min(rank.get(m, len(rank)) for m in ms) for g, ms in SHARED_SERVERS.items()}
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(group_of(item), i)
+    in_group = {name: i for i, name in enumerate(_GROUP_OF)}
+
+    def key(item: pytest.Item) -> tuple[int, int, int]:
+        group = group_of(item)
+        ranked = group_rank.get(group, rank.get(group, len(rank)))
+        return ranked, first_seen[group], in_group.get(item.path.name, 0)
+
+    items.sort(key=key)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile`, with each `SHARED_SERVERS` group handed out as one file."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedServerScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return _GROUP_OF.get(Path(path).name, path)
+
+    return SharedServerScheduling(config, log)
+
+
+@pytest.hookimpl(trylast=True)  # after the item's own fixtures are torn down
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    group = group_of(item)
+    if group in SHARED_SERVERS and (nextitem is None or group_of(nextitem) != group):
+        stop_shared_server(group)
 
 
 @pytest.fixture(autouse=True, scope="module")

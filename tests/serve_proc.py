@@ -153,3 +153,46 @@ class ServeProcess:
             if value or time.monotonic() > deadline:
                 return value
             time.sleep(every_s)
+
+
+# ---- one server for several modules -------------------------------------------------------
+# Modules whose tests need only a stock server share one: the first of them starts it, and
+# tests/conftest.py stops it after the last test of their group (`SHARED_SERVERS` there puts
+# them in one xdist group, so one worker runs them one after another). Their tests must hold
+# whatever state the others leave: they wait for an idle server and compare counters as
+# deltas, as they would on any long-running server.
+_shared: dict[str, ServeProcess] = {}
+
+
+def shared_server(name: str, factory: Any) -> ServeProcess:
+    """The group `name`'s server, started now if no module of the group has (a
+    `pytest.TempPathFactory` gives it a home)."""
+    if name not in _shared:
+        _shared[name] = _SHARED_STARTS[name](factory)
+    return _shared[name]
+
+
+def stop_shared_server(name: str) -> None:
+    """Stop the group's server if it runs; it must exit 0 (its drain completed)."""
+    proc = _shared.pop(name, None)
+    if proc is not None:
+        rc = proc.stop()
+        assert rc == 0, f"the shared {name} server exited with {rc}:\n{proc.log_tail()}"
+
+
+_SHARED_STARTS: dict[str, Any] = {
+    # `pdserve serve --model tiny` under a fresh home
+    "tiny-server": lambda factory: ServeProcess(factory.mktemp("tiny-server")),
+    # `pdserve serve` with no model flag: the default model, from the cached conversion
+    "default-model-server": lambda factory: ServeProcess(
+        factory.mktemp("default-model-server"),
+        model=None,
+        env={"PDSERVE_HOME": str(_pdserve_home())},
+    ),
+}
+
+
+def _pdserve_home() -> Path:
+    from pdserve.models import pdserve_home
+
+    return pdserve_home()

@@ -30,7 +30,6 @@ import grpc
 import kv_procs
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from in_process import servers_without_workers
 
 from engine.block_manager import BlockManager
 from kv_transfer.config import TransferConfig
@@ -47,6 +46,7 @@ from kv_transfer.wire import TransferError, as_bytes, block_runs, frame_regions,
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 from router import http_guard, service
 from router.config import GrpcSettings, HttpSettings, LimitSettings, RouterConfig
+from tests.in_process import servers_without_workers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,7 +79,7 @@ DEFAULT_TIMEOUTS = {
 
 @pytest.fixture(autouse=True)
 def short_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
-    for (module, name) in DEFAULT_TIMEOUTS:
+    for module, name in DEFAULT_TIMEOUTS:
         monkeypatch.setattr(module, name, TIMEOUT_S)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -21,7 +20,7 @@ from pdserve.client import Client, make_request
 from protos.pdserve.v1 import generation_pb2 as gen
 from router.config import RouterConfig
 from router.validation import EdgeLimits, ModelLimits, prepare
-from tests.serve_proc import ServeProcess
+from tests.serve_proc import ServeProcess, shared_server
 
 LIMITS = EdgeLimits.of(RouterConfig(), 2048)
 
@@ -72,10 +71,8 @@ def test_a_long_model_name_is_not_echoed_whole() -> None:
 
 # ---- against a server ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    proc = ServeProcess(tmp_path_factory.mktemp("edge"))
-    yield proc
-    proc.stop()
+def server(tmp_path_factory: pytest.TempPathFactory) -> ServeProcess:
+    return shared_server("tiny-server", tmp_path_factory)
 
 
 def _post(

@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from in_process import asgi_call, router_without_workers
 from prometheus_client.parser import text_string_to_metric_families
-from serve_proc import ServeProcess
 
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
 from engine.validation import context_length_message
 from pdserve.client import Client
+from tests.in_process import asgi_call, router_without_workers
+from tests.serve_proc import ServeProcess, shared_server
 
 openai = pytest.importorskip("openai")
 
@@ -41,11 +41,8 @@ LONG_PROMPT = " ".join(f"word{i} and the next one" for i in range(40))  # ~ 200+
 
 # ---- fixtures -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    s = ServeProcess(tmp_path_factory.mktemp("pdserve-home"))
-    yield s
-    rc = s.stop()
-    assert rc == 0, f"pdserve serve exited with {rc}:\n{s.log_tail()}"
+def server(tmp_path_factory: pytest.TempPathFactory) -> ServeProcess:
+    return shared_server("tiny-server", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

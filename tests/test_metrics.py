@@ -26,13 +26,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from serve_proc import ROOT, ServeProcess
 
 from engine.kernel_spec import NAMES as OPS
 from pdserve.client import make_request
 from protos.pdserve.v1 import generation_pb2 as gen
 from protos.pdserve.v1 import generation_pb2_grpc as gen_grpc
 from router.service import SERVICE_NAME
+from tests.serve_proc import ROOT, ServeProcess
 
 openai = pytest.importorskip("openai")
 

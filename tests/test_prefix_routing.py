@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from in_process import start_local_ray
 from test_prefix_index import REDIS_SERVER, RedisServer
 
 from engine.prefix_hash import extend_block_hashes, namespace_seed
@@ -43,6 +42,7 @@ from pool_api.messages import Role
 from router.clients import DecodeClient, PrefillClient
 from router.core import Router
 from router.service import RouterServer, start_server
+from tests.in_process import start_local_ray
 
 ray = pytest.importorskip("ray")
 

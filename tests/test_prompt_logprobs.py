@@ -11,7 +11,6 @@ checked against the same reference through `pdserve serve`.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +19,10 @@ import torch
 
 from pdserve.client import make_request
 from pdserve.config import ServeConfig
-from pdserve.models import DEFAULT_MODEL, pdserve_home, resolve_model
+from pdserve.models import DEFAULT_MODEL, resolve_model
 from protos.pdserve.v1 import generation_pb2 as gen
 from tests.in_process import run_with_workers
-from tests.serve_proc import ServeProcess
+from tests.serve_proc import ServeProcess, shared_server
 
 transformers = pytest.importorskip("transformers")
 
@@ -104,12 +103,8 @@ def test_prompt_logprobs_equal_hf_at_every_position(
 
 # ---- HTTP shapes --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    proc = ServeProcess(
-        tmp_path_factory.mktemp("plp"), model=None, env={"PDSERVE_HOME": str(pdserve_home())}
-    )
-    yield proc
-    proc.stop()
+def server(tmp_path_factory: pytest.TempPathFactory) -> ServeProcess:
+    return shared_server("default-model-server", tmp_path_factory)
 
 
 def _post(server: ServeProcess, body: dict[str, Any]) -> dict[str, Any]:

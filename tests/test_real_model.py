@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from engine.model import AttentionMetadata, OneDnnProjections, PrefillSegment  #
 from engine.sampling import SamplingParams  # noqa: E402
 from pdserve.cli import main  # noqa: E402
 from pdserve.models import DEFAULT_MODEL, NAMED_MODELS, pdserve_home, resolve_model  # noqa: E402
-from tests.serve_proc import ServeProcess  # noqa: E402
+from tests.serve_proc import ServeProcess, shared_server  # noqa: E402
 
 CHAT_PROMPTS = (
     "What is the capital of France?",
@@ -345,12 +346,10 @@ def test_matmul_path_greedy_follows_hf_where_margins_are_wide(
 
 # ---- through the disaggregated service ---------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, real_dir: Path) -> Iterator[ServeProcess]:
-    """`pdserve serve` with no model flag: the default model, from the cached conversion."""
-    logs = tmp_path_factory.mktemp("real-serve")
-    proc = ServeProcess(logs, model=None, env={"PDSERVE_HOME": str(pdserve_home())})
-    yield proc
-    proc.stop()
+def server(tmp_path_factory: pytest.TempPathFactory, real_dir: Path) -> ServeProcess:
+    """`pdserve serve` with no model flag: the default model, from the cached conversion
+    (`real_dir` made sure it is there)."""
+    return shared_server("default-model-server", tmp_path_factory)
 
 
 def test_service_chat_equals_hf(server: ServeProcess, hf_runs: list[HFRun]) -> None:
@@ -358,13 +357,19 @@ def test_service_chat_equals_hf(server: ServeProcess, hf_runs: list[HFRun]) -> N
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
     (model,) = [m.id for m in client.models.list().data]
     assert model == DEFAULT_MODEL
-    for prompt, run in zip(CHAT_PROMPTS, hf_runs, strict=True):
-        resp = client.chat.completions.create(
+
+    def ask(prompt: str) -> Any:
+        return client.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": prompt}],
             temperature=0,
             max_tokens=NEW_TOKENS,
         )
+
+    # all at once: batched, each answer is still its own greedy one (batch invariance)
+    with ThreadPoolExecutor(len(CHAT_PROMPTS)) as pool:
+        answers = list(pool.map(ask, CHAT_PROMPTS))
+    for prompt, run, resp in zip(CHAT_PROMPTS, hf_runs, answers, strict=True):
         assert resp.usage.prompt_tokens == len(run.prompt_ids), prompt
         assert resp.choices[0].message.content == run.text, prompt
 

@@ -43,7 +43,8 @@ from typing import Any
 
 import grpc
 import pytest
-from in_process import start_local_ray
+
+from tests.in_process import start_local_ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kv_procs

@@ -342,9 +342,7 @@ def test_sigterm_drains_in_flight_requests(
 
 
 @pytest.mark.parametrize("flag", ["--grpc-port", "--http-port"])
-def test_a_busy_port_fails_in_one_line_before_any_worker_starts(
-    tmp_path: Path, flag: str
-) -> None:
+def test_a_busy_port_fails_in_one_line_before_any_worker_starts(tmp_path: Path, flag: str) -> None:
     """As `vllm serve` does: the port is checked before the engine is built, not found taken
     after a minute of start-up as a 38-line traceback."""
     with socket.socket() as taken:

@@ -36,7 +36,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from in_process import start_local_ray
 
 from pdserve.checkpoint import write_checkpoint
 from pdserve.cli import main
@@ -46,6 +45,7 @@ from pdserve.launch import Deployment
 from protos.pdserve.v1 import generation_pb2 as gen
 from protos.pdserve.v1 import generation_pb2_grpc as gen_grpc
 from router.service import SERVICE_NAME, RouterServer, start_server
+from tests.in_process import start_local_ray
 
 ray = pytest.importorskip("ray")
 

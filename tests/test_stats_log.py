@@ -13,7 +13,6 @@ from typing import Any
 
 import grpc
 import pytest
-from in_process import router_without_workers
 
 from engine.request import FinishReason
 from engine.sampling import SamplingParams
@@ -22,6 +21,7 @@ from router.active import ActiveRequest, Observers, RequestObserver
 from router.config import RouterConfig
 from router.metrics import RouterMetrics, one_two_five
 from router.stats_log import RequestLog, Snapshot, StatsLog, byte_rate, stats_line
+from tests.in_process import router_without_workers
 
 SECRET_PROMPT = "the prompt text never reaches a log"
 

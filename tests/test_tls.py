@@ -40,8 +40,6 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from in_process import servers_without_workers
-from serve_proc import ROOT, ServeProcess
 
 from pdserve.cli import build_parser, main, serve_config
 from pdserve.client import Client, ClientTLS, open_channel
@@ -49,6 +47,8 @@ from protos.pdserve.v1 import generation_pb2 as gen
 from protos.pdserve.v1 import generation_pb2_grpc as gen_grpc
 from router.config import GrpcSettings, HttpSettings, RouterConfig, TlsSettings
 from router.tls import ServerTLS
+from tests.in_process import servers_without_workers
+from tests.serve_proc import ROOT, ServeProcess
 
 pytestmark = pytest.mark.timeout(420)  # the first server test includes the server's start
 

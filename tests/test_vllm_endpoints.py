@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from in_process import asgi_call as call
-from in_process import router_without_workers
-from serve_proc import ServeProcess
 
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
 from router.openai.fields import HARMLESS, REFUSED
+from tests.in_process import asgi_call as call
+from tests.in_process import router_without_workers
+from tests.serve_proc import ServeProcess, shared_server
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -243,11 +242,8 @@ def test_tokenize_input_checks(
 
 # ---- against `pdserve serve --model tiny` -------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    s = ServeProcess(tmp_path_factory.mktemp("pdserve-home"))
-    yield s
-    rc = s.stop()
-    assert rc == 0, f"pdserve serve exited with {rc}:\n{s.log_tail()}"
+def server(tmp_path_factory: pytest.TempPathFactory) -> ServeProcess:
+    return shared_server("tiny-server", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
