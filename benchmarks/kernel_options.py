@@ -9,7 +9,9 @@ hardware, bfloat16, with every core:
   each op's candidates with their times at the model's shapes, and the choice;
 * **the check**: every candidate the selection could choose is timed again, alternated, for
   `CHECK_S` seconds per op; the run **exits 1** when an automatic choice is more than
-  `MAX_LOSS` (10%) slower than the fastest candidate;
+  `MAX_LOSS` (10%) slower than the fastest candidate beyond the check's own noise (two
+  standard errors of the difference of the medians: a near-tie the check cannot resolve
+  on a noisy machine is reported, not failed);
 * **the A/Bs on the real model** (SmolLM2-135M): the prompt pass (a 512- and a 2048-token
   prompt) and the decode step (batch 1 / 8 / 32 over 512-token prompts), alternated in one
   process between the kernel sets: `invariant` (the automatic choice with batch invariance
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -102,7 +105,10 @@ def check_choice(eng: Any, sel: selection.Selection, invariant: bool) -> dict[st
         med = {n: statistics.median(s) for n, s in samples.items()}
         fastest = min(med, key=lambda n: med[n])
         loss = med[timing.chosen] / med[fastest] - 1
-        out[op] = {"chosen": timing.chosen, "fastest": fastest, "median_ms": med, "loss": loss}
+        err = selection._median_error
+        noise = 2 * math.hypot(err(samples[timing.chosen]), err(samples[fastest])) / med[fastest]
+        out[op] = {"chosen": timing.chosen, "fastest": fastest, "median_ms": med, "loss": loss,
+                   "noise": noise, "wrong": loss - noise > MAX_LOSS}  # fmt: skip
     return out
 
 
@@ -211,10 +217,11 @@ def report(result: dict[str, Any]) -> list[str]:
         for label in ("invariant", "fast"):
             print(f"  selection ({label}): {row[f'selection_{label}']['line']}")
             for op, c in row[f"check_{label}"].items():
-                verdict = "ok" if c["loss"] <= MAX_LOSS else "WRONG"
+                verdict = "WRONG" if c["wrong"] else "ok"
+                loss = f"{100 * c['loss']:+.1f}% +- {100 * c['noise']:.1f}%"
                 print(f"    check {op}: chose {c['chosen']}, fastest {c['fastest']}, "
-                      f"loss {100 * c['loss']:+.1f}% {verdict}")  # fmt: skip
-                if c["loss"] > MAX_LOSS:
+                      f"loss {loss} {verdict}")  # fmt: skip
+                if c["wrong"]:
                     failures.append(f"{name} {label} {op}: {c}")
         labels = ("invariant", "fast", "reference")
         print(f"  {'A/B (ms)':<14}" + "".join(f"{v:>12}" for v in labels))
@@ -249,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.write_text(json.dumps(result, indent=1))
     failures = report(result)
     for f in failures:
-        print(f"FAIL: an automatic choice is more than {MAX_LOSS:.0%} slower than the fastest: {f}")
+        print(f"FAIL: an automatic choice is more than {MAX_LOSS:.0%} slower than the fastest, "
+              f"beyond the noise: {f}")  # fmt: skip
     return 1 if failures else 0
 
 

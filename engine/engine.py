@@ -395,8 +395,9 @@ class LLMEngine:
         return children
 
     def _join(self, seq: Request) -> None:
-        """A sequence with its first token (and no stop) joins the running batch; a fork that
-        got no blocks waits to recompute instead."""
+        """A sequence with its first token (and no stop), or one whose prompt was recomputed
+        after a preemption, joins the running batch; a fork that got no blocks waits to
+        recompute instead."""
         self.scheduler.remove(seq)
         if self.blocks.has(seq.request_id):
             self.scheduler.add_running(seq)
@@ -451,7 +452,7 @@ class LLMEngine:
             num_total_blocks=self.blocks.num_blocks,
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
-            queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
+            queued_prefill_tokens=sum(r.prefill_end - r.num_computed_tokens for r in sched.waiting),
             num_preemptions_total=sched.num_preemptions,
             kv_bytes_per_block=self.cache.spec.page_bytes * self.cache.spec.num_layers,
             decode_workspace_bytes=ws.bytes_held if ws is not None else None,
@@ -472,8 +473,10 @@ class LLMEngine:
         logits = self.runner.step(
             out.prefill, out.decode, (lambda layer: hook(out, layer)) if hook is not None else None
         )
-        # Logits rows: prompts that complete, then every decode row (`ModelRunner.step`).
-        done = [c.request for c in out.prefill if c.completes_prompt] + list(out.decode)
+        # Logits rows: prompts that complete, then every decode row that samples (one that
+        # replays a generated token has none: `ModelRunner.step`).
+        done = [c.request for c in out.prefill if c.completes_prompt]
+        done += [r for r in out.decode if not r.replays]
         num_tokens = sum(c.end - c.start for c in out.prefill) + len(out.decode)
         step_s = time.perf_counter() - t0
         outputs = self._postprocess(out, done, logits, step_s)
@@ -525,8 +528,10 @@ class LLMEngine:
         for c in out.prefill:
             c.request.num_computed_tokens = c.end
             c.request.prefill_s += step_s
+            if c.completes_prefill and not c.completes_prompt:
+                self._join(c.request)  # recomputed up to its output: replays it next
         for r in out.decode:
-            r.num_computed_tokens = r.num_tokens
+            r.num_computed_tokens += 1
         for r in [c.request for c in out.prefill] + list(out.decode):
             self.blocks.commit(r.request_id, r.computed_hashes())
         sampled, rows = self._with_choices(sampled)

@@ -140,6 +140,27 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def prefill_end(self) -> int:
+        """One past the last position a prompt pass computes for it: every token, except
+        for a sequence recomputing after a preemption. Its generated tokens first got their
+        K/V from decode rows, and they get it from decode rows again (`replays`): a prompt
+        pass would compute the same values with other arithmetic, and a greedy token at a
+        near-tie would change (batch invariance: docs/architecture.md, `scheduler.py`)."""
+        return len(self.prompt_token_ids) if self.output_token_ids else self.num_tokens
+
+    @property
+    def replays(self) -> bool:
+        """Its next decode row feeds a token it already generated (after a preemption),
+        writing that token's K/V and sampling nothing."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return (
+            self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+        )
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

@@ -56,7 +56,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run one packed step: the prompt chunks' tokens, then one token per decode request
         (a mixed step when both are given). Logits [n, V]: a row per chunk that completes
-        its prompt, in order, then a row per decode request, in the order of `decode`.
+        its prompt, in order, then a row per decode request that samples (not one that
+        `replays`), in the order of `decode`.
 
         Chunks of a request that wants prompt logprobs also leave the hidden states of each
         of their positions in `prompt_hidden` (request id -> (first position, [k, d])),
@@ -64,6 +65,8 @@ class ModelRunner:
         """
         p = self._prefill_inputs(chunks)
         d = self._decode_inputs(decode)
+        # Every decode row gives logits (the model keeps decode rows whole); those of rows
+        # that replay a generated token are dropped below.
         logit_rows = p.logit_rows + list(range(p.num_tokens, p.num_tokens + len(decode)))
         meta = AttentionMetadata(
             positions=torch.cat(p.positions + d.positions).to(self.device),
@@ -95,14 +98,16 @@ class ModelRunner:
             if d.order is not None and self.workspace is not None:
                 self.workspace.reset()  # rows may be half-written
             raise
-        if d.order is None or d.order == list(range(len(d.order))):
-            return logits
-        # Decode row r ran requests[order[r]]: put the rows back in the order of `decode`.
+        # Decode row r ran decode[ran[r]]: the sampling rows, in the order of `decode`.
+        ran = list(range(len(decode))) if d.order is None else d.order
         first = len(p.logit_rows)
-        out = torch.empty_like(logits)
-        out[:first] = logits[:first]
-        out[torch.tensor(d.order, device=self.device) + first] = logits[first:]
-        return out
+        rows = sorted(
+            (i, first + r) for r, i in enumerate(ran) if not decode[i].replays
+        )  # (index into `decode`, logits row)
+        wanted = list(range(first)) + [row for _, row in rows]
+        if wanted == list(range(logits.shape[0])):
+            return logits
+        return logits[torch.tensor(wanted, dtype=torch.long, device=self.device)]
 
     def _prefill_inputs(self, chunks: Sequence[PrefillChunk]) -> _PrefillInputs:
         """The chunks' tokens packed back to back (tokens 0 .. num_tokens-1 of the step)."""
@@ -133,8 +138,10 @@ class ModelRunner:
         batch (`order[row]` = index into `requests`), else in the given order with the block
         tables for attention to gather from.
 
-        Per-request work is plain Python on ints (no tensor ops in the loop): the inputs
-        become the per-request row [id, position, slot, length].
+        A request's row feeds its token at `num_computed_tokens`: its last one, or (while it
+        `replays`) an earlier one it generated before a preemption. Per-request work is plain
+        Python on ints (no tensor ops in the loop): the inputs become the per-request row
+        [id, position, slot, length].
         """
         if not requests:
             return _DecodeInputs()
@@ -145,23 +152,21 @@ class ModelRunner:
             limit = self.max_model_len or sys.maxsize
             order = self.workspace.prepare(
                 [(r.request_id, r.num_preemptions) for r in requests],
-                [r.num_tokens for r in requests],
+                [r.num_computed_tokens + 1 for r in requests],
                 tables,
                 [min(len(r.prompt_token_ids) + r.params.max_tokens, limit) for r in requests],
             )
         rows = []
         for i in range(len(requests)) if order is None else order:
             r = requests[i]
-            n = r.num_tokens
-            pos = n - 1
-            last = (r.output_token_ids or r.prompt_token_ids)[-1]
-            rows.append((last, pos, tables[i][pos // bs] * bs + pos % bs, n))
+            pos = r.num_computed_tokens
+            rows.append((r.token_at(pos), pos, tables[i][pos // bs] * bs + pos % bs, pos + 1))
         ids, positions, slots, lens = torch.tensor(
             list(zip(*rows, strict=True)), dtype=torch.long
         )  # [4, B]
         d = _DecodeInputs([ids], [positions], [slots], lens.to(self.device), order=order)
         if order is None:
-            width = ceil_div(max(r.num_tokens for r in requests), bs)  # blocks of the longest
+            width = ceil_div(max(r.num_computed_tokens + 1 for r in requests), bs)  # the longest
             padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
             d.block_tables = torch.tensor(padded, dtype=torch.long, device=self.device)
         return d

@@ -14,7 +14,9 @@ and fits (vLLM v0's policy): running streams stall behind every prompt pass.
 Admission allocates every block of the prompt at once (reusing its cached prefix), so a
 chunked prompt never finds the pool empty halfway. When decode needs a block and the pool is
 empty, the most recently admitted running request is preempted by recompute: its blocks are
-freed and it goes back to the front of the queue with its output so far as part of the prompt.
+freed and it goes back to the front of the queue. Its prompt is computed again by a prompt
+pass, and its output so far by decode rows that sample nothing (`Request.replays`), one a
+step, as they were computed the first time.
 """
 
 from __future__ import annotations
@@ -36,7 +38,14 @@ class PrefillChunk:
 
     @property
     def completes_prompt(self) -> bool:
+        """Its last row's logits give the next token."""
         return self.end == self.request.num_tokens
+
+    @property
+    def completes_prefill(self) -> bool:
+        """The sequence joins the decode batch after this step (sampling if it
+        `completes_prompt`, else replaying its generated tokens: `Request.prefill_end`)."""
+        return self.end == self.request.prefill_end
 
 
 @dataclass(frozen=True)
@@ -107,7 +116,7 @@ class Scheduler:
             if not self.blocks.has(req.request_id) and not self._admit(req):
                 break  # FIFO: later requests wait behind the one that does not fit
             start = req.num_computed_tokens
-            end = min(req.num_tokens, start + budget)
+            end = min(req.prefill_end, start + budget)
             chunks.append(PrefillChunk(req, start, end))
             budget -= end - start
         return chunks
@@ -115,9 +124,10 @@ class Scheduler:
     def _admit(self, req: Request) -> bool:
         if len(self.running) + self._num_prefilling() >= self.cfg.max_num_seqs:
             return False
-        # Leave at least one token to compute: its logits give the next token. A prompt
+        # Leave at least one token to compute: its logits give the next token (or, after a
+        # preemption, the pass that puts the sequence back in the batch has a row). A prompt
         # whose logprobs are wanted is computed whole (a cached block has no hidden states).
-        usable = req.block_hashes[: (req.num_tokens - 1) // self.blocks.block_size]
+        usable = req.block_hashes[: (req.prefill_end - 1) // self.blocks.block_size]
         if req.wants_prompt_logprobs:
             usable = []
         try:
@@ -144,13 +154,15 @@ class Scheduler:
                     break
                 except NoFreeBlocksError:
                     victim = self.running[-1]
-                    self._preempt(victim)
+                    self.preempt(victim)
                     preempted.append(victim)
                     if victim is req:
                         break
         return preempted
 
-    def _preempt(self, req: Request) -> None:
+    def preempt(self, req: Request) -> None:
+        """Free a running request's blocks and queue it to recompute (what an empty pool
+        does to the most recently admitted one)."""
         self.running.remove(req)
         self.blocks.free(req.request_id)
         self.requeue(req)

@@ -48,7 +48,11 @@ class TokenizerSpec:
 def _child(conn: Connection) -> None:
     """The compile loop: the tokenizer first, then one JSON request in, one answer out.
     It is ready only once the backend is warm, so a compile's bound times the compile."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
+    # Ctrl-C (the terminal's SIGINT to the whole process group) is the server's to handle.
+    # The child was started with SIGINT blocked (`_spawn`), so one that came while it
+    # imported is still pending: ignored from here on, it is dropped when unblocked.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     spec = json.loads(conn.recv_bytes())
     made: list[Any] = []
     # The cold start (imports, tokenizer info: seconds of CPU) at low priority: it must not
@@ -84,6 +88,18 @@ def _warm_backend(spec: dict[str, Any]) -> Any:
     backend = GrammarBackend(tok, spec["vocab_size"], tuple(spec["eos_token_ids"]))
     backend.warm()
     return backend
+
+
+def _spawn(proc: Any) -> None:
+    """Start `proc` with SIGINT blocked, as the child inherits its signal mask: a Ctrl-C
+    in the second it spends importing, before `_child` ignores SIGINT, would otherwise end
+    it with a KeyboardInterrupt traceback on the server's terminal. Blocked in this thread
+    only (any thread may start the child), and only while it is spawned."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        proc.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class GrammarChecker:
@@ -172,7 +188,7 @@ class GrammarChecker:
             }
         ).encode()
         proc = ctx.Process(target=_child, args=(child,), daemon=True, name="grammar-check")
-        proc.start()
+        _spawn(proc)
         self._proc = proc  # `close` stops it even while it starts
         child.close()
         parent.send_bytes(spec)

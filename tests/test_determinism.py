@@ -1,6 +1,7 @@
 """The short determinism census (`pdserve.tools.determinism`, 16 prompts; `make
 bench-determinism` runs 64): on the real model, a greedy request's tokens are the same cold,
-cached, batched with 7 others, chunked at 16 tokens, disaggregated and as choice 0 of n = 4.
+cached, batched with 7 others, chunked at 16 tokens, disaggregated, as choice 0 of n = 4 and
+preempted.
 
 It asserts equality without a margin, which only batch-invariant kernels can promise: where
 this machine has none (the kernel selection says so), it skips, naming why."""

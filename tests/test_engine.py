@@ -118,7 +118,7 @@ class Recorder:
                 self.workspace_held.append(ws is not None and ws.data is not None)
             self.mixed_steps += bool(chunks and decode)
             done = [c.request.request_id for c in chunks if c.completes_prompt]
-            done += [r.request_id for r in decode]
+            done += [r.request_id for r in decode if not r.replays]
             assert out.shape[0] == len(done)
             for rid, row in zip(done, out, strict=True):
                 self.logits[rid].append(row.clone())
@@ -244,6 +244,51 @@ def test_preemption_by_recompute_keeps_outputs(make_engine: MakeEngine) -> None:
     assert all(r.finish_reason is FinishReason.LENGTH for r in got)
     eng.blocks.check_integrity()
     assert eng.blocks.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_preempted_request_replays_its_tokens_bit_for_bit(tiny: Path, dtype: str) -> None:
+    """Preemption by recompute under batch-invariant kernels: the prompt is computed again
+    by a prompt pass and the generated tokens by decode rows, as they first were, so every
+    logits row a request samples from is the unpreempted run's bit for bit. No margin is
+    assumed (the tiny model's random weights have near-ties: a prompt pass over the
+    generated tokens changed them in bf16)."""
+
+    def engine(num_blocks: int) -> tuple[LLMEngine, Recorder]:
+        eng = LLMEngine.from_config(
+            EngineConfig(
+                model=str(tiny),
+                dtype=dtype,
+                kernels="auto",
+                cache=CacheConfig(16, num_blocks, 1024),
+            )
+        )
+        if not eng.kernel_selection.kernels.batch_invariant:
+            pytest.skip(f"no batch-invariant {dtype} kernels here: {eng.kernel_selection.line()}")
+        return eng, Recorder(eng)
+
+    rng = random.Random(7)
+    prompts = [rand_prompt(rng, rng.randint(10, 40)) for _ in range(8)]
+    params = greedy(max_tokens=48)
+    ref, ref_rec = engine(512)
+    expected = ref.generate(prompts, params)
+    assert ref.scheduler.num_preemptions == 0
+    # Each request grows to ceil((40 + 47) / 16) = 6 blocks; 8 of them cannot share 12.
+    eng, rec = engine(12)
+    got = eng.generate(prompts, params)
+    assert eng.scheduler.num_preemptions > 0
+    preempted = [i for i, r in enumerate(got) if r.num_preemptions]
+    assert preempted
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in expected]
+    for r, e in zip(got, expected, strict=True):
+        rows, ref_rows = rec.logits[r.request_id], ref_rec.logits[e.request_id]
+        assert len(rows) == len(ref_rows) == 48
+        assert all(torch.equal(a, b) for a, b in zip(rows, ref_rows, strict=True)), (
+            f"{r.request_id} (preempted {r.num_preemptions}x): logits differ"
+        )
+    for e in (ref, eng):
+        e.blocks.check_integrity()
+        assert e.blocks.num_used_blocks == 0
 
 
 @pytest.mark.skipif(native.load() is None, reason=f"no pdserve kernels: {native.why_not()}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -317,6 +318,40 @@ def test_closing_the_router_while_its_checker_starts_is_quiet(
         checker._proc.join(10)
         assert not checker._proc.is_alive()
     assert "did not start" not in caplog.text
+
+
+def test_ctrl_c_while_the_checker_starts_reaches_only_the_server(
+    real_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A terminal's Ctrl-C goes to the whole process group, the checker's child included,
+    which starts at the router's start-up and spends a second importing before its loop
+    ignores SIGINT. SIGINTs sent to it all through its start-up: it starts, compiles, and
+    no KeyboardInterrupt traceback reaches the terminal."""
+    import signal
+
+    from engine.tokenizer import Tokenizer
+    from router.grammar_check import GrammarChecker, TokenizerSpec
+
+    tok = Tokenizer.from_dir(real_dir)
+    checker = GrammarChecker(TokenizerSpec(tok.to_str(), 49152, tok.eos_token_ids), 5.0)
+    try:
+        starting = checker.start()
+        deadline = time.monotonic() + 60
+        sent = 0
+        while starting.is_alive():
+            assert time.monotonic() < deadline
+            proc = checker._proc
+            if proc is not None and proc.pid is not None and proc.is_alive():
+                os.kill(proc.pid, signal.SIGINT)
+                sent += 1
+            time.sleep(0.005)
+        assert sent >= 10, sent
+        asyncio.run(checker.check(StructuredOutput("regex", "[a-z]+", "structured_output")))
+        assert checker._proc is not None and checker._proc.is_alive()
+    finally:
+        checker.close()
+    err = capfd.readouterr().err
+    assert "KeyboardInterrupt" not in err and "Traceback" not in err, err
 
 
 def test_structural_tags_in_both_forms_constrain_the_tagged_part(

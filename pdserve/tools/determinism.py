@@ -1,6 +1,6 @@
 """The determinism census: a request's greedy tokens must depend on the request alone.
 
-Each prompt (a chat turn on the real model) is decoded greedily under six conditions, and
+Each prompt (a chat turn on the real model) is decoded greedily under seven conditions, and
 every condition's tokens are compared with the cold run's, token for token:
 
 - ``cold``: alone, nothing cached (a fresh `cache_salt`);
@@ -9,7 +9,9 @@ every condition's tokens are compared with the cold run's, token for token:
 - ``chunked``: alone, the prompt pass cut into 16-token chunks;
 - ``disaggregated``: through a prefill worker and a decode worker (in process, the `local`
   KV transport), the first token sampled on one side and the rest on the other;
-- ``n4``: choice 0 of ``n = 4`` seeded greedy choices, forked over shared blocks.
+- ``n4``: choice 0 of ``n = 4`` seeded greedy choices, forked over shared blocks;
+- ``preempted``: every prompt at once, a running request preempted (as by an empty KV
+  pool) every third step and recomputed.
 
 `make bench-determinism` runs 64 prompts (`pdserve.tools.determinism`); `make test` runs 16
 (`tests/test_determinism.py`).
@@ -39,7 +41,7 @@ TEMPLATES = (
     "Write a short poem about {}.",
     "Give me three facts about {}.",
 )
-CONDITIONS = ("cold", "cached", "batched", "chunked", "disaggregated", "n4")
+CONDITIONS = ("cold", "cached", "batched", "chunked", "disaggregated", "n4", "preempted")
 
 
 def prompts(count: int) -> list[str]:
@@ -97,11 +99,11 @@ def run(
     from engine.engine import EngineConfig, LLMEngine
     from engine.sampling import SamplingParams
 
-    def engine(**sched: Any) -> LLMEngine:
+    def engine(num_blocks: int = 256, **sched: Any) -> LLMEngine:
         cfg = EngineConfig(
             model=str(model_dir),
             dtype=dtype,
-            cache=CacheConfig(num_blocks=256),
+            cache=CacheConfig(num_blocks=num_blocks),
             scheduler=SchedulerConfig(**sched),
         )
         return LLMEngine.from_config(cfg)
@@ -151,6 +153,26 @@ def run(
             out.append(list(parent.output_token_ids))  # choice 0 is the request itself
         return out
 
+    def preempted() -> list[list[int]]:
+        """Every prompt at once; every third step the most recently admitted running
+        request that has generated a token is preempted (what an empty KV pool does to it:
+        `Scheduler.preempt`) and recomputed, its prompt by a prompt pass and its output by
+        decode rows. Once each: a request preempted again before its recompute ends would
+        never finish."""
+        reqs = [eng.add_request(f"census-{next(counter)}", p, greedy, f"salt-{next(counter)}")
+                for p in ids]  # fmt: skip
+        before, steps = eng.scheduler.num_preemptions, 0
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+            started = [
+                r for r in eng.scheduler.running if r.output_token_ids and not r.num_preemptions
+            ]
+            if steps % 3 == 0 and started:
+                eng.scheduler.preempt(started[-1])
+        assert eng.scheduler.num_preemptions > before, "nothing was preempted"
+        return [list(r.output_token_ids) for r in reqs]
+
     steps: dict[str, Callable[[], list[list[int]]]] = {
         "cold": lambda: one_by_one(eng, True),
         "cached": lambda: one_by_one(eng, False),
@@ -158,6 +180,7 @@ def run(
         "chunked": lambda: alone_or_at_once(engine(max_num_batched_tokens=16), True),
         "disaggregated": lambda: _disaggregated(model_dir, ids, max_tokens, dtype, at_once),
         "n4": n4,
+        "preempted": preempted,
     }
     for name in CONDITIONS:
         if progress is not None:
@@ -226,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pdserve.models import DEFAULT_MODEL, resolve_model
 
-    p = argparse.ArgumentParser(description="greedy tokens across six conditions")
+    p = argparse.ArgumentParser(description="greedy tokens across seven conditions")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16", help="float32 has no invariant kernels yet")
