@@ -301,6 +301,7 @@ class LLMEngine:
             prefill_only=prefill_only,
             matcher=matcher,
             grammar=compiled,
+            replays=self.kernel_selection.kernels.batch_invariant,
         )
 
     def add_request(
@@ -476,7 +477,7 @@ class LLMEngine:
         # Logits rows: prompts that complete, then every decode row that samples (one that
         # replays a generated token has none: `ModelRunner.step`).
         done = [c.request for c in out.prefill if c.completes_prompt]
-        done += [r for r in out.decode if not r.replays]
+        done += [r for r in out.decode if not r.replaying]
         num_tokens = sum(c.end - c.start for c in out.prefill) + len(out.decode)
         step_s = time.perf_counter() - t0
         outputs = self._postprocess(out, done, logits, step_s)

@@ -74,4 +74,3 @@ def reusable_prefix_hashes(
     seed = namespace_seed(model_fingerprint, cache_salt)
     usable = (len(token_ids) - 1) // block_size * block_size
     return extend_block_hashes([], token_ids[:usable], block_size, seed)
-

@@ -56,6 +56,10 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     # Stop after the first token and keep the blocks (a prefill worker's request).
     prefill_only: bool = False
+    # After a preemption, recompute the generated tokens' K/V with decode rows (`prefill_end`);
+    # the engine sets it when its kernels are batch-invariant (else a prompt pass is faster
+    # and the tokens could change either way)
+    replays: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -109,6 +113,7 @@ class Request:
             detokenizer=detokenizer,
             eos_token_ids=self.eos_token_ids,
             prefill_only=self.prefill_only,
+            replays=self.replays,
             num_computed_tokens=self.num_computed_tokens,
             num_cached_tokens=self.num_cached_tokens,
             arrival_s=self.arrival_s,
@@ -142,14 +147,17 @@ class Request:
     @property
     def prefill_end(self) -> int:
         """One past the last position a prompt pass computes for it: every token, except
-        for a sequence recomputing after a preemption. Its generated tokens first got their
-        K/V from decode rows, and they get it from decode rows again (`replays`): a prompt
-        pass would compute the same values with other arithmetic, and a greedy token at a
-        near-tie would change (batch invariance: docs/architecture.md, `scheduler.py`)."""
-        return len(self.prompt_token_ids) if self.output_token_ids else self.num_tokens
+        for a sequence that `replays` and recomputes after a preemption. Its generated
+        tokens first got their K/V from decode rows, and they get it from decode rows again
+        (`replaying`): a prompt pass would compute the same values with other arithmetic,
+        and a greedy token at a near-tie would change (batch invariance:
+        docs/architecture.md, `scheduler.py`)."""
+        if self.replays and self.output_token_ids:
+            return len(self.prompt_token_ids)
+        return self.num_tokens
 
     @property
-    def replays(self) -> bool:
+    def replaying(self) -> bool:
         """Its next decode row feeds a token it already generated (after a preemption),
         writing that token's K/V and sampling nothing."""
         return self.num_computed_tokens < self.num_tokens - 1

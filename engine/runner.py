@@ -57,7 +57,7 @@ class ModelRunner:
         """Run one packed step: the prompt chunks' tokens, then one token per decode request
         (a mixed step when both are given). Logits [n, V]: a row per chunk that completes
         its prompt, in order, then a row per decode request that samples (not one that
-        `replays`), in the order of `decode`.
+        `replaying`), in the order of `decode`.
 
         Chunks of a request that wants prompt logprobs also leave the hidden states of each
         of their positions in `prompt_hidden` (request id -> (first position, [k, d])),
@@ -102,7 +102,7 @@ class ModelRunner:
         ran = list(range(len(decode))) if d.order is None else d.order
         first = len(p.logit_rows)
         rows = sorted(
-            (i, first + r) for r, i in enumerate(ran) if not decode[i].replays
+            (i, first + r) for r, i in enumerate(ran) if not decode[i].replaying
         )  # (index into `decode`, logits row)
         wanted = list(range(first)) + [row for _, row in rows]
         if wanted == list(range(logits.shape[0])):
@@ -139,7 +139,7 @@ class ModelRunner:
         tables for attention to gather from.
 
         A request's row feeds its token at `num_computed_tokens`: its last one, or (while it
-        `replays`) an earlier one it generated before a preemption. Per-request work is plain
+        `replaying`) an earlier one it generated before a preemption. Per-request work is plain
         Python on ints (no tensor ops in the loop): the inputs become the per-request row
         [id, position, slot, length].
         """

@@ -15,8 +15,9 @@ Admission allocates every block of the prompt at once (reusing its cached prefix
 chunked prompt never finds the pool empty halfway. When decode needs a block and the pool is
 empty, the most recently admitted running request is preempted by recompute: its blocks are
 freed and it goes back to the front of the queue. Its prompt is computed again by a prompt
-pass, and its output so far by decode rows that sample nothing (`Request.replays`), one a
-step, as they were computed the first time.
+pass and, with batch-invariant kernels, its output so far by decode rows that sample nothing
+(`Request.replaying`), one a step, as they were computed the first time (else by the same
+prompt pass).
 """
 
 from __future__ import annotations

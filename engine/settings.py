@@ -95,9 +95,7 @@ def doc_of(f: dataclasses.Field[Any]) -> tuple[str, Bounds] | None:
     return got if got is None else (got[0], got[1])
 
 
-def check_settings(
-    obj: Any, where: str = "", error: type[ValueError] = ValueError
-) -> None:
+def check_settings(obj: Any, where: str = "", error: type[ValueError] = ValueError) -> None:
     """Raise `error` naming the first setting of `obj` outside its declared bounds."""
     for f in fields(obj):
         meta = doc_of(f)

@@ -118,7 +118,7 @@ class Recorder:
                 self.workspace_held.append(ws is not None and ws.data is not None)
             self.mixed_steps += bool(chunks and decode)
             done = [c.request.request_id for c in chunks if c.completes_prompt]
-            done += [r.request_id for r in decode if not r.replays]
+            done += [r.request_id for r in decode if not r.replaying]
             assert out.shape[0] == len(done)
             for rid, row in zip(done, out, strict=True):
                 self.logits[rid].append(row.clone())
