@@ -1703,16 +1703,9 @@ def settle(ch: Chaos, timeout_s: float = 30.0) -> None:
 
 
 def run_scenarios(ch: Chaos, names: Sequence[str]) -> list[ScenarioResult]:
-    from pdserve.serve import freeze_startup_heap
-
     results = []
     for name in names:
         settle(ch)
-        # The rig's router lives in this process, beside what the scenarios before kept
-        # (every outcome, the figures): out of the collector's walk, as a `pdserve serve`
-        # router has none of it (a full collection holds the router's loop while it walks:
-        # docs/reliability.md, the garbage-collector pauses).
-        freeze_startup_heap()
         t0 = time.perf_counter()
         print(f"pdserve chaos: {name} ...", file=sys.stderr, flush=True)
         res = SCENARIOS[name](ch)
