@@ -105,7 +105,7 @@ def check_choice(eng: Any, sel: selection.Selection, invariant: bool) -> dict[st
         med = {n: statistics.median(s) for n, s in samples.items()}
         fastest = min(med, key=lambda n: med[n])
         loss = med[timing.chosen] / med[fastest] - 1
-        err = selection._median_error
+        err = selection.median_error
         noise = 2 * math.hypot(err(samples[timing.chosen]), err(samples[fastest])) / med[fastest]
         out[op] = {"chosen": timing.chosen, "fastest": fastest, "median_ms": med, "loss": loss,
                    "noise": noise, "wrong": loss - noise > MAX_LOSS}  # fmt: skip

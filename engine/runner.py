@@ -56,7 +56,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run one packed step: the prompt chunks' tokens, then one token per decode request
         (a mixed step when both are given). Logits [n, V]: a row per chunk that completes
-        its prompt, in order, then a row per decode request that samples (not one that
+        its prompt, in order, then a row per decode request that samples (not one that is
         `replaying`), in the order of `decode`.
 
         Chunks of a request that wants prompt logprobs also leave the hidden states of each
@@ -138,7 +138,7 @@ class ModelRunner:
         batch (`order[row]` = index into `requests`), else in the given order with the block
         tables for attention to gather from.
 
-        A request's row feeds its token at `num_computed_tokens`: its last one, or (while it
+        A request's row feeds its token at `num_computed_tokens`: its last one, or (while it is
         `replaying`) an earlier one it generated before a preemption. Per-request work is plain
         Python on ints (no tensor ops in the loop): the inputs become the per-request row
         [id, position, slot, length].

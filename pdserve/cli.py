@@ -74,18 +74,6 @@ class _LazyVersion(argparse.Action):
         parser.exit()
 
 
-# (name, one-line help, whether its help shows defaults). The flags of each live in _FILL.
-_COMMANDS: tuple[tuple[str, str, bool], ...] = (
-    ("model", "checkpoint tools", True),
-    ("generate", "run the engine in process (colocated)", True),
-    ("trace", "anatomy of prefill and decode against the roofline", True),
-    ("serve", "run the disaggregated service (gRPC and the OpenAI HTTP API)", False),
-    ("client", "stream one request from a running server", True),
-    ("bench", "load-test a server like `vllm bench serve`", False),
-    ("chaos", "load while faults are injected (make chaos)", False),
-)
-
-
 def build_parser(command: str | None = None, *, every: bool = True) -> argparse.ArgumentParser:
     """The whole parser, or (`every=False`) one whose subcommands are named but whose flags
     are filled in only for `command`. `main` builds the narrow one: filling `bench` or `chaos`
@@ -94,11 +82,11 @@ def build_parser(command: str | None = None, *, every: bool = True) -> argparse.
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--version", action=_LazyVersion, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text, shown in _COMMANDS:
+    for name, text, shown, fill in _COMMANDS:
         formatter = _DefaultsShown if shown else argparse.HelpFormatter
         p = sub.add_parser(name, help=text, formatter_class=formatter)
         if every or name == command:
-            _FILL[name](p)
+            fill(p)
     return parser
 
 
@@ -537,15 +525,18 @@ def _serve(args: argparse.Namespace) -> int:
     return run(cfg)
 
 
-_FILL: dict[str, Callable[[argparse.ArgumentParser], None]] = {
-    "model": _fill_model,
-    "generate": _fill_generate,
-    "trace": _fill_trace,
-    "serve": _add_serve_flags,
-    "client": _fill_client,
-    "bench": _fill_bench,
-    "chaos": _fill_chaos,
-}
+# Each subcommand: its name, one-line help, whether its help shows defaults, and what fills
+# in its flags (`build_parser` calls only the chosen one's).
+_COMMANDS: tuple[tuple[str, str, bool, Callable[[argparse.ArgumentParser], None]], ...] = (
+    ("model", "checkpoint tools", True, _fill_model),
+    ("generate", "run the engine in process (colocated)", True, _fill_generate),
+    ("trace", "anatomy of prefill and decode against the roofline", True, _fill_trace),
+    ("serve", "run the disaggregated service (gRPC and the OpenAI HTTP API)", False,
+     _add_serve_flags),
+    ("client", "stream one request from a running server", True, _fill_client),
+    ("bench", "load-test a server like `vllm bench serve`", False, _fill_bench),
+    ("chaos", "load while faults are injected (make chaos)", False, _fill_chaos),
+)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -70,17 +70,16 @@ def group_of(item: pytest.Item) -> str:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-    # a group ranks as its first-ranked module, and its modules stay together in their order
-    group_rank = {g: min(rank.get(m, len(rank)) for m in ms) for g, ms in SHARED_SERVERS.items()}
     first_seen: dict[str, int] = {}
     for i, item in enumerate(items):
         first_seen.setdefault(group_of(item), i)
-    in_group = {name: i for i, name in enumerate(_GROUP_OF)}
 
-    def key(item: pytest.Item) -> tuple[int, int, int]:
+    def key(item: pytest.Item) -> tuple[int, int]:
+        """A group ranks as its first-ranked module; the sort being stable, its modules stay
+        together in their collection order."""
         group = group_of(item)
-        ranked = group_rank.get(group, rank.get(group, len(rank)))
-        return ranked, first_seen[group], in_group.get(item.path.name, 0)
+        modules = SHARED_SERVERS.get(group, (group,))
+        return min(rank.get(m, len(rank)) for m in modules), first_seen[group]
 
     items.sort(key=key)
 

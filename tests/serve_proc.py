@@ -21,8 +21,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+from pdserve.models import pdserve_home
 
 ROOT = Path(__file__).resolve().parent.parent
 _LINE = re.compile(r"^pdserve: (gRPC|HTTP) listening on (.+):(\d+)$")
@@ -157,16 +162,16 @@ class ServeProcess:
 
 # ---- one server for several modules -------------------------------------------------------
 # Modules whose tests need only a stock server share one: the first of them starts it, and
-# tests/conftest.py stops it after the last test of their group (`SHARED_SERVERS` there puts
-# them in one xdist group, so one worker runs them one after another). Their tests must hold
-# whatever state the others leave: they wait for an idle server and compare counters as
-# deltas, as they would on any long-running server.
+# tests/conftest.py stops it after the last test of their group (`SHARED_SERVERS` there,
+# whose scheduler hook hands the group to one worker, which runs them one after another).
+# Their tests must hold whatever state the others leave: they wait for an idle server and
+# compare counters as deltas, as they would on any long-running server.
 _shared: dict[str, ServeProcess] = {}
 
 
-def shared_server(name: str, factory: Any) -> ServeProcess:
-    """The group `name`'s server, started now if no module of the group has (a
-    `pytest.TempPathFactory` gives it a home)."""
+def shared_server(name: str, factory: pytest.TempPathFactory) -> ServeProcess:
+    """The group `name`'s server, started now if no module of the group has (`factory`
+    gives it a home)."""
     if name not in _shared:
         _shared[name] = _SHARED_STARTS[name](factory)
     return _shared[name]
@@ -180,19 +185,13 @@ def stop_shared_server(name: str) -> None:
         assert rc == 0, f"the shared {name} server exited with {rc}:\n{proc.log_tail()}"
 
 
-_SHARED_STARTS: dict[str, Any] = {
+_SHARED_STARTS: dict[str, Callable[[pytest.TempPathFactory], ServeProcess]] = {
     # `pdserve serve --model tiny` under a fresh home
     "tiny-server": lambda factory: ServeProcess(factory.mktemp("tiny-server")),
     # `pdserve serve` with no model flag: the default model, from the cached conversion
     "default-model-server": lambda factory: ServeProcess(
         factory.mktemp("default-model-server"),
         model=None,
-        env={"PDSERVE_HOME": str(_pdserve_home())},
+        env={"PDSERVE_HOME": str(pdserve_home())},
     ),
 }
-
-
-def _pdserve_home() -> Path:
-    from pdserve.models import pdserve_home
-
-    return pdserve_home()

@@ -234,7 +234,7 @@ def _time_op(pool: list[Candidate], bench: Bench, dtype: torch.dtype, invariant:
 
 def _alternate(fns: dict[str, Callable[[], Any]]) -> tuple[dict[str, float], dict[str, float]]:
     """Each callable's median ms over alternating rounds, and that median's standard error
-    (`_median_error`): how far it may sit from the true median."""
+    (`median_error`): how far it may sit from the true median."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     rounds = MIN_ROUNDS if len(fns) == 1 else MAX_ROUNDS
     deadline = time.perf_counter() + BUDGET_S
@@ -246,7 +246,7 @@ def _alternate(fns: dict[str, Callable[[], Any]]) -> tuple[dict[str, float], dic
             fn()
             samples[name].append((time.perf_counter() - t) * 1e3)
     medians = {name: statistics.median(s) for name, s in samples.items()}
-    return medians, {name: _median_error(s) for name, s in samples.items()}
+    return medians, {name: median_error(s) for name, s in samples.items()}
 
 
 def _pick(order: list[str], medians: dict[str, float], errors_ms: dict[str, float]) -> str:
@@ -262,7 +262,7 @@ def _pick(order: list[str], medians: dict[str, float], errors_ms: dict[str, floa
     return next(n for n in order if tied(n))
 
 
-def _median_error(samples: list[float]) -> float:
+def median_error(samples: list[float]) -> float:
     """Standard error of a sample median: 1.2533 sigma / sqrt(n), sigma from the IQR
     (robust to the outliers a shared machine throws in)."""
     if len(samples) < 4:

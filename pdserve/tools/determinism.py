@@ -119,15 +119,25 @@ def run(
     )
     counter = itertools.count()
 
-    def generate(e: LLMEngine, batch: Sequence[list[int]], salted: bool, params: Any) -> list[Any]:
+    def generate(
+        e: LLMEngine,
+        batch: Sequence[list[int]],
+        salted: bool,
+        params: Any,
+        after_step: Callable[[int], None] | None = None,
+    ) -> list[Any]:
         reqs = [
             e.add_request(
                 f"census-{next(counter)}", p, params, f"salt-{next(counter)}" if salted else ""
             )
             for p in batch
         ]
+        steps = 0
         while e.has_unfinished():
             e.step()
+            steps += 1
+            if after_step is not None:
+                after_step(steps)
         return reqs
 
     def one_by_one(e: LLMEngine, salted: bool) -> list[list[int]]:
@@ -159,18 +169,16 @@ def run(
         `Scheduler.preempt`) and recomputed, its prompt by a prompt pass and its output by
         decode rows. Once each: a request preempted again before its recompute ends would
         never finish."""
-        reqs = [eng.add_request(f"census-{next(counter)}", p, greedy, f"salt-{next(counter)}")
-                for p in ids]  # fmt: skip
-        before, steps = eng.scheduler.num_preemptions, 0
-        while eng.has_unfinished():
-            eng.step()
-            steps += 1
-            started = [
-                r for r in eng.scheduler.running if r.output_token_ids and not r.num_preemptions
-            ]
+        sched = eng.scheduler
+
+        def preempt_one(steps: int) -> None:
+            started = [r for r in sched.running if r.output_token_ids and not r.num_preemptions]
             if steps % 3 == 0 and started:
-                eng.scheduler.preempt(started[-1])
-        assert eng.scheduler.num_preemptions > before, "nothing was preempted"
+                sched.preempt(started[-1])
+
+        before = sched.num_preemptions
+        reqs = generate(eng, ids, True, greedy, preempt_one)
+        assert sched.num_preemptions > before, "nothing was preempted"
         return [list(r.output_token_ids) for r in reqs]
 
     steps: dict[str, Callable[[], list[list[int]]]] = {
