@@ -8,7 +8,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -224,6 +226,44 @@ def test_a_wrong_or_batch_variant_candidate_is_never_chosen(
     assert timing.median_ms["wrong"] is None and "error" in timing.why["wrong"]
     assert timing.median_ms["variant"] is None and "batch-variant" in timing.why["variant"]
     assert timing.chosen == "rowwise" and timing.invariant
+
+
+class _Clock:
+    """A clock the timed callables advance, so a timing test depends on no machine's load."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.calls: dict[str, int] = {}
+
+    def work(self, name: str, ms: float) -> Callable[[], None]:
+        def fn() -> None:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            self.now += ms / 1e3
+
+        return fn
+
+
+def test_a_candidate_beaten_beyond_noise_is_timed_no_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After `DECIDE_ROUNDS` rounds a candidate whose fastest round is `DECISIVE` times
+    another's slowest stops being timed; close ones go on to `MIN_ROUNDS` at least, and the
+    medians are each candidate's own."""
+    clock = _Clock()
+    monkeypatch.setattr(selection, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(selection, "BUDGET_S", 0.0)  # stop at MIN_ROUNDS
+    fns = {
+        "fast": clock.work("fast", 10.0),
+        "close": clock.work("close", 1.4 * 10.0),
+        "slow": clock.work("slow", 1.6 * 10.0),
+    }
+    medians, _ = selection._alternate(fns)
+    assert clock.calls == {
+        "fast": selection.MIN_ROUNDS,
+        "close": selection.MIN_ROUNDS,
+        "slow": selection.DECIDE_ROUNDS,
+    }
+    assert medians == pytest.approx({"fast": 10.0, "close": 14.0, "slow": 16.0})
+    quiet = dict.fromkeys(medians, 0.0)
+    assert selection._pick(["slow", "close", "fast"], medians, quiet) == "fast"
 
 
 def test_without_pdserve_kernels_torch_serves_and_says_so(tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ candidates (`engine.kernels.OPS`) run on random inputs of the model's own shapes
 
 - each is first checked against a float64 evaluation of the same math; a candidate whose
   relative error exceeds its dtype's tolerance is never chosen;
-- then timed in alternating rounds (A B A B ...), medians compared; a candidate wins only
+- then timed in alternating rounds (A B A B ...), medians compared (one beaten beyond any
+  noise after a few rounds is timed no more); a candidate wins only
   by more than twice the standard error of the difference plus `MARGIN`, else the simpler
   one (listed first) stays;
 - the measurement holds a host-wide lock (`fcntl.flock`), so workers starting together do
@@ -63,6 +64,9 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 BUDGET_S = 0.6
 """Timing time per op, after the warm-up; `MIN_ROUNDS` rounds are run whatever it costs."""
 MIN_ROUNDS, MAX_ROUNDS = 7, 25
+DECIDE_ROUNDS, DECISIVE = 3, 1.5
+"""After `DECIDE_ROUNDS` rounds, a candidate whose fastest round is `DECISIVE` times another's
+slowest is dropped from the timing (`_beaten`)."""
 WARMUP = 3
 CACHE_VERSION = 2
 
@@ -234,19 +238,31 @@ def _time_op(pool: list[Candidate], bench: Bench, dtype: torch.dtype, invariant:
 
 def _alternate(fns: dict[str, Callable[[], Any]]) -> tuple[dict[str, float], dict[str, float]]:
     """Each callable's median ms over alternating rounds, and that median's standard error
-    (`median_error`): how far it may sit from the true median."""
+    (`median_error`): how far it may sit from the true median. A candidate beaten beyond
+    any noise (`_beaten`) stops being timed; the others go on."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
+    timed = dict(fns)
     rounds = MIN_ROUNDS if len(fns) == 1 else MAX_ROUNDS
     deadline = time.perf_counter() + BUDGET_S
     for r in range(rounds):
-        if r >= MIN_ROUNDS and time.perf_counter() > deadline:
+        if r >= MIN_ROUNDS and (time.perf_counter() > deadline or len(timed) == 1):
             break
-        for name, fn in fns.items():
+        for name, fn in timed.items():
             t = time.perf_counter()
             fn()
             samples[name].append((time.perf_counter() - t) * 1e3)
+        if r + 1 >= DECIDE_ROUNDS:
+            timed = {n: fn for n, fn in timed.items() if not _beaten(n, timed, samples)}
     medians = {name: statistics.median(s) for name, s in samples.items()}
     return medians, {name: median_error(s) for name, s in samples.items()}
+
+
+def _beaten(name: str, timed: dict[str, Any], samples: dict[str, list[float]]) -> bool:
+    """Whether `name`'s fastest round is more than `DECISIVE` times another timed
+    candidate's slowest: no noise this machine makes turns that around, so more rounds
+    would only spend start-up time."""
+    best = min(samples[name])
+    return any(n != name and best > DECISIVE * max(samples[n]) for n in timed)
 
 
 def _pick(order: list[str], medians: dict[str, float], errors_ms: dict[str, float]) -> str:
