@@ -209,6 +209,11 @@ class Router:
         if self.draining:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "server is draining")
         try:
+            # A full queue refuses at once, before the tokenizer's thread (under overload a
+            # refusal would otherwise wait its turn there); sizes are checked first, so an
+            # oversized request still hears which field, and `prepare` checks them again.
+            self.limits.edge_limits().check(request)
+            self._refuse_when_full()
             wr = await self._prepare(request)
         except InvalidParameterError as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
@@ -219,11 +224,7 @@ class Router:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"request_id: {wr.request_id!r} is already in flight",
             )
-        if self.num_queued >= self.cfg.policy.max_queue_len:
-            raise RequestFailed(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"queue full ({self.cfg.policy.max_queue_len} requests waiting)",
-            )
+        self._refuse_when_full()  # again: it may have filled while this one was tokenized
         act = ActiveRequest(
             wr,
             time.perf_counter(),
@@ -233,6 +234,13 @@ class Router:
         self.active[wr.request_id] = act
         self.num_queued += 1
         return act
+
+    def _refuse_when_full(self) -> None:
+        if self.num_queued >= self.cfg.policy.max_queue_len:
+            raise RequestFailed(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"queue full ({self.cfg.policy.max_queue_len} requests waiting)",
+            )
 
     def run(self, act: ActiveRequest) -> AsyncIterator[gen.GenerateResponse]:
         """Drive one admitted request; yields its responses (`router.flow`), or ends with

@@ -184,6 +184,38 @@ def test_overload_is_refused_at_once(chaos: Chaos) -> None:
     assert q.clean, q
 
 
+def test_a_full_queue_refuses_before_tokenizing(
+    chaos: Chaos, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A text request that finds the queue full is refused RESOURCE_EXHAUSTED without
+    reaching the tokenizer (whose thread, under overload, it would wait for), while an
+    oversized one still hears which field is too large."""
+    router = chaos.rig.router
+    assert router is not None and router.tokenizer is not None
+    encoded: list[str] = []
+    encode = router.tokenizer.encode
+
+    def counted(text: str) -> list[int]:
+        encoded.append(text)
+        return encode(text)
+
+    monkeypatch.setattr(router.tokenizer, "encode", counted)
+    held = router.cfg.policy.max_queue_len - router.num_queued
+    router.num_queued += held  # as if that many requests waited for their first token
+    try:
+        d = Driver(chaos.rig.target, 60.0)
+        huge = make_request("x" * (router.limits.edge_limits().max_prompt_chars + 1))
+        text = make_request("The capital of France is", max_tokens=4)
+        full, big = asyncio.run(d.run([Shot(text), Shot(huge)]))
+    finally:
+        router.num_queued -= held
+    assert full.status == grpc.StatusCode.RESOURCE_EXHAUSTED.name, full
+    assert big.status == grpc.StatusCode.INVALID_ARGUMENT.name and "prompt" in big.detail, big
+    assert encoded == []
+    [ok] = asyncio.run(d.run([Shot(make_request("The capital of France is", max_tokens=4))]))
+    assert ok.status == OK and encoded == ["The capital of France is"]
+
+
 def test_stalled_transfer_ends_at_its_lease(chaos: Chaos) -> None:
     """A transfer held back 10 s past its 3 s lease: the request ends UNAVAILABLE a little
     after the lease (the router stops waiting), not when the sender wakes up, and nothing is
@@ -272,11 +304,12 @@ def test_a_router_for_another_model_fails_its_start(chaos: Chaos) -> None:
 
 
 def test_an_abusive_client(chaos: Chaos) -> None:
-    """While 16 requests run 3 at a time, one client sends 10 MB prompts over HTTP and gRPC,
-    stop-string floods at and over the limits, holds 64 half-sent HTTP heads and idle or
-    junk connections on the KV endpoints: the abuse is refused at the edge (or served, at
-    the limits), the load's p50 latency stays within 2x of its value alone (measured before
-    and after), and nothing is left."""
+    """A load of 5-request windows, 3 at a time, alternates alone and under abuse (A B A B
+    A B A); under abuse one client sends 10 MB prompts over HTTP and gRPC, stop-string
+    floods at and over the limits, holds 64 half-sent HTTP heads and idle or junk
+    connections on the KV endpoints: the abuse is refused at the edge (or served, at the
+    limits), the load's p50 latency under abuse stays within 2x of its p50 alone, and
+    nothing is left."""
     res = scenario_abusive_client(chaos)
     assert_passed(res)
 

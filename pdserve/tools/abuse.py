@@ -2,8 +2,8 @@
 client can send at the edge while others are served.
 
 `run_abuser` runs in a child process of its own (like a client on another machine: it takes
-CPU, never the router's interpreter lock) until told to stop, with one thread per kind of
-abuse, each one request at a time:
+CPU, never the router's interpreter lock), abusing and pausing as it is told until told to
+stop, with one thread per kind of abuse, each one request at a time:
 
 - huge prompts: a 10 MB prompt text over HTTP (`/v1/completions`) and over gRPC, again and
   again (refused at the edge: 400 / INVALID_ARGUMENT, never tokenized);
@@ -104,6 +104,9 @@ class Abuser:
         self.report = AbuseReport()
         self.lock = threading.Lock()
         self.done = threading.Event()
+        self.turn = threading.Condition()  # guards `active` and `parked`
+        self.active = True  # the threads abuse; else they park between steps (`pause`)
+        self.parked = 0
         self.threads: list[threading.Thread] = []
         self.channel = grpc.insecure_channel(
             targets.grpc_target,
@@ -179,8 +182,21 @@ class Abuser:
             t.start()
             self.threads.append(t)
 
+    def pause(self) -> None:
+        """Stop abusing once every thread's step in flight has ended (the slowloris heads
+        stay open, idle): from here on the server sees no abuse until `resume`."""
+        with self.turn:
+            self.active = False
+            self.turn.wait_for(lambda: self.parked == len(self.threads), self.sizes.timeout_s)
+
+    def resume(self) -> None:
+        with self.turn:
+            self.active = True
+            self.turn.notify_all()
+
     def stop(self) -> AbuseReport:
         self.done.set()
+        self.resume()  # wake the parked threads, which see `done`
         for t in self.threads:
             t.join(self.sizes.timeout_s)
         for s in self.kv:
@@ -196,7 +212,14 @@ class Abuser:
 
     def _forever(self, step: Callable[[], None]) -> None:
         while not self.done.is_set():
-            step()
+            with self.turn:
+                if not self.active:
+                    self.parked += 1
+                    self.turn.notify_all()
+                    self.turn.wait_for(lambda: self.active)
+                    self.parked -= 1
+            if not self.done.is_set():
+                step()
 
     # ---- the abuse ------------------------------------------------------------------------
     def _send(self, kind: str, counted_as: str = "") -> None:
@@ -273,17 +296,25 @@ def _answer(got: bytes) -> str:
     return parts[1] if len(parts) > 1 else first[:40]
 
 
-def run_abuser(targets: AbuseTargets, sizes: AbuseSizes, go: Any, stop: Any, out: Any) -> None:
-    """The child process: say "ready" (imported), then at `go` (a multiprocessing event) open
-    the held connections, say "abusing" and abuse until `stop`; then put the `AbuseReport` on
-    `out`."""
+def run_abuser(targets: AbuseTargets, sizes: AbuseSizes, commands: Any, out: Any) -> None:
+    """The child process: say "ready" (imported), then follow `commands` (a multiprocessing
+    queue): "abuse" (the first one opens the held connections and starts the threads) is
+    answered "abusing" once the abuse runs, "pause" is answered "quiet" once no abusive
+    request is in flight, and "stop" (or anything else) ends it; then put the
+    `AbuseReport` on `out`."""
     abuser = Abuser(targets, sizes)
     out.put("ready")
     try:
-        go.wait()
-        abuser.open_held()
-        out.put("abusing")
-        abuser.start()
-        stop.wait()
+        while (command := commands.get()) in ("abuse", "pause"):
+            if command == "pause":
+                abuser.pause()
+                out.put("quiet")
+            elif abuser.threads:
+                abuser.resume()
+                out.put("abusing")
+            else:
+                abuser.open_held()
+                abuser.start()
+                out.put("abusing")
     finally:
         out.put(abuser.stop())

@@ -158,6 +158,7 @@ class ChaosConfig:
     num_abuse: int = 48  # abusive-client: the normal load, alone and under abuse
     abuse_concurrency: int = 4
     abuse_ratio_bound: float = 2.0  # its p50 latency under abuse / alone
+    abuse_windows: int = 3  # windows under abuse, each between two alone
     num_slowloris: int = 256  # half-sent HTTP request heads held open
     kv_pokes: int = 8  # idle (or junk) connections held on each decode worker's KV endpoint
     hang_bound_s: float = 60.0  # a request with no end by then is hung
@@ -1239,14 +1240,15 @@ def _expect(queue: Any, child: Any, what: str, timeout_s: float) -> Any:
 
 
 def scenario_abusive_client(ch: Chaos) -> ScenarioResult:
-    """A normal load (`num_abuse` requests, `abuse_concurrency` at a time) alone, then again
-    while one client (`pdserve.tools.abuse`, a child process) sends 10 MB prompts over HTTP
-    and gRPC, stop-string floods at and over the limits, holds `num_slowloris` half-sent
-    HTTP request heads and `kv_pokes` idle or junk connections on each KV endpoint, then
-    alone again. The normal load's median latency under abuse must stay within
-    `abuse_ratio_bound` of its median alone (the runs before and after together, so that a
-    drift in what else the machine runs does not count as the abuse's), the abuse be refused
-    at the edge (or served, at the limits), and nothing be left."""
+    """A normal load (`num_abuse` requests, `abuse_concurrency` at a time) in windows that
+    alternate alone and under abuse, `abuse_windows` of each and one more alone (A B A B A:
+    a drift in what else the machine runs falls on both alike). Under abuse, one client
+    (`pdserve.tools.abuse`, a child process) sends 10 MB prompts over HTTP and gRPC,
+    stop-string floods at and over the limits, holds `num_slowloris` half-sent HTTP request
+    heads and `kv_pokes` idle or junk connections on each KV endpoint; between windows it
+    pauses with nothing in flight. The normal load's median latency under abuse must stay
+    within `abuse_ratio_bound` of its median alone, the abuse be refused at the edge (or
+    served, at the limits), and nothing be left."""
     from pdserve.tools.abuse import AbuseReport, AbuseSizes, AbuseTargets, run_abuser
 
     cfg, rig = ch.cfg, ch.rig
@@ -1262,26 +1264,35 @@ def scenario_abusive_client(ch: Chaos) -> ScenarioResult:
         kv_pokes=cfg.kv_pokes,
     )
     ctx = multiprocessing.get_context("spawn")
-    go, stop, queue = ctx.Event(), ctx.Event(), ctx.Queue()
-    child = ctx.Process(target=run_abuser, args=(targets, sizes, go, stop, queue), daemon=True)
+    commands, queue = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=run_abuser, args=(targets, sizes, commands, queue), daemon=True)
     child.start()
     d = ch.driver()
+    k = cfg.abuse_windows
+    per, c = max(1, cfg.num_abuse // k), cfg.abuse_concurrency
+    alone: list[Outcome] = []
+    abused: list[Outcome] = []
+    windows: list[list[Outcome]] = []
+    fault_s: list[float] = []
     try:
-        _expect(queue, child, "ready", 120.0)  # imported: it costs no CPU from here until `go`
-        n, c = cfg.num_abuse, cfg.abuse_concurrency
-        alone = asyncio.run(d.run(ch.shots("alone", n), c, "alone"))
-        go.set()
-        _expect(queue, child, "abusing", 60.0)
-        t_abuse = d.now()
-        abused = asyncio.run(d.run(ch.shots("abused", n), c, "under abuse"))
-        t_stop = d.now()
-        stop.set()
+        _expect(queue, child, "ready", 120.0)  # imported: it costs no CPU from here on
+        for i in range(k + 1):
+            windows.append(asyncio.run(d.run(ch.shots("alone", per), c, f"alone {i + 1}")))
+            alone += windows[-1]
+            if i == k:
+                break
+            commands.put("abuse")
+            _expect(queue, child, "abusing", 60.0)
+            fault_s.append(d.now())
+            windows.append(asyncio.run(d.run(ch.shots("abused", per), c, f"abused {i + 1}")))
+            abused += windows[-1]
+            fault_s.append(d.now())
+            commands.put("pause")
+            _expect(queue, child, "quiet", sizes.timeout_s + 30.0)
+        commands.put("stop")
         report: AbuseReport = _expect(queue, child, "", sizes.timeout_s + 60.0)
-        child.join(30)
-        alone += asyncio.run(d.run(ch.shots("alone", n), c, "alone again"))
     finally:
-        go.set()
-        stop.set()
+        commands.put("stop")
         child.join(30)
         if child.is_alive():
             child.kill()
@@ -1289,7 +1300,7 @@ def scenario_abusive_client(ch: Chaos) -> ScenarioResult:
         "abusive-client",
         "10 MB prompts, stop floods, slowloris, KV pokes from one client",
         sorted(alone + abused, key=lambda o: o.sent_s),
-        fault_s=[t_abuse, t_stop],
+        fault_s=fault_s,
     )
     res.quiescence = ch.quiesce()
     res.recover_s = asyncio.run(ch.recover(time.perf_counter()))
@@ -1299,9 +1310,8 @@ def scenario_abusive_client(ch: Chaos) -> ScenarioResult:
     got = report.outcomes
     res.figures = {
         "p50_latency_alone_ms": _ms(p50_alone),
-        "p50_latency_before_after_ms": [
-            _ms(percentile([o.latency_s or math.inf for o in run], 50))
-            for run in (alone[:n], alone[n:])
+        "p50_latency_by_window_ms": [  # A B A B ... A
+            _ms(percentile([o.latency_s or math.inf for o in run], 50)) for run in windows
         ],
         "p50_latency_abused_ms": _ms(p50_abused),
         "p99_latency_alone_ms": _ms(percentile([o.latency_s or math.inf for o in alone], 99)),
