@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ def write_hf_metadata(gguf_path: str | Path, out_dir: str | Path) -> dict[str, A
     src = Path(gguf_path)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with _faster_gguf():
+    with faster_gguf():
         config = tf.AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
     arch = _ARCH_OF_MODEL_TYPE.get(MODEL_TYPES.get(config.model_type, config.model_type))
     if arch is None:
@@ -61,7 +62,7 @@ def write_hf_metadata(gguf_path: str | Path, out_dir: str | Path) -> dict[str, A
     config.architectures = [arch]
     config.save_pretrained(str(out))
     tf.GenerationConfig.from_model_config(config).save_pretrained(str(out))
-    with _faster_gguf():
+    with faster_gguf():
         tokenizer = tf.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     tokenizer.save_pretrained(str(out))
     with open(out / "config.json") as f:
@@ -84,7 +85,7 @@ def gguf_tensors(
     config = tf.AutoConfig.from_pretrained(str(hf_config_dir))
     with torch.device("meta"):
         skeleton = tf.AutoModelForCausalLM.from_config(config)
-    with _faster_gguf():
+    with faster_gguf():
         parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
     tensors: dict[str, torch.Tensor] = parsed["tensors"]
     while tensors:
@@ -93,8 +94,8 @@ def gguf_tensors(
 
 
 @contextlib.contextmanager
-def _faster_gguf() -> Iterator[None]:
-    """Two costs of `gguf` that transformers' GGUF loader pays, removed while it runs:
+def faster_gguf() -> Iterator[None]:
+    """Costs of `gguf` that transformers' GGUF loader pays, removed while it runs:
 
     - transformers builds gguf's tensor-name map anew for every module of the model (397
       times for a 30-layer Llama); the map is a pure function of (architecture, layer count),
@@ -102,18 +103,37 @@ def _faster_gguf() -> Iterator[None]:
     - `GGUFReader` walks the metadata one element at a time through `np.memmap` views, whose
       subclass hooks cost more than the walk itself: a 262k-token vocabulary is millions of
       them. `_PlainViewReader` reads the same mapped bytes through plain ndarray views (the
-      same fields and tensors, and still no copy).
+      same fields and tensors, and still no copy);
+    - each of transformers' loads (config, tokenizer, tensors) opens its own reader of the
+      same file and walks that metadata again: within one context a file is read once (a
+      reader only maps the file read-only; nothing transformers does changes it).
+
+    Re-entrant: an inner context uses the outer one's readers.
     """
     import gguf
 
     lib: Any = gguf  # its attributes are replaced for the load, then put back
+    if getattr(lib.GGUFReader, "_pdserve_readers", None) is not None:
+        yield
+        return
     names, reader = lib.get_tensor_name_map, lib.GGUFReader
+    plain = _plain_view_reader()
+    readers: dict[tuple[str, str], Any] = {}
+
+    def shared_reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = plain(path, mode)
+        return readers[key]
+
+    shared_reader._pdserve_readers = readers  # type: ignore[attr-defined]
     lib.get_tensor_name_map = functools.lru_cache(maxsize=None)(names)
-    lib.GGUFReader = _plain_view_reader()
+    lib.GGUFReader = shared_reader
     try:
         yield
     finally:
         lib.get_tensor_name_map, lib.GGUFReader = names, reader
+        readers.clear()
 
 
 @functools.cache

@@ -280,14 +280,15 @@ def convert_gguf(gguf: Path, out: Path, dtype: str = "float32") -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from engine.gguf import gguf_tensors, write_hf_metadata
+    from engine.gguf import faster_gguf, gguf_tensors, write_hf_metadata
 
     if dtype not in DTYPE_NAMES:
         raise ModelError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPE_NAMES)}")
-    config = write_hf_metadata(gguf, out)
-    tensors = {
-        name: t.to(getattr(torch, dtype)).contiguous() for name, t in gguf_tensors(gguf, out)
-    }
+    with faster_gguf():  # one read of the file's metadata for config, tokenizer and tensors
+        config = write_hf_metadata(gguf, out)
+        tensors = {
+            name: t.to(getattr(torch, dtype)).contiguous() for name, t in gguf_tensors(gguf, out)
+        }
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
