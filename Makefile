@@ -8,7 +8,7 @@ export PDSERVE_HOME ?= $(CURDIR)/.venv/pdserve-home
 TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench bench-determinism bench-engine bench-transfer bench-prefix bench-serving bench-structured bench-choices bench-pinning bench-kernels bench-peers bench-peers-api redis chaos
+.PHONY: install demo test lint typecheck bench bench-determinism bench-engine bench-transfer bench-prefix bench-serving bench-structured bench-choices bench-pinning bench-kernels bench-peers bench-peers-api redis chaos
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -34,18 +34,25 @@ redis:
 # pytest's exit code 5 (no tests collected) is a failure like any other non-zero code.
 test: $(STAMP) redis
 	$(BIN)/ruff check .
+	# mypy runs beside the suite (a minute of one core, taken from the suite's waits); its
+	# report prints after the suite's, and either failing fails the target.
+	# Two workers (pytest-xdist), each taking whole groups: a module, or the modules that
+	# share one server (their servers start once), the longest first (tests/conftest.py).
+	# PYTHONFAULTHANDLER: a crash, even at exit, prints its stack, in the workers too.
+	# --durations: where the suite's time goes, on every run.
+	@mkdir -p build; \
+	{ $(MAKE) --no-print-directory typecheck > build/mypy.log 2>&1; echo $$? > build/mypy.rc; } & \
+	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests $(PYTEST_ARGS); \
+	rc=$$?; wait; cat build/mypy.log; \
+	test $$rc -eq 0 && test "$$(cat build/mypy.rc)" = 0
+
+typecheck: $(STAMP)
 	$(BIN)/mypy $(PACKAGES)
 	$(BIN)/mypy benchmarks  # apart: benchmarks/engine.py would clash with the engine package
-	# Two workers (pytest-xdist), each taking whole groups: a module, or the modules that
-	# share one server (their servers start once), the longest first (tests/conftest.py). PYTHONFAULTHANDLER: a crash, even
-	# at exit, prints its stack, in the workers too.
-	# --durations: where the suite's time goes, on every run.
-	PYTHONFAULTHANDLER=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy $(PACKAGES)
-	$(BIN)/mypy benchmarks  # apart: benchmarks/engine.py would clash with the engine package
+	$(MAKE) --no-print-directory typecheck
 
 # MODEL=... (and DTYPE=...) run a benchmark on another model, e.g.
 #   make bench-engine MODEL=smollm2-135m-instruct DTYPE=float32

@@ -51,18 +51,17 @@ def write_hf_metadata(gguf_path: str | Path, out_dir: str | Path) -> dict[str, A
     src = Path(gguf_path)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with faster_gguf():
+    with faster_gguf():  # config and tokenizer from one read of the metadata
         config = tf.AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
-    arch = _ARCH_OF_MODEL_TYPE.get(MODEL_TYPES.get(config.model_type, config.model_type))
-    if arch is None:
-        raise ConfigError(
-            f"{src.name}: GGUF architecture {config.model_type!r} is not served "
-            f"(pdserve serves {sorted(_ARCH_OF_MODEL_TYPE)})"
-        )
-    config.architectures = [arch]
-    config.save_pretrained(str(out))
-    tf.GenerationConfig.from_model_config(config).save_pretrained(str(out))
-    with faster_gguf():
+        arch = _ARCH_OF_MODEL_TYPE.get(MODEL_TYPES.get(config.model_type, config.model_type))
+        if arch is None:
+            raise ConfigError(
+                f"{src.name}: GGUF architecture {config.model_type!r} is not served "
+                f"(pdserve serves {sorted(_ARCH_OF_MODEL_TYPE)})"
+            )
+        config.architectures = [arch]
+        config.save_pretrained(str(out))
+        tf.GenerationConfig.from_model_config(config).save_pretrained(str(out))
         tokenizer = tf.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     tokenizer.save_pretrained(str(out))
     with open(out / "config.json") as f:
