@@ -58,7 +58,12 @@ _LONGEST_FIRST = (
 
 # group name -> the modules that share its server (tests/serve_proc.py `_SHARED_STARTS`)
 SHARED_SERVERS = {
-    "tiny-server": ("test_http.py", "test_edge_limits.py", "test_vllm_endpoints.py"),
+    "tiny-server": (
+        "test_http.py",
+        "test_edge_limits.py",
+        "test_vllm_endpoints.py",
+        "test_bench.py",
+    ),
     "default-model-server": ("test_real_model.py", "test_prompt_logprobs.py"),
 }
 _GROUP_OF = {module: group for group, modules in SHARED_SERVERS.items() for module in modules}

@@ -1,26 +1,19 @@
-"""`pdserve bench` against a real `pdserve serve` (one per module) and a fake OpenAI server.
+"""`pdserve bench` against a real `pdserve serve` and a fake OpenAI server.
 
-The server is the tiny preset under a temporary PDSERVE_HOME, started as a subprocess with
-`--grpc-port 0`. The bench runs in process through `pdserve.cli.main(["bench", ...])`, so the
+The server is the tiny preset under a temporary PDSERVE_HOME, a subprocess shared with the
+other modules that need only a stock server (tests/serve_proc.py `shared_server`). The
+bench runs in process through `pdserve.cli.main(["bench", ...])`, so the
 subcommand registration, the printed vLLM-style block and the result JSON are all checked.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
-import os
-import queue
 import re
-import signal
 import socket
-import subprocess
-import sys
 import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +28,10 @@ from pdserve.tools.bench import (
     format_result,
     parse_goodput,
 )
+from tests.serve_proc import ServeProcess, shared_server
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parents[1]
 BLOCK_LABELS = [
     "Successful requests:",
     "Failed requests:",
@@ -87,92 +80,26 @@ JSON_KEYS = [
 
 # ---- fixtures ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("pdserve-home")
-
-
-def _serve_has_http() -> bool:
-    """Whether `pdserve serve` takes --http-port (then it also serves HTTP, on 8000 by default)."""
-    from pdserve.cli import build_parser
-
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return "--http-port" in sub.choices["serve"]._option_string_actions
+def shared(tmp_path_factory: pytest.TempPathFactory) -> ServeProcess:
+    """The `pdserve serve --model tiny` this module shares with the other stock-server
+    modules (tests/conftest.py `SHARED_SERVERS`): what is checked here depends on no state
+    a request before it leaves (fresh random or seeded prompts, nothing counted server-side)."""
+    return shared_server("tiny-server", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def server(home: Path) -> Iterator[dict[str, str]]:
-    """`pdserve serve --grpc-port 0` (tiny preset); yields {"grpc": HOST:PORT[, "http": ...]}.
+def home(shared: ServeProcess) -> Path:
+    return shared.home
 
-    A start that dies before listening is retried once: on an overloaded machine Ray's local
-    node can miss its fixed 30 s startup window.
-    """
-    proc: subprocess.Popen[str] | None = None
-    try:
-        proc, addrs = _start_server(home, 1)
-        if addrs is None:
-            proc, addrs = _start_server(home, 2)
-        if addrs is None:
-            pytest.fail(f"pdserve serve did not start: {_tail(home, 2)}")
-        yield addrs
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+
+@pytest.fixture(scope="module")
+def server(shared: ServeProcess) -> dict[str, str]:
+    return {"grpc": shared.grpc_target, "http": shared.base_url.removeprefix("http://")}
 
 
 @pytest.fixture(scope="module")
 def target(server: dict[str, str]) -> str:
     return server["grpc"]
-
-
-def _start_server(home: Path, attempt: int) -> tuple[subprocess.Popen[str], dict[str, str] | None]:
-    """Start `pdserve serve`; returns it and its addresses, or None if it exited first."""
-    env = {**os.environ, "PDSERVE_HOME": str(home)}
-    http = _serve_has_http()
-    argv = ["serve", "--model", "tiny", "--grpc-port", "0", *(["--http-port", "0"] if http else [])]
-    with open(home / f"serve-{attempt}.stderr", "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", *argv],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-        )
-    lines: queue.Queue[str] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + 240
-    addrs: dict[str, str] = {}
-    while proc.poll() is None:
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            pytest.fail(f"pdserve serve did not start in 240 s: {_tail(home, attempt)}")
-        try:
-            line = lines.get(timeout=1.0)
-        except queue.Empty:
-            continue
-        m = re.search(r"(gRPC|HTTP) listening on (\S+:\d+)", line)
-        if m:
-            addrs[m.group(1).lower()] = m.group(2)
-        if "grpc" in addrs and ("http" in addrs or not http):
-            return proc, addrs
-    return proc, None
-
-
-def _tail(home: Path, attempt: int) -> str:
-    """The end of the server's stderr (where a traceback ends), on one line for the summary."""
-    return (home / f"serve-{attempt}.stderr").read_text()[-1500:].replace("\n", " | ")
 
 
 def bench(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -427,8 +354,6 @@ def test_openai_backend_against_pdserve_http(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if "http" not in server:
-        pytest.skip("this `pdserve serve` has no OpenAI HTTP API")
     monkeypatch.setenv("PDSERVE_HOME", str(home))  # the served preset's tokenizer: its vocab
     result = tmp_path / "http.json"
     common = ["--base-url", f"http://{server['http']}", "--disable-tqdm", "--save-result"]
