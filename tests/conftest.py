@@ -21,6 +21,7 @@
   longer keeps, and hands the tests out one by one.)
 """
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,6 +109,26 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     group = group_of(item)
     if group in SHARED_SERVERS and (nextitem is None or group_of(nextitem) != group):
         stop_shared_server(group)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With PDSERVE_TEST_TIMELINE=FILE, each phase of each test is appended to FILE as a JSON
+    line (worker, phase, start and stop): with a CPU sampler beside it, this shows when a core
+    sat idle and what each worker was doing then (docs/benchmarks.md, the suite's cost)."""
+    path = os.environ.get("PDSERVE_TEST_TIMELINE")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):  # the controller writes it alone
+        return
+    node = getattr(report, "node", None)
+    worker = getattr(getattr(node, "gateway", None), "id", "main")
+    line = {
+        "worker": worker,
+        "test": report.nodeid,
+        "phase": report.when,
+        "start": report.start,
+        "stop": report.stop,
+    }
+    with open(path, "a") as out:
+        out.write(json.dumps(line) + "\n")
 
 
 @pytest.fixture(autouse=True, scope="module")
