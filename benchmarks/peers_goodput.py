@@ -32,8 +32,9 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from serving import goodput
 from tqdm import tqdm
+
+from pdserve.plan.attainment import goodput
 
 TARGET = 0.9
 GIVE_UP_BELOW = 0.5

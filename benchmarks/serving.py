@@ -71,6 +71,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from pdserve.models import BENCH_MODEL_HELP, resolve_model  # noqa: E402
+from pdserve.plan.attainment import goodput  # noqa: E402
 from pdserve.tools.procs import stop_process_group  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -243,18 +244,6 @@ def attainment(req: dict[str, list[Any]], ttft_slo: float, tpot_slo: float) -> d
     tpot_ok = [ok and p <= tpot_slo for ok, _, p in rows]
     both = [a and b for a, b in zip(ttft_ok, tpot_ok, strict=True)]
     return {"both": sum(both) / n, "ttft": sum(ttft_ok) / n, "tpot": sum(tpot_ok) / n}
-
-
-def goodput(rates: list[float], attained: list[float], target: float) -> dict[str, Any]:
-    """Highest rate with attainment >= target: the first downward crossing, interpolated."""
-    if attained[0] < target:
-        return {"rps": None, "bound": "below_sweep", "note": f"< {rates[0]:.3g} req/s"}
-    for k in range(1, len(rates)):
-        if attained[k] < target:
-            r0, r1, a0, a1 = rates[k - 1], rates[k], attained[k - 1], attained[k]
-            rps = r0 + (a0 - target) / (a0 - a1) * (r1 - r0)
-            return {"rps": rps, "bound": "interpolated", "note": f"{rps:.3g} req/s"}
-    return {"rps": rates[-1], "bound": "lower", "note": f">= {rates[-1]:.3g} req/s"}
 
 
 def goodput_ratio(

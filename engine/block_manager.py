@@ -54,6 +54,10 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._tables: dict[str, list[int]] = {}
+        # per table, its leading blocks whose hash is registered: `commit` starts past them
+        # (they stay registered while the table holds them, until `reset_prefix_cache`), so
+        # a decode row's commit each step costs O(1), not O(its blocks)
+        self._settled: dict[str, int] = {}
         self._events: list[BlockEvent] = []
 
     # ---- queries -------------------------------------------------------------------------
@@ -152,8 +156,9 @@ class BlockManager:
         assert len(hashes) <= len(table), f"{request_id}: more hashes than blocks"
         stored: list[int] = []
         parent: int | None = None
-        for j, h in enumerate(hashes):
-            b = table[j]
+        start = self._settled.get(request_id, 0)
+        for j in range(start, len(hashes)):
+            h, b = hashes[j], table[j]
             if self._hash[b] is None and h not in self._by_hash:
                 self._hash[b] = h
                 self._by_hash[h] = b
@@ -165,6 +170,9 @@ class BlockManager:
                 stored = []
         if stored:
             self._events.append(BlockStored(tuple(stored), parent))
+        while start < len(hashes) and self._hash[table[start]] is not None:
+            start += 1
+        self._settled[request_id] = start
 
     def free(self, request_id: str) -> None:
         """Drop a request's references.
@@ -174,6 +182,7 @@ class BlockManager:
         ascending ids and a transfer coalesces them into few contiguous runs.
         """
         table = self._tables.pop(request_id)
+        self._settled.pop(request_id, None)
         freed: list[int] = []
         for b in reversed(table):
             self._ref[b] -= 1
@@ -191,6 +200,7 @@ class BlockManager:
             self._free.append(b)
         self._lru.clear()
         self._by_hash.clear()
+        self._settled.clear()
         self._hash = [None] * self.num_blocks
         self._events.append(AllBlocksCleared())
 

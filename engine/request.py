@@ -45,7 +45,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: `in` and `remove` on queues compare identity
 class Request:
     request_id: str
     prompt_token_ids: list[int]

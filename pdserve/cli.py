@@ -140,6 +140,19 @@ def _fill_trace(trace: argparse.ArgumentParser) -> None:
     trace.add_argument("prompt", metavar="PROMPT", help="prompt text")
 
 
+def _fill_profile(p: argparse.ArgumentParser) -> None:
+    from pdserve.plan.profile import add_args
+
+    _add_model_flags(p)
+    add_args(p)
+
+
+def _fill_plan(p: argparse.ArgumentParser) -> None:
+    from pdserve.plan.plan import add_args
+
+    add_args(p)
+
+
 def _fill_client(client: argparse.ArgumentParser) -> None:
     from pdserve.client import add_tls_args
 
@@ -536,6 +549,9 @@ _COMMANDS: tuple[tuple[str, str, bool, Callable[[argparse.ArgumentParser], None]
     ("client", "stream one request from a running server", True, _fill_client),
     ("bench", "load-test a server like `vllm bench serve`", False, _fill_bench),
     ("chaos", "load while faults are injected (make chaos)", False, _fill_chaos),
+    ("profile", "measure this machine's step and transfer costs for pdserve plan", True,
+     _fill_profile),
+    ("plan", "predict goodput at an SLO for each pool shape, from a profile", True, _fill_plan),
 )  # fmt: skip
 
 
@@ -570,6 +586,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pdserve.tools.chaos import run_chaos
 
             return run_chaos(args)
+        if args.command == "profile":
+            from pdserve.plan.profile import run_profile
+
+            return run_profile(args)
+        if args.command == "plan":
+            from pdserve.plan.plan import run_plan
+
+            return run_plan(args)
     except ValueError as e:  # bad input, InvalidParameterError and ModelError included
         for line in str(e).splitlines() or [""]:  # each line of a many-part error marked
             print(f"pdserve: error: {line}", file=sys.stderr)

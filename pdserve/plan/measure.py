@@ -1,0 +1,189 @@
+"""Step times of the real engine at chosen batch shapes (what `pdserve profile` fits).
+
+Each scenario sets up the engine's state with steps that are not timed (cached prefixes
+written, running streams prefilled), then times the steps it is about: `LLMEngine.step`
+whole (schedule, forward, sampling, postprocess), the shape read from the scheduler's own
+output. Prompts are random token ids, fresh for every repeat, so a repeat never hits the
+cache a previous one wrote except where a scenario means it to (its prefix).
+
+What must hold: a timed step's shape is the one the scheduler ran (recorded from
+`Scheduler.schedule`'s output, not assumed from the scenario), so a scenario that the
+scheduler splits differently still yields true samples.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.engine import LLMEngine
+from engine.sampling import SamplingParams
+from engine.scheduler import SchedulerOutput
+from pdserve.plan.stepmodel import StepShape
+
+_IDS = itertools.count()
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """`prefill`: one step of prompt chunks, each (new tokens, cached prefix tokens);
+    `decode`: `steps` decode steps of `batch` streams whose prompts have `ctx` tokens;
+    `mixed`: the same streams plus one prompt of `chunk` tokens, one step."""
+
+    kind: str
+    chunks: tuple[tuple[int, int], ...] = ()
+    batch: int = 0
+    ctx: int = 0
+    chunk: int = 0
+    steps: int = 1
+
+    @property
+    def label(self) -> str:
+        if self.kind == "prefill":
+            return "prefill " + "+".join(f"{n}@{c}" for n, c in self.chunks)
+        if self.kind == "decode":
+            return f"decode B={self.batch} ctx={self.ctx}"
+        return f"mixed B={self.batch} ctx={self.ctx} + {self.chunk}"
+
+
+@dataclass(frozen=True)
+class Sample:
+    shape: StepShape
+    seconds: float
+    scenario: str
+
+
+class _Recorder:
+    """Wraps the engine's scheduler to keep the last step's output."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.last: SchedulerOutput | None = None
+        self._schedule = engine.scheduler.schedule
+
+        def schedule() -> SchedulerOutput:
+            self.last = self._schedule()
+            return self.last
+
+        engine.scheduler.schedule = schedule  # type: ignore[method-assign]
+
+    def timed_step(self, scenario: Scenario) -> Sample | None:
+        t0 = time.perf_counter()
+        result = self.engine.step()
+        dt = time.perf_counter() - t0
+        out = self.last
+        if out is None or result.phase is None:
+            return None
+        shape = StepShape(
+            tuple((c.end - c.start, c.start) for c in out.prefill),
+            tuple(r.num_computed_tokens - 1 for r in out.decode),
+        )
+        return Sample(shape, dt, scenario.label)
+
+
+class Driver:
+    """Runs scenarios on one engine; `rng` draws the prompts."""
+
+    def __init__(self, engine: LLMEngine, seed: int = 0) -> None:
+        self.engine = engine
+        self.rec = _Recorder(engine)
+        self.rng = np.random.default_rng(seed)
+        self.vocab = engine.model_config.vocab_size
+        self.bs = engine.cache_config.block_size
+
+    def _ids(self, n: int) -> list[int]:
+        return self.rng.integers(4, self.vocab, size=n).tolist()
+
+    def _add(self, prompt: list[int], max_tokens: int) -> str:
+        rid = f"profile-{next(_IDS)}"
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.engine.add_request(rid, prompt, params)
+        return rid
+
+    def _drain(self) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+    def _until_running(self, n: int) -> None:
+        """Step (untimed) until `n` streams run and nothing waits."""
+        sched = self.engine.scheduler
+        while sched.waiting or len(sched.running) < n:
+            self.engine.step()
+
+    def run(self, s: Scenario) -> list[Sample]:
+        try:
+            return self._run(s)
+        finally:
+            self._drain()
+
+    def _run(self, s: Scenario) -> list[Sample]:
+        if s.kind == "prefill":
+            prompts = []
+            for n, ctx in s.chunks:
+                prefix = self._ids(ctx)
+                if ctx:  # write the prefix's blocks to the cache (untimed)
+                    self._add([*prefix, *self._ids(1)], 1)
+                    while self.engine.has_unfinished():
+                        self.engine.step()
+                prompts.append([*prefix, *self._ids(n)])
+            for p in prompts:
+                self._add(p, 1)
+            sample = self.rec.timed_step(s)
+            return [sample] if sample else []
+        for _ in range(s.batch):
+            self._add(self._ids(s.ctx), s.steps + 2)
+        self._until_running(s.batch)
+        if s.kind == "mixed":
+            self._add(self._ids(s.chunk), 1)
+        samples = [self.rec.timed_step(s) for _ in range(s.steps if s.kind == "decode" else 1)]
+        return [x for x in samples if x is not None]
+
+
+def median_by_shape(samples: Sequence[Sample]) -> list[Sample]:
+    """One sample per distinct shape: the median of its times (a noisy machine's outliers
+    fall out)."""
+    groups: dict[StepShape, list[Sample]] = {}
+    for x in samples:
+        groups.setdefault(x.shape, []).append(x)
+    return [
+        Sample(shape, statistics.median(x.seconds for x in xs), xs[0].scenario)
+        for shape, xs in groups.items()
+    ]
+
+
+def measure(
+    driver: Driver,
+    scenarios: Sequence[Scenario],
+    repeats: int,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[Sample]:
+    """Every scenario `repeats` times, the scenarios interleaved (a drift of the machine's
+    speed falls on all of them alike), then the median per shape."""
+    raw: list[Sample] = []
+    for r in range(repeats):
+        for s in scenarios:
+            progress(f"{s.label} ({r + 1}/{repeats})")
+            raw += driver.run(s)
+    return median_by_shape(raw)
+
+
+@contextmanager
+def pinned(cores: int) -> Iterator[list[int]]:
+    """Run on the first `cores` CPUs this process may use (a worker pinned to its share of
+    the host), restoring the affinity after."""
+    before = sorted(os.sched_getaffinity(0))
+    chosen = before[:cores]
+    os.sched_setaffinity(0, chosen)
+    try:
+        yield chosen
+    finally:
+        os.sched_setaffinity(0, before)

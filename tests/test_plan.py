@@ -1,0 +1,263 @@
+"""`pdserve profile` and `pdserve plan`: the step-time fit, the workloads, the simulator's
+fidelity to pdserve's own scheduler and placement, the search, and the CLI's errors.
+
+The simulator's tests use a chosen step-time model (not a measured one): they check that
+the simulator turns a model into the times pdserve's scheduling implies, exactly, which a
+measured model's noise would hide. The measured profile's accuracy is `make bench-plan`'s
+job (validation lanes A-C).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.checkpoint import write_checkpoint
+from pdserve.plan import plan as planner
+from pdserve.plan.attainment import goodput, parse_slo
+from pdserve.plan.sim import Overheads, PoolShape, SimConfig, Simulator, Transfer, simulate
+from pdserve.plan.stepmodel import TERMS, StepModel, StepShape, fit, mape
+from pdserve.plan.workload import WorkloadRequest, built_in, dump, load, token_ids
+
+MODEL = StepModel((0.010, 0.002, 60e-6, 2e-9, 5e-9, 0.0004, 2e-7))
+KV_BLOCK = 368_640
+
+
+def _cfg(shape: PoolShape, **kw: object) -> SimConfig:
+    return SimConfig(shape, MODEL, MODEL, 16, KV_BLOCK, 1024, **kw)  # type: ignore[arg-type]
+
+
+# ---- the step-time model ------------------------------------------------------------------
+def test_fit_recovers_a_known_model_from_its_own_times() -> None:
+    shapes = [StepShape(((n, c),)) for n in (16, 64, 256, 1024, 2048) for c in (0, 512)]
+    shapes += [StepShape(((n, 0),) * k) for n in (32, 128) for k in (2, 4)]
+    shapes += [StepShape((), (c,) * b) for b in (1, 4, 16, 32) for c in (64, 1024)]
+    shapes += [StepShape(((n, 0),), (c,) * b) for n, c, b in ((256, 128, 4), (512, 1024, 8))]
+    got = fit(shapes, [MODEL.predict(s) for s in shapes])
+    for term, want, have in zip(TERMS, MODEL.coef, got.coef, strict=True):
+        assert have == pytest.approx(want, rel=1e-6), term
+    assert mape([got.predict(s) for s in shapes], [MODEL.predict(s) for s in shapes]) < 1e-6
+
+
+def test_fit_never_gives_a_negative_cost() -> None:
+    """Times that fall with the batch (noise on a grid) would fit a negative per-row cost;
+    the fit drops that term instead, so no shape off the grid is predicted negative."""
+    shapes = [StepShape((), (128,) * b) for b in (1, 2, 4, 8)]
+    model = fit(shapes, [0.030, 0.029, 0.028, 0.027])
+    assert all(c >= 0 for c in model.coef)
+    assert model.predict(StepShape((), (128,) * 64)) > 0
+
+
+def test_fit_refuses_a_non_positive_time() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        fit([StepShape(((8, 0),))], [0.0])
+
+
+# ---- workloads ---------------------------------------------------------------------------
+def test_built_in_workloads_are_a_function_of_their_seed() -> None:
+    for name in ("chat", "documents", "agentic"):
+        a, b = built_in(name, 1.0, 60, seed=3), built_in(name, 1.0, 60, seed=3)
+        assert a == b and a, name
+        assert a != built_in(name, 1.0, 60, seed=4)
+        assert all(x.arrival_s <= y.arrival_s for x, y in zip(a, a[1:], strict=False))
+
+
+def test_prefix_groups_share_exactly_their_prefix() -> None:
+    chat = built_in("chat", 2.0, 30, seed=0)
+    ids = token_ids(chat, 49152)
+    for r, t in zip(chat[1:], ids[1:], strict=True):
+        assert t[:64] == ids[0][:64] and len(t) == r.prompt_tokens
+    assert all(t[64] != ids[0][64] for t in ids[1:4])  # the tails are each their own
+
+    agentic = built_in("agentic", 0.5, 60, seed=1)
+    ids = token_ids(agentic, 49152)
+    last: dict[int, list[int]] = {}
+    for r, t in zip(agentic, ids, strict=True):
+        assert r.prefix_group is not None
+        if r.prefix_group in last:  # a later turn starts with the whole last prompt
+            before = last[r.prefix_group]
+            assert r.prefix_tokens == len(before) and t[: len(before)] == before
+        last[r.prefix_group] = t
+
+
+def test_a_trace_file_round_trips_and_its_errors_name_the_line(tmp_path: Path) -> None:
+    reqs = built_in("agentic", 0.5, 30, seed=2)
+    dump(reqs, tmp_path / "w.jsonl")
+    assert load(tmp_path / "w.jsonl") == reqs
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival_s": 0, "prompt_tokens": 8, "output_tokens": 4}\n{"arrival_s": 1}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2"):
+        load(bad)
+    bad.write_text('{"arrival_s": 0, "prompt_tokens": 8, "output_tokens": 4, "prefix_tokens": 9}\n')
+    with pytest.raises(ValueError, match="prefix_tokens"):
+        load(bad)
+
+
+# ---- the simulator -----------------------------------------------------------------------
+def test_a_lone_colocated_request_takes_exactly_its_steps() -> None:
+    """A 1000-token prompt under a 256-token budget runs as 4 chunks (the scheduler's own
+    chunking), then one decode step per further token: TTFT and TPOT are those steps'
+    predicted times plus the fixed costs, to the microsecond."""
+    over = Overheads(router_s=0.003, hop_s=0.001, stream_s=0.002)
+    cfg = _cfg(PoolShape(colocated=1, budget=256), overheads=over)
+    [out] = simulate(cfg, [WorkloadRequest(1.0, 1000, 5)])
+    chunks = [StepShape(((min(256, 1000 - s), s),)) for s in range(0, 1000, 256)]
+    want_ttft = 0.003 + 0.001 + sum(MODEL.predict(c) for c in chunks) + 0.002
+    assert out.ttft_s == pytest.approx(want_ttft, abs=1e-9)
+    steps = [MODEL.predict(StepShape((), (1000 + i,))) for i in range(4)]
+    assert out.tpot_s == pytest.approx(sum(steps) / 4, abs=1e-9)
+    assert out.placement == "colocated" and not out.failed
+
+
+def test_a_lone_disaggregated_request_waits_for_its_transfer() -> None:
+    tr = Transfer(alpha_s=0.004, beta_bytes_per_s=1e8)
+    [out] = simulate(_cfg(PoolShape(prefill=1, decode=1), transfer=tr), [WorkloadRequest(0, 512, 3)])
+    prefill = MODEL.predict(StepShape(((512, 0),)))
+    assert out.ttft_s == pytest.approx(prefill, abs=1e-9)
+    landed = tr.seconds(32 * KV_BLOCK)  # from the pass's start: it overlaps the pass
+    assert landed > prefill
+    decode = [MODEL.predict(StepShape((), (512 + i,))) for i in range(2)]
+    # the last token: transfer landed, then two decode steps
+    assert out.tpot_s == pytest.approx((landed + sum(decode) - prefill) / 2, abs=1e-9)
+    assert out.placement == "disaggregated"
+
+
+@pytest.mark.parametrize(
+    "shape", [PoolShape(colocated=2), PoolShape(prefill=1, decode=2)], ids=["colocated", "split"]
+)
+def test_every_request_ends_and_every_block_is_released(shape: PoolShape) -> None:
+    reqs = built_in("agentic", 3.0, 40, seed=5)
+    sim = Simulator(_cfg(shape, transfer=Transfer(0.002, 1e9)))
+    outcomes = sim.run(reqs)
+    assert len(outcomes) == len(reqs)
+    assert all(o.first_token_s is not None and not o.failed for o in outcomes)
+    for w in sim.prefill + sim.decode:
+        assert not w.scheduler.has_work() and not w.live
+        assert w.blocks.num_used_blocks == 0, w.name
+        w.blocks.check_integrity()
+
+
+def test_prefix_sharing_lowers_the_predicted_ttft() -> None:
+    """The same agentic requests with their prefixes shared and with none: the shared run
+    hits the cache (the engine's own block hashes), so its prompt passes are shorter."""
+    reqs = built_in("agentic", 0.5, 60, seed=7)
+    alone = [WorkloadRequest(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in reqs]
+    shape = PoolShape(colocated=1)
+    shared = [o.ttft_s for o in simulate(_cfg(shape), reqs)]
+    cold = [o.ttft_s for o in simulate(_cfg(shape), alone)]
+    assert sum(shared) < 0.8 * sum(cold)  # type: ignore[arg-type]
+
+
+def test_a_full_kv_pool_makes_requests_wait_not_fail() -> None:
+    """A decode pool too small for the burst: reservations wait for room (first come,
+    first served) and every request still ends."""
+    cfg = SimConfig(PoolShape(prefill=1, decode=1), MODEL, MODEL, 16, KV_BLOCK, 80)
+    burst = [WorkloadRequest(0.0, 600, 20) for _ in range(6)]
+    outcomes = simulate(cfg, burst)
+    assert all(not o.failed for o in outcomes)
+    firsts = sorted(o.first_token_s for o in outcomes)  # type: ignore[type-var]
+    assert firsts[-1] > firsts[0] + 20 * MODEL.predict(StepShape((), (600,)))
+
+
+# ---- the search ----------------------------------------------------------------------------
+def test_candidates_use_every_core_and_no_more() -> None:
+    shapes = planner.candidates([1, 2], 2)
+    assert {s.label for s in shapes} == {
+        "colocated 2x1t b2048",
+        "colocated 1x2t b2048",
+        "1P1t:1D1t b2048",
+    }
+    for s in planner.candidates([1, 2, 4], 8, budgets=(512, 2048)):
+        assert 7 <= s.cores <= 8
+
+
+def test_goodput_is_the_first_downward_crossing() -> None:
+    assert goodput([1, 2, 3], [1.0, 0.95, 0.85])["rps"] == pytest.approx(2.5)
+    assert goodput([1, 2], [0.5, 0.4])["bound"] == "below_sweep"
+    assert goodput([1, 2], [1.0, 0.95])["bound"] == "lower"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("ttft=100", "both"), ("ttft=a,tpot=3", "number"), ("p99=1,tpot=2", "expected"),
+     ("ttft=0,tpot=2", "positive")],
+)  # fmt: skip
+def test_a_bad_slo_is_named(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_slo(text)
+
+
+def _synthetic_profile(path: Path) -> Path:
+    slow = StepModel(tuple(2 * c for c in MODEL.coef))
+    path.write_text(
+        json.dumps(
+            {
+                "model_name": "synthetic", "dtype": "bfloat16", "cpu": "none", "measured": False,
+                "block_size": 16, "kv_bytes_per_block": KV_BLOCK, "pool_blocks": 1024,
+                "workers": {"1": {"step_model": slow.to_json()},
+                            "2": {"step_model": MODEL.to_json()}},
+                "transfer": {"chosen": {"alpha_s": 0.002, "beta_bytes_per_s": 1e9}},
+            }
+        )
+    )  # fmt: skip
+    return path
+
+
+def test_plan_answers_with_curves_and_the_best_shape(tmp_path: Path) -> None:
+    prof = _synthetic_profile(tmp_path / "p.json")
+    cmd = [sys.executable, "-m", "pdserve.cli", "plan", "--profile", str(prof),
+           "--workload", "documents", "--slo", "ttft=2000,tpot=120", "--cores", "2",
+           "--duration", "60", "--jobs", "1", "--json", "--plot", str(tmp_path / "c.png")]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr
+    answer = json.loads(run.stdout)
+    best = answer["candidates"][0]
+    assert answer["best"] == best["shape"]
+    assert best["goodput_rps"] == max(c["goodput_rps"] or 0 for c in answer["candidates"])
+    for c in answer["candidates"]:
+        assert [p["rate"] for p in c["curve"]] == answer["rates"]
+    assert answer["errors"]["A_step_time"] == "unvalidated"
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--slo", "ttft=1"], "--slo"), (["--slo", "ttft=1,tpot=1", "--workload", "nope"],
+     "--workload"), (["--slo", "ttft=1,tpot=1", "--cores", "0"], "--cores")],
+)  # fmt: skip
+def test_plan_refuses_bad_input_by_name(tmp_path: Path, args: list[str], message: str) -> None:
+    prof = _synthetic_profile(tmp_path / "p.json")
+    run = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "plan", "--profile", str(prof), *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+
+
+# ---- the profile ---------------------------------------------------------------------------
+def test_profile_fits_and_scores_on_held_out_shapes(tmp_path: Path) -> None:
+    """`pdserve profile --quick` on the tiny preset: the real engine timed, the model fitted
+    on one grid and scored on another, a residual plot beside the JSON."""
+    model = write_checkpoint("tiny", tmp_path / "tiny")
+    out = tmp_path / "profile.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "profile", "--model", str(model), "--quick",
+         "--threads", "1", "--repeats", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    prof = json.loads(out.read_text())
+    w = prof["workers"]["1"]
+    assert w["held_out"]["n"] >= 4 and w["fit"]["n"] >= 8
+    fitted = {json.dumps([s["chunks"], s["decode"]]) for s in w["samples"]["fit"]}
+    held = {json.dumps([s["chunks"], s["decode"]]) for s in w["samples"]["held_out"]}
+    assert not fitted & held  # no held-out shape was fitted
+    assert all(v >= 0 for v in w["step_model"].values())
+    assert {s["kind"] for s in w["samples"]["fit"]} == {"prefill", "decode", "mixed"}
+    assert prof["kv_bytes_per_block"] > 0 and prof["cpu"]
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "held-out MAPE" in run.stdout
