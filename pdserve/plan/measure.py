@@ -1,7 +1,8 @@
 """Step times of the real engine at chosen batch shapes (what `pdserve profile` fits).
 
-Each scenario sets up the engine's state with steps that are not timed (cached prefixes
-written, running streams prefilled), then times the steps it is about: `LLMEngine.step`
+Each scenario sets up the engine's state without running a step (cached prefixes and
+running streams admitted as a decode worker admits them, `Driver`), then times the steps it
+is about: `LLMEngine.step`
 whole (schedule, forward, sampling, postprocess), the shape read from the scheduler's own
 output. Prompts are random token ids, fresh for every repeat, so a repeat never hits the
 cache a previous one wrote except where a scenario means it to (its prefix).
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -89,7 +89,12 @@ class _Recorder:
 
 
 class Driver:
-    """Runs scenarios on one engine; `rng` draws the prompts."""
+    """Runs scenarios on one engine; `rng` draws the prompts.
+
+    Context is set up the way a decode worker admits a request prefilled elsewhere
+    (`LLMEngine.add_prefilled` into blocks allocated for it): its K/V pages hold whatever
+    they held, which costs a step the same time as computed K/V, and no prompt pass is run
+    to build it. A cached prefix is such a request's blocks, committed and let go."""
 
     def __init__(self, engine: LLMEngine, seed: int = 0) -> None:
         self.engine = engine
@@ -101,22 +106,27 @@ class Driver:
     def _ids(self, n: int) -> list[int]:
         return self.rng.integers(4, self.vocab, size=n).tolist()
 
+    def _params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
     def _add(self, prompt: list[int], max_tokens: int) -> str:
         rid = f"profile-{next(_IDS)}"
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        self.engine.add_request(rid, prompt, params)
+        self.engine.add_request(rid, prompt, self._params(max_tokens))
+        return rid
+
+    def _prefilled(self, prompt: list[int]) -> str:
+        """A running stream whose prompt's K/V is (taken to be) in the cache already."""
+        rid = f"profile-{next(_IDS)}"
+        room = self.engine.max_model_len - len(prompt)
+        req = self.engine.make_request(rid, prompt, self._params(room))
+        self.engine.blocks.allocate(rid, [], len(prompt))
+        self.engine.add_prefilled(req, [int(self._ids(1)[0])])
         return rid
 
     def _drain(self) -> None:
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
         while self.engine.has_unfinished():
-            self.engine.step()
-
-    def _until_running(self, n: int) -> None:
-        """Step (untimed) until `n` streams run and nothing waits."""
-        sched = self.engine.scheduler
-        while sched.waiting or len(sched.running) < n:
             self.engine.step()
 
     def run(self, s: Scenario) -> list[Sample]:
@@ -130,34 +140,33 @@ class Driver:
             prompts = []
             for n, ctx in s.chunks:
                 prefix = self._ids(ctx)
-                if ctx:  # write the prefix's blocks to the cache (untimed)
-                    self._add([*prefix, *self._ids(1)], 1)
-                    while self.engine.has_unfinished():
-                        self.engine.step()
+                if ctx:  # its blocks committed, then let go: cached, evictable
+                    self.engine.abort(self._prefilled([*prefix, *self._ids(1)]))
                 prompts.append([*prefix, *self._ids(n)])
             for p in prompts:
                 self._add(p, 1)
             sample = self.rec.timed_step(s)
             return [sample] if sample else []
         for _ in range(s.batch):
-            self._add(self._ids(s.ctx), s.steps + 2)
-        self._until_running(s.batch)
+            self._prefilled(self._ids(s.ctx))
         if s.kind == "mixed":
             self._add(self._ids(s.chunk), 1)
         samples = [self.rec.timed_step(s) for _ in range(s.steps if s.kind == "decode" else 1)]
         return [x for x in samples if x is not None]
 
 
-def median_by_shape(samples: Sequence[Sample]) -> list[Sample]:
-    """One sample per distinct shape: the median of its times (a noisy machine's outliers
-    fall out)."""
-    groups: dict[StepShape, list[Sample]] = {}
+def median_by_scenario(samples: Sequence[Sample]) -> list[Sample]:
+    """One sample per scenario: its median time, with the shape of the step that took it
+    (a decode scenario's steps differ by one token of context per row). A noisy machine's
+    outliers fall out."""
+    groups: dict[str, list[Sample]] = {}
     for x in samples:
-        groups.setdefault(x.shape, []).append(x)
-    return [
-        Sample(shape, statistics.median(x.seconds for x in xs), xs[0].scenario)
-        for shape, xs in groups.items()
-    ]
+        groups.setdefault(x.scenario, []).append(x)
+    out = []
+    for xs in groups.values():
+        ordered = sorted(xs, key=lambda x: x.seconds)
+        out.append(ordered[(len(ordered) - 1) // 2])
+    return out
 
 
 def measure(
@@ -166,14 +175,17 @@ def measure(
     repeats: int,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[Sample]:
-    """Every scenario `repeats` times, the scenarios interleaved (a drift of the machine's
-    speed falls on all of them alike), then the median per shape."""
+    """Every scenario `repeats` times, the scenarios interleaved in a new order each round
+    (a drift of the machine's speed falls on all of them alike), then the median per
+    scenario."""
     raw: list[Sample] = []
+    order = list(scenarios)
     for r in range(repeats):
-        for s in scenarios:
+        driver.rng.shuffle(order)  # type: ignore[arg-type]  # no scenario always runs first
+        for s in order:
             progress(f"{s.label} ({r + 1}/{repeats})")
             raw += driver.run(s)
-    return median_by_shape(raw)
+    return median_by_scenario(raw)
 
 
 @contextmanager

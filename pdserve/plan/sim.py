@@ -31,7 +31,7 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any
 
@@ -56,11 +56,12 @@ class Overheads:
     router_s: float = 0.0  # validation, tokenizing, hashing, the index lookup
     hop_s: float = 0.0  # router -> worker (a Ray call)
     stream_s: float = 0.0  # a token from the worker's step to the client
+    step_s: float = 0.0  # a served worker's own work per step (its loop, streaming out)
 
     @classmethod
     def from_json(cls, d: dict[str, float] | None) -> Overheads:
         d = d or {}
-        return cls(d.get("router_s", 0.0), d.get("hop_s", 0.0), d.get("stream_s", 0.0))
+        return cls(*(float(d.get(f.name, 0.0)) for f in fields(cls)))
 
 
 @dataclass(frozen=True)
@@ -227,7 +228,7 @@ class SimWorker:
         for c in out.prefill:
             if c.completes_prompt:
                 self.live[c.request.request_id].prefill_start_s = start
-        dt = max(self.model.predict(shape), 1e-6)
+        dt = max(self.model.predict(shape), 1e-6) + self.sim.cfg.overheads.step_s
         self.sim.clock.at(start + dt, lambda: self._step_done(out))
 
     def _step_done(self, out: SchedulerOutput) -> None:

@@ -111,10 +111,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--dataset-name",
         default="random",
-        choices=["random", "prefix_repetition", "sharegpt"],
-        help="prompt source: random token ids, a shared-prefix set, or a ShareGPT file",
+        choices=["random", "prefix_repetition", "sharegpt", "trace"],
+        help="prompt source: random token ids, a shared-prefix set, a ShareGPT file, or a "
+        "`pdserve plan` workload trace replayed at its own arrival times",
     )
-    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (sharegpt)")
+    d.add_argument(
+        "--dataset-path", default=None, help="ShareGPT JSON file (sharegpt), or trace .jsonl"
+    )
     d.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
     d.add_argument("--seed", type=int, default=0, help="seed of the prompt and arrival sampling")
     d.add_argument(
@@ -329,6 +332,27 @@ def sample_random(
         ids = prefix + _ids(rng, int(n_in), vocab)
         out.append(SampleRequest(ids, len(ids), int(n_out)))
     return out
+
+
+def sample_trace(path: str, vocab_size: int | None, seed: int) -> list[SampleRequest]:
+    """A `pdserve plan` workload (`pdserve.plan.workload`): every request of the file, its
+    prompt token ids as the simulator builds them (the same seed gives the same ids, so
+    prefix groups hit the cache as predicted); the send times are the file's
+    (`trace_offsets`)."""
+    from pdserve.plan.workload import load, token_ids
+
+    vocab = _check_vocab(vocab_size)
+    reqs = load(path)
+    return [
+        SampleRequest(ids, len(ids), r.output_tokens)
+        for r, ids in zip(reqs, token_ids(reqs, vocab, seed), strict=True)
+    ]
+
+
+def trace_offsets(path: str) -> list[float]:
+    from pdserve.plan.workload import load
+
+    return [r.arrival_s for r in load(path)]
 
 
 def sample_prefix_repetition(
@@ -937,9 +961,9 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--max-concurrency must be at least 1")
     if not 0.0 <= args.max_failure_rate <= 1.0:
         raise ValueError("--max-failure-rate must be in [0, 1]")
-    if args.dataset_name == "sharegpt" and not args.dataset_path:
-        raise ValueError("--dataset-name sharegpt needs --dataset-path")
-    if args.dataset_name != "sharegpt" and args.dataset_path:
+    if args.dataset_name in ("sharegpt", "trace") and not args.dataset_path:
+        raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path")
+    if args.dataset_name not in ("sharegpt", "trace") and args.dataset_path:
         raise ValueError(f"--dataset-path is not used by --dataset-name {args.dataset_name}")
     for item in args.metadata or []:
         if "=" not in item:
@@ -971,6 +995,8 @@ def _samples(
             args.prefix_repetition_num_prefixes,
             args.prefix_repetition_output_len,
         )
+    if args.dataset_name == "trace":
+        return sample_trace(args.dataset_path, vocab, args.seed)
     assert tokenizer is not None
     return sample_sharegpt(
         args.dataset_path,
@@ -1007,7 +1033,11 @@ async def bench_async(args: argparse.Namespace) -> int:
     goodput = parse_goodput(args.goodput)
     selected, percentiles = parse_metric_args(args.percentile_metrics, args.metric_percentiles)
     arrival_rng = np.random.default_rng(args.seed + 1)
-    offsets = arrival_offsets(args.num_prompts, args.request_rate, args.burstiness, arrival_rng)
+    if args.dataset_name == "trace":  # every request of the file, at its own time
+        offsets = trace_offsets(args.dataset_path)
+        args.num_prompts = len(offsets)
+    else:
+        offsets = arrival_offsets(args.num_prompts, args.request_rate, args.burstiness, arrival_rng)
     api_key = args.api_key or os.environ.get("PDSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
     tls = ClientTLS.from_args(args)
     backend: Backend
@@ -1032,7 +1062,7 @@ async def bench_async(args: argparse.Namespace) -> int:
             prefix = f"bench-{uuid.uuid4().hex[:8]}-"
         for i, req in enumerate(requests):
             req.request_id = f"{prefix}{i}"
-        synthetic = args.dataset_name in ("random", "prefix_repetition")
+        synthetic = args.dataset_name in ("random", "prefix_repetition", "trace")
         ignore_eos = True if synthetic else (True if args.ignore_eos else None)
         sampling = [
             {
