@@ -8,7 +8,7 @@ export PDSERVE_HOME ?= $(CURDIR)/.venv/pdserve-home
 TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint typecheck bench bench-determinism bench-engine bench-transfer bench-prefix bench-serving bench-structured bench-choices bench-pinning bench-kernels bench-peers bench-peers-api redis chaos
+.PHONY: install demo test lint typecheck bench bench-determinism bench-engine bench-transfer bench-prefix bench-serving bench-structured bench-choices bench-pinning bench-kernels bench-peers bench-peers-api bench-plan redis chaos
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -92,6 +92,12 @@ bench-kernels: $(STAMP)
 # of n = 4: exit 1 unless all are identical (pdserve/tools/determinism.py).
 bench-determinism: $(STAMP)
 	$(BIN)/python -m pdserve.tools.determinism
+
+# pdserve plan against real runs: the profile's held-out step shapes (lane A), and real
+# colocated and 1P1D runs of three workloads at six rates against the simulator's
+# prediction, calibrated on one workload (lane C); benchmarks/plan_validation.py, ~45 min.
+bench-plan: $(STAMP) redis
+	$(BIN)/python benchmarks/plan_validation.py $(BENCH_PLAN_ARGS)
 
 # The API side by side with vLLM's CPU build: shapes and greedy tokens (benchmarks/peers_api.py).
 bench-peers-api: $(STAMP)

@@ -1,0 +1,435 @@
+#!/usr/bin/env python
+"""`make bench-plan`: `pdserve plan`'s predictions against real runs on this machine.
+
+Lanes (docs/plan.md), each scored on data the fit never saw:
+
+- **A, step time**: the profile's held-out shapes (`pdserve profile`; its JSON has them).
+- **C, end to end**: real `pdserve serve` runs, colocated (one worker, every core) and 1P1D
+  (one single-threaded worker each), replaying built-in workloads with `pdserve bench
+  --dataset-name trace` at fractions of each configuration's predicted capacity. For each
+  run the simulator predicts the same requests. The fixed served costs (`Overheads`: the
+  TTFT offset and a per-step cost) are calibrated on the **fit workload** (`chat`) alone;
+  the other workloads (`documents`, `agentic`) are held out.
+
+Per run it records the load average before the run (runs taken on a busy machine are
+marked and left out of the scores), n, TTFT and TPOT p50/p90 measured and predicted,
+attainment at the SLO measured and predicted; per configuration and workload, the goodput
+(interpolated, `pdserve.plan.attainment.goodput`) measured and predicted; and whether the
+best configuration predicted is the one measured best.
+
+Lane B (the KV transfer's `α + bytes/β`) is not measured here yet: the profile has no
+transfer model and the simulator takes the transfer as free (docs/plan.md).
+
+The SLO scales with the machine: TTFT <= 8 x the predicted 512-token prompt pass, TPOT <=
+3 x the predicted batch-1 decode step (both with the largest worker).
+
+Results: `benchmarks/results/plan/validation.json` and `validation.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np
+from serving import Server
+from tqdm import tqdm
+
+from engine.cpu import identity
+from pdserve.plan.attainment import goodput
+from pdserve.plan.plan import Profile, capacity_rps, sim_config
+from pdserve.plan.sim import Outcome, Overheads, PoolShape, simulate
+from pdserve.plan.stepmodel import StepShape
+from pdserve.plan.workload import WorkloadRequest, built_in, dump
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "results" / "plan"
+CONFIGS = {
+    "colocated": PoolShape(colocated=1, threads=2),
+    "1P1D": PoolShape(prefill=1, decode=1),
+}
+FIT_WORKLOAD = "chat"
+BUSY_CORES = 0.3  # cores busy (of all) while the idle server waits: a busy machine
+
+
+def busy_cores(seconds: float = 2.0) -> float:
+    """Cores busy over `seconds` (from /proc/stat), taken while the server idles between
+    runs: what else is running on the machine. (The load average still counts the last
+    run's work for a minute after it.)"""
+
+    def read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]
+
+    t0, i0 = read()
+    time.sleep(seconds)
+    t1, i1 = read()
+    return (1 - (i1 - i0) / max(1, t1 - t0)) * len(os.sched_getaffinity(0))
+
+
+def serve_args(config: str, model: str, dtype: str, run_dir: Path) -> list[str]:
+    args = ["--model", model, "--dtype", dtype]
+    if config == "colocated":
+        ncpu = len(os.sched_getaffinity(0))
+        cfg = run_dir / "colocated.yaml"
+        cfg.write_text(f"decode:\n  num_cpus: {ncpu}\n  num_threads: {ncpu}\n")
+        return [*args, "--colocated", "--decode-workers", "1", "--config", str(cfg)]
+    return [*args, "--prefill-workers", "1", "--decode-workers", "1"]
+
+
+def replay(target: str, trace: Path, out: Path, seed: int) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "bench",
+        "--target",
+        target,
+        "--dataset-name",
+        "trace",
+        "--dataset-path",
+        str(trace),
+        "--seed",
+        str(seed),
+        "--temperature",
+        "0",
+        "--save-result",
+        "--result-filename",
+        str(out),
+        "--disable-tqdm",
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
+    return json.loads(out.read_text())
+
+
+def measured_outcomes(reqs: list[WorkloadRequest], res: dict[str, Any]) -> list[Outcome]:
+    """The bench result as the simulator's outcomes (times relative to each arrival)."""
+    out = []
+    for r, ttft, itl, err in zip(reqs, res["ttfts"], res["itls"], res["errors"], strict=True):
+        o = Outcome(r.arrival_s, r.output_tokens)
+        if err:
+            o.failed = err[:80]
+        else:
+            o.first_token_s = r.arrival_s + ttft
+            o.last_token_s = o.first_token_s + sum(itl)
+        out.append(o)
+    return out
+
+
+def summary(outcomes: list[Outcome], slo: tuple[float, float]) -> dict[str, Any]:
+    ok = [o for o in outcomes if not o.failed and o.ttft_s is not None]
+    ttft = [o.ttft_s for o in ok]
+    tpot = [o.tpot_s for o in ok if o.output_tokens > 1]
+
+    def pct(v: list[Any], q: float) -> float | None:
+        return round(float(np.percentile(v, q)) * 1e3, 2) if v else None
+
+    return {
+        "n": len(outcomes),
+        "failed": len(outcomes) - len(ok),
+        "ttft_p50_ms": pct(ttft, 50),
+        "ttft_p90_ms": pct(ttft, 90),
+        "tpot_p50_ms": pct(tpot, 50),
+        "tpot_p90_ms": pct(tpot, 90),
+        "attainment": sum(o.meets(*slo) for o in outcomes) / len(outcomes),
+    }
+
+
+def calibrate(runs: list[dict[str, Any]]) -> Overheads:
+    """The served costs the engine's steps do not show, from the fit workload's runs at the
+    lowest rate (least queueing): TTFT offset = median over requests of measured minus
+    predicted-without-overheads; per-step cost = the same for TPOT."""
+    low = min(runs, key=lambda r: r["rate"])
+    d_ttft = [m - p for m, p in zip(low["m_ttft"], low["p0_ttft"], strict=True) if m and p]
+    d_tpot = [m - p for m, p in zip(low["m_tpot"], low["p0_tpot"], strict=True) if m and p]
+    return Overheads(
+        router_s=max(0.0, statistics.median(d_ttft)) if d_ttft else 0.0,
+        step_s=max(0.0, statistics.median(d_tpot)) if d_tpot else 0.0,
+    )
+
+
+def err_pct(pred: float | None, meas: float | None) -> float | None:
+    if pred is None or not meas:
+        return None
+    return round(abs(pred - meas) / meas * 100, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--profile",
+        default=str(OUT / "profile.json"),
+        help="profile to validate (made with `pdserve profile` when missing)",
+    )
+    p.add_argument(
+        "--fractions",
+        default="0.3,0.5,0.7,0.85,1.0,1.1",
+        help="rates, as fractions of each configuration's predicted capacity",
+    )
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
+    p.add_argument("--workloads", default="chat,documents,agentic")
+    p.add_argument("--configs", default="colocated,1P1D")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(OUT))
+    args = p.parse_args(argv)
+
+    out = Path(args.out)
+    run_dir = out / "runs"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prof_path = Path(args.profile)
+    if not prof_path.exists():
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "profile",
+                "--model",
+                args.model,
+                "--dtype",
+                args.dtype,
+                "--out",
+                str(prof_path),
+            ],
+            check=True,
+        )
+    profile = Profile.read(prof_path)
+    big = profile.models[max(profile.models)]
+    slo = (8 * big.predict(StepShape(((512, 0),))), 3 * big.predict(StepShape((), (512,))))
+    fractions = [float(f) for f in args.fractions.split(",")]
+    workloads = args.workloads.split(",")
+    configs = args.configs.split(",")
+    if FIT_WORKLOAD not in workloads:
+        raise SystemExit(f"the fit workload ({FIT_WORKLOAD}) must be among --workloads")
+    from pdserve.models import resolve_model
+
+    model_dir = str(resolve_model(args.model))
+    runs: list[dict[str, Any]] = []
+    total = len(configs) * len(workloads) * len(fractions)
+    bar = tqdm(total=total, desc="bench-plan", file=sys.stderr)
+    for config in configs:
+        shape = CONFIGS[config]
+        base = sim_config(profile, shape)
+        base = replace(base, overheads=Overheads())
+        with Server(
+            config, serve_args(config, model_dir, args.dtype, run_dir), run_dir, 300
+        ) as srv:
+            warm = built_in("chat", 1.0, 4, seed=99)
+            dump(warm, run_dir / "warmup.jsonl")
+            replay(srv.target, run_dir / "warmup.jsonl", run_dir / "warmup.json", 99)
+            for workload in workloads:
+                probe = built_in(workload, 1.0, args.duration, args.seed)
+                cap = capacity_rps(profile, probe, shape.cores)
+                for f in fractions:
+                    rate = round(f * cap, 4)
+                    reqs = built_in(workload, rate, args.duration, args.seed)
+                    name = f"{config}-{workload}-{f}"
+                    trace = run_dir / f"{name}.jsonl"
+                    dump(reqs, trace)
+                    time.sleep(3)  # the last run's streams end and its workers go quiet
+                    load, other = os.getloadavg()[0], busy_cores()
+                    bar.set_postfix_str(f"{name} ({len(reqs)} req)")
+                    t0 = time.time()
+                    res = replay(srv.target, trace, run_dir / f"{name}.json", args.seed)
+                    measured = measured_outcomes(reqs, res)
+                    bare = simulate(base, reqs, args.seed)
+                    runs.append(
+                        {
+                            "config": config,
+                            "workload": workload,
+                            "fraction": f,
+                            "rate": rate,
+                            "capacity_rps": round(cap, 4),
+                            "load_before": round(load, 2),
+                            "busy_cores_before": round(other, 2),
+                            "busy": other > BUSY_CORES,
+                            "wall_s": round(time.time() - t0, 1),
+                            "measured": summary(measured, slo),
+                            "m_ttft": [o.ttft_s for o in measured],
+                            "m_tpot": [o.tpot_s if not o.failed else None for o in measured],
+                            "p0_ttft": [o.ttft_s for o in bare],
+                            "p0_tpot": [o.tpot_s for o in bare],
+                            "reqs": str(trace),
+                        }
+                    )
+                    bar.update()
+    bar.close()
+
+    # calibrate on the fit workload, then predict every run with the calibrated costs
+    overheads = {
+        c: calibrate([r for r in runs if r["config"] == c and r["workload"] == FIT_WORKLOAD])
+        for c in configs
+    }
+    for r in runs:
+        cfg = replace(sim_config(profile, CONFIGS[r["config"]]), overheads=overheads[r["config"]])
+        reqs = built_in(r["workload"], r["rate"], args.duration, args.seed)
+        r["predicted"] = summary(simulate(cfg, reqs, args.seed), slo)
+        m, pr = r["measured"], r["predicted"]
+        r["errors_pct"] = {
+            k: err_pct(pr[k], m[k])
+            for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
+        }
+        r["attainment_points"] = round((pr["attainment"] - m["attainment"]) * 100, 1)
+        for k in ("m_ttft", "m_tpot", "p0_ttft", "p0_tpot"):
+            r.pop(k)
+
+    goodputs = {}
+    for c in configs:
+        for w in workloads:
+            rs = sorted(
+                (r for r in runs if r["config"] == c and r["workload"] == w and not r["busy"]),
+                key=lambda r: r["rate"],
+            )
+            if not rs:
+                goodputs[f"{c}/{w}"] = {"measured": {"rps": None, "note": "no quiet run"},
+                                        "predicted": {"rps": None, "note": "-"},
+                                        "error_pct": None}  # fmt: skip
+                continue
+            rates = [r["rate"] for r in rs]
+            gm = goodput(rates, [r["measured"]["attainment"] for r in rs])
+            gp = goodput(rates, [r["predicted"]["attainment"] for r in rs])
+            goodputs[f"{c}/{w}"] = {
+                "measured": gm,
+                "predicted": gp,
+                "error_pct": err_pct(gp["rps"], gm["rps"]),
+            }
+    best = {}
+    for w in workloads:
+
+        def rps(c: str, side: str, w: str = w) -> float:
+            return goodputs[f"{c}/{w}"][side]["rps"] or 0.0
+
+        best[w] = {
+            "measured": max(configs, key=lambda c: rps(c, "measured")),
+            "predicted": max(configs, key=lambda c: rps(c, "predicted")),
+        }
+    report = {
+        "cpu": identity(),
+        "model": args.model,
+        "dtype": args.dtype,
+        "profile": str(prof_path),
+        "slo_ms": {"ttft": round(slo[0] * 1e3, 1), "tpot": round(slo[1] * 1e3, 1)},
+        "fit_workload": FIT_WORKLOAD,
+        "overheads": {c: o.__dict__ for c, o in overheads.items()},
+        "lane_A": profile.errors["A_step_time"],
+        "runs": runs,
+        "goodput": goodputs,
+        "best": best,
+    }
+    (out / "validation.json").write_text(json.dumps(report, indent=1) + "\n")
+    print_report(report)
+    plot(report, out / "validation.png")
+    return 0
+
+
+def print_report(rep: dict[str, Any]) -> None:
+    print(f"bench-plan: {rep['model']} {rep['dtype']} on {rep['cpu']}")
+    print(
+        f"SLO: TTFT <= {rep['slo_ms']['ttft']} ms, TPOT <= {rep['slo_ms']['tpot']} ms; "
+        f"calibrated on {rep['fit_workload']}: {rep['overheads']}"
+    )
+    print(f"lane A (held-out step shapes): {rep['lane_A']}")
+    head = (
+        "config",
+        "workload",
+        "frac",
+        "rate",
+        "n",
+        "load",
+        "TTFT50 m/p",
+        "TTFT90 m/p",
+        "TPOT50 m/p",
+        "TPOT90 m/p",
+        "attain m/p",
+    )
+    print(" | ".join(head))
+    for r in rep["runs"]:
+        m, p = r["measured"], r["predicted"]
+
+        def mp(k: str, m: dict[str, Any] = m, p: dict[str, Any] = p) -> str:
+            return f"{m[k]}/{p[k]}"
+
+        print(
+            " | ".join(
+                str(x)
+                for x in (
+                    r["config"],
+                    r["workload"] + ("" if r["workload"] != rep["fit_workload"] else " (fit)"),
+                    r["fraction"],
+                    r["rate"],
+                    m["n"],
+                    r["load_before"],
+                    mp("ttft_p50_ms"),
+                    mp("ttft_p90_ms"),
+                    mp("tpot_p50_ms"),
+                    mp("tpot_p90_ms"),
+                    f"{m['attainment'] * 100:.0f}/{p['attainment'] * 100:.0f}",
+                )
+            )
+        )
+    for k, g in rep["goodput"].items():
+        print(
+            f"goodput {k}: measured {g['measured']['note']}, predicted {g['predicted']['note']}"
+            f" (error {g['error_pct']} %)"
+        )
+    for w, b in rep["best"].items():
+        print(f"best for {w}: measured {b['measured']}, predicted {b['predicted']}")
+
+
+def plot(rep: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({r["workload"] for r in rep["runs"]})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
+    for ax, w in zip(axes[0], workloads, strict=True):
+        for i, c in enumerate(sorted({r["config"] for r in rep["runs"]})):
+            rs = sorted(
+                (r for r in rep["runs"] if r["workload"] == w and r["config"] == c),
+                key=lambda r: r["rate"],
+            )
+            x = [r["rate"] for r in rs]
+            ax.plot(
+                x,
+                [r["measured"]["attainment"] * 100 for r in rs],
+                "-o",
+                color=f"C{i}",
+                label=f"{c} measured",
+            )
+            ax.plot(
+                x,
+                [r["predicted"]["attainment"] * 100 for r in rs],
+                "--x",
+                color=f"C{i}",
+                label=f"{c} predicted",
+            )
+        ax.axhline(90, color="grey", lw=0.8)
+        ax.set_title(w + (" (fit)" if w == rep["fit_workload"] else " (held out)"))
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("SLO attainment (%)")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"pdserve plan vs real runs: {rep['cpu']}", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
