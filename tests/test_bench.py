@@ -14,6 +14,7 @@ import math
 import re
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +236,40 @@ def test_prefix_repetition(target: str, tmp_path: Path, capsys: pytest.CaptureFi
     assert data["request_goodput"] is None
     # one at a time, 4 requests per 64-token prefix: later ones reuse its 4 cached blocks
     assert data["cached_tokens"] > 0
+
+
+def test_a_plan_workload_replays_at_its_own_times(
+    target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--dataset-name trace`: every request of a `pdserve plan` workload file, each sent at
+    its own arrival time with its own lengths, and a prefix group's later turns served from
+    the blocks its earlier ones cached (the ids the simulator hashes)."""
+    from pdserve.plan.workload import WorkloadRequest, dump
+
+    reqs = [
+        WorkloadRequest(0.0, 80, 3, 0, 0),
+        WorkloadRequest(0.6, 100, 2, 0, 80),  # the next turn: the whole first prompt + 20
+        WorkloadRequest(1.2, 40, 4),
+    ]
+    dump(reqs, tmp_path / "w.jsonl")
+    result = tmp_path / "trace.json"
+    t0 = time.perf_counter()
+    rc, _, err = bench(
+        capsys, "--target", target, "--dataset-name", "trace", "--dataset-path",
+        str(tmp_path / "w.jsonl"), "--disable-tqdm", "--save-result", "--result-filename",
+        str(result),
+    )  # fmt: skip
+    assert rc == 0, err
+    assert time.perf_counter() - t0 >= 1.2  # the last one waited for its time
+    data = load(result)
+    assert data["num_prompts"] == 3 and data["dataset_name"] == "trace"
+    assert data["input_lens"] == [80, 100, 40] and data["output_lens"] == [3, 2, 4]
+    assert data["cached_tokens"] >= 64  # the second turn reused the first's full blocks
+
+
+def test_a_trace_needs_its_file(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = bench(capsys, "--target", "127.0.0.1:1", "--dataset-name", "trace")
+    assert rc == 2 and "--dataset-path" in err
 
 
 SHAREGPT = [

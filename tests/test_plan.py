@@ -258,6 +258,7 @@ def test_profile_fits_and_scores_on_held_out_shapes(tmp_path: Path) -> None:
     assert not fitted & held  # no held-out shape was fitted
     assert all(v >= 0 for v in w["step_model"].values())
     assert {s["kind"] for s in w["samples"]["fit"]} == {"prefill", "decode", "mixed"}
+    assert w["held_out"]["noise_pct"] is not None
     assert prof["kv_bytes_per_block"] > 0 and prof["cpu"]
     assert out.with_suffix(".png").stat().st_size > 0
     assert "held-out MAPE" in run.stdout

@@ -58,6 +58,7 @@ class Sample:
     shape: StepShape
     seconds: float
     scenario: str
+    spread: float = 0.0  # its scenario's repeats: interquartile range / median (noise)
 
 
 class _Recorder:
@@ -165,7 +166,9 @@ def median_by_scenario(samples: Sequence[Sample]) -> list[Sample]:
     out = []
     for xs in groups.values():
         ordered = sorted(xs, key=lambda x: x.seconds)
-        out.append(ordered[(len(ordered) - 1) // 2])
+        mid = ordered[(len(ordered) - 1) // 2]
+        q1, q3 = np.percentile([x.seconds for x in xs], [25, 75])
+        out.append(Sample(mid.shape, mid.seconds, mid.scenario, float((q3 - q1) / mid.seconds)))
     return out
 
 

@@ -124,6 +124,7 @@ def _samples_json(samples: list[Sample], model: StepModel) -> list[dict[str, Any
             "scenario": x.scenario,
             "kind": x.shape.kind,
             "measured_ms": round(x.seconds * 1e3, 3),
+            "spread_pct": round(x.spread * 100, 1),
             "predicted_ms": round(model.predict(x.shape) * 1e3, 3),
         }
         for x in samples
@@ -142,6 +143,11 @@ def _errors(samples: list[Sample], model: StepModel) -> dict[str, Any]:
             mape([model.predict(x.shape) for x in samples], [x.seconds for x in samples]), 2
         ),
         "max_ape": round(max(errs), 2) if errs else None,
+        # the machine's own noise on these shapes (repeats' IQR / median, mean over shapes):
+        # no model of step time can be reliably more accurate than this
+        "noise_pct": round(100 * sum(x.spread for x in samples) / len(samples), 2)
+        if samples
+        else None,
         "by_kind": {
             k: {"n": len(v), "mape": round(sum(v) / len(v), 2)} for k, v in by_kind.items()
         },
@@ -268,7 +274,8 @@ def run_profile(args: argparse.Namespace) -> int:
         f, h = w["fit"], w["held_out"]
         print(
             f"{size} thread(s): fit MAPE {f['mape']}% (n={f['n']}), "
-            f"held-out MAPE {h['mape']}% (n={h['n']}, max {h['max_ape']}%)"
+            f"held-out MAPE {h['mape']}% (n={h['n']}, max {h['max_ape']}%); "
+            f"the machine's noise on them {h['noise_pct']}%"
         )
     print(f"pdserve: wrote {out} and {plot}")
     return 0
