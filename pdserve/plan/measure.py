@@ -184,7 +184,7 @@ def measure(
     raw: list[Sample] = []
     order = list(scenarios)
     for r in range(repeats):
-        driver.rng.shuffle(order)  # type: ignore[arg-type]  # no scenario always runs first
+        driver.rng.shuffle(order)  # type: ignore[arg-type,unused-ignore]  # no fixed first
         for s in order:
             progress(f"{s.label} ({r + 1}/{repeats})")
             raw += driver.run(s)

@@ -158,10 +158,10 @@ def point(rate: float, outcomes: Sequence[Outcome], ttft_s: float, tpot_s: float
         rate,
         met / len(outcomes) if outcomes else 0.0,
         len(outcomes),
-        _pct(ttfts, 50),  # type: ignore[arg-type]
-        _pct(ttfts, 90),  # type: ignore[arg-type]
-        _pct(tpots, 50),  # type: ignore[arg-type]
-        _pct(tpots, 90),  # type: ignore[arg-type]
+        _pct(ttfts, 50),
+        _pct(ttfts, 90),
+        _pct(tpots, 50),
+        _pct(tpots, 90),
     )
 
 
@@ -341,7 +341,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--cores/--devices: at least 1")
     if args.workload not in BUILT_IN and not Path(args.workload).is_file():
         raise ValueError(f"--workload: one of {', '.join(BUILT_IN)} or a .jsonl file")
-    budgets = BUDGETS
+    budgets: tuple[int, ...] = BUDGETS
     if args.budgets:
         try:
             budgets = tuple(int(b) for b in args.budgets.split(","))

@@ -56,7 +56,8 @@ class Overheads:
     router_s: float = 0.0  # validation, tokenizing, hashing, the index lookup
     hop_s: float = 0.0  # router -> worker (a Ray call)
     stream_s: float = 0.0  # a token from the worker's step to the client
-    step_s: float = 0.0  # a served worker's own work per step (its loop, streaming out)
+    step_s: float = 0.0  # a served worker's own work per step (its loop, its stats)
+    row_s: float = 0.0  # per token a step emits (streaming it out: CPU the step shares)
 
     @classmethod
     def from_json(cls, d: dict[str, float] | None) -> Overheads:
@@ -228,7 +229,9 @@ class SimWorker:
         for c in out.prefill:
             if c.completes_prompt:
                 self.live[c.request.request_id].prefill_start_s = start
-        dt = max(self.model.predict(shape), 1e-6) + self.sim.cfg.overheads.step_s
+        over = self.sim.cfg.overheads
+        rows = len(out.decode) + sum(c.completes_prompt for c in out.prefill)
+        dt = max(self.model.predict(shape), 1e-6) + over.step_s + over.row_s * rows
         self.sim.clock.at(start + dt, lambda: self._step_done(out))
 
     def _step_done(self, out: SchedulerOutput) -> None:
@@ -317,9 +320,9 @@ class Simulator:
         else:
             self.prefill = workers(Role.PREFILL, s.prefill, cfg.prefill_model, "prefill")
             self.decode = workers(Role.DECODE, s.decode, cfg.decode_model, "decode")
-        self.prefill_pool = Pool(Role.PREFILL, [])
+        self.prefill_pool: Pool[Any] = Pool(Role.PREFILL, [])
         self.prefill_pool.workers = [w.load for w in self.prefill]
-        self.decode_pool = Pool(Role.DECODE, [])
+        self.decode_pool: Pool[Any] = Pool(Role.DECODE, [])
         self.decode_pool.workers = [w.load for w in self.decode]
         self.by_load = {id(w.load): w for w in self.prefill + self.decode}
         self.waiting: deque[tuple[_Live, float]] = deque()  # for KV room, with their deadline
@@ -439,8 +442,8 @@ class Simulator:
             t = r.arrival_s + self.cfg.overheads.router_s
             self.clock.at(t, partial(self._arrive, live))
         self.clock.run()
-        for live in self.waiting:
-            live[0].outcome.failed = "queue timeout"
+        for waiting, _ in self.waiting:
+            waiting.outcome.failed = "queue timeout"
         return [live.outcome for live in lives]
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -61,7 +62,7 @@ class StepShape:
         return {"chunks": [list(c) for c in self.chunks], "decode": list(self.decode)}
 
     @classmethod
-    def from_json(cls, d: dict[str, list]) -> StepShape:  # type: ignore[type-arg]
+    def from_json(cls, d: dict[str, Any]) -> StepShape:
         return cls(tuple((int(n), int(c)) for n, c in d["chunks"]), tuple(d["decode"]))
 
 

@@ -54,7 +54,8 @@ class WorkloadRequest:
 
 
 def _arrivals(rng: np.random.Generator, rate: float, duration_s: float) -> list[float]:
-    times, t = [], 0.0
+    times: list[float] = []
+    t = 0.0
     while True:
         t += float(rng.exponential(1.0 / rate))
         if t >= duration_s:
