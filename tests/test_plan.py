@@ -9,6 +9,7 @@ job (validation lanes A-C).
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -63,7 +64,7 @@ def test_built_in_workloads_are_a_function_of_their_seed() -> None:
         a, b = built_in(name, 1.0, 60, seed=3), built_in(name, 1.0, 60, seed=3)
         assert a == b and a, name
         assert a != built_in(name, 1.0, 60, seed=4)
-        assert all(x.arrival_s <= y.arrival_s for x, y in zip(a, a[1:], strict=False))
+        assert all(x.arrival_s <= y.arrival_s for x, y in itertools.pairwise(a))
 
 
 def test_prefix_groups_share_exactly_their_prefix() -> None:
@@ -115,7 +116,8 @@ def test_a_lone_colocated_request_takes_exactly_its_steps() -> None:
 
 def test_a_lone_disaggregated_request_waits_for_its_transfer() -> None:
     tr = Transfer(alpha_s=0.004, beta_bytes_per_s=1e8)
-    [out] = simulate(_cfg(PoolShape(prefill=1, decode=1), transfer=tr), [WorkloadRequest(0, 512, 3)])
+    cfg = _cfg(PoolShape(prefill=1, decode=1), transfer=tr)
+    [out] = simulate(cfg, [WorkloadRequest(0, 512, 3)])
     prefill = MODEL.predict(StepShape(((512, 0),)))
     assert out.ttft_s == pytest.approx(prefill, abs=1e-9)
     landed = tr.seconds(32 * KV_BLOCK)  # from the pass's start: it overlaps the pass
@@ -211,7 +213,8 @@ def test_plan_answers_with_curves_and_the_best_shape(tmp_path: Path) -> None:
     prof = _synthetic_profile(tmp_path / "p.json")
     cmd = [sys.executable, "-m", "pdserve.cli", "plan", "--profile", str(prof),
            "--workload", "documents", "--slo", "ttft=2000,tpot=120", "--cores", "2",
-           "--duration", "60", "--jobs", "1", "--json", "--plot", str(tmp_path / "c.png")]  # fmt: skip
+           "--duration", "60", "--jobs", "1", "--json",
+           "--plot", str(tmp_path / "c.png")]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr
     answer = json.loads(run.stdout)
