@@ -52,6 +52,7 @@ from pdserve.plan.plan import Profile, capacity_rps, sim_config
 from pdserve.plan.sim import Outcome, Overheads, PoolShape, simulate
 from pdserve.plan.stepmodel import StepShape
 from pdserve.plan.workload import WorkloadRequest, built_in, dump
+from pdserve.plan.workload import load as load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "plan"
@@ -148,7 +149,7 @@ def summary(outcomes: list[Outcome], slo: tuple[float, float]) -> dict[str, Any]
 
 
 STEP_GRID_MS = (0, 5, 10, 15, 20, 25, 30, 40)
-ROW_GRID_MS = (0, 0.5, 1, 1.5, 2, 3, 4, 6)
+ROW_GRID_MS = (0, 0.5, 1, 2, 3, 4, 6, 8, 10, 12)
 
 
 def calibrate(
@@ -162,7 +163,7 @@ def calibrate(
     difference at the lowest rate. Fixed before any held-out run is scored."""
     base = sim_config(profile, CONFIGS[config])
     quiet = [r for r in fit_runs if not r["busy"]] or fit_runs
-    low = min(quiet, key=lambda r: r["rate"])
+    low = min(quiet, key=lambda r: r["request_rate"])
     keys = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
 
     def with_ttft_offset(over: Overheads) -> Overheads:
@@ -315,7 +316,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # calibrate on the fit workload, then predict every run with the calibrated costs
     for r in runs:
-        r["requests"] = built_in(r["workload"], r["rate"], args.duration, args.seed)
+        r["requests"] = load_trace(r["reqs"])  # exactly what was sent
+        # the load as requests per second against the capacity estimate (requests per
+        # second): an agentic session is several requests
+        r["request_rate"] = round(len(r["requests"]) / args.duration, 4)
+        r["load"] = round(r["request_rate"] / r["capacity_rps"], 3)
     overheads = {
         c: calibrate(
             profile,
@@ -342,14 +347,14 @@ def main(argv: list[str] | None = None) -> int:
         for w in workloads:
             rs = sorted(
                 (r for r in runs if r["config"] == c and r["workload"] == w and not r["busy"]),
-                key=lambda r: r["rate"],
+                key=lambda r: r["request_rate"],
             )
             if not rs:
                 goodputs[f"{c}/{w}"] = {"measured": {"rps": None, "note": "no quiet run"},
                                         "predicted": {"rps": None, "note": "-"},
                                         "error_pct": None}  # fmt: skip
                 continue
-            rates = [r["rate"] for r in rs]
+            rates = [r["request_rate"] for r in rs]
             gm = goodput(rates, [r["measured"]["attainment"] for r in rs])
             gp = goodput(rates, [r["predicted"]["attainment"] for r in rs])
             goodputs[f"{c}/{w}"] = {
@@ -371,8 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     for c in configs:
         for w in workloads:
             quiet = [r for r in runs if r["config"] == c and r["workload"] == w and not r["busy"]]
-            low = [r for r in quiet if r["fraction"] < 0.85]
-            high = [r for r in quiet if r["fraction"] >= 0.85]
+            low = [r for r in quiet if r["load"] < 0.85]
+            high = [r for r in quiet if r["load"] >= 0.85]
             for band, rs in (("below 85% load", low), ("85% and above", high)):
                 if not rs:
                     continue
@@ -415,10 +420,10 @@ def print_report(rep: dict[str, Any]) -> None:
     head = (
         "config",
         "workload",
-        "frac",
-        "rate",
-        "n",
         "load",
+        "req/s",
+        "n",
+        "busy cores",
         "TTFT50 m/p",
         "TTFT90 m/p",
         "TPOT50 m/p",
@@ -438,10 +443,10 @@ def print_report(rep: dict[str, Any]) -> None:
                 for x in (
                     r["config"],
                     r["workload"] + ("" if r["workload"] != rep["fit_workload"] else " (fit)"),
-                    r["fraction"],
-                    r["rate"],
+                    r["load"],
+                    r["request_rate"],
                     m["n"],
-                    r["load_before"],
+                    r["busy_cores_before"],
                     mp("ttft_p50_ms"),
                     mp("ttft_p90_ms"),
                     mp("tpot_p50_ms"),
@@ -474,9 +479,9 @@ def plot(rep: dict[str, Any], path: Path) -> None:
         for i, c in enumerate(sorted({r["config"] for r in rep["runs"]})):
             rs = sorted(
                 (r for r in rep["runs"] if r["workload"] == w and r["config"] == c),
-                key=lambda r: r["rate"],
+                key=lambda r: r["request_rate"],
             )
-            x = [r["rate"] for r in rs]
+            x = [r["request_rate"] for r in rs]
             ax.plot(
                 x,
                 [r["measured"]["attainment"] * 100 for r in rs],

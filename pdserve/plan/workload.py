@@ -13,7 +13,8 @@ The trace file format (`--workload FILE.jsonl`), one request per line:
 `prefix_tokens` tokens (a system prompt, a document, an agent's context so far); without a
 group a prompt shares nothing.
 
-The built-in workloads (Poisson arrivals at `rate` requests per second):
+The built-in workloads (Poisson arrivals at `rate` requests per second; agentic sessions
+start at `rate / AGENTIC_TURNS`, so that their turns come at `rate` on average):
 - `chat`: prompts of 64-1024 tokens (log-uniform) after a 64-token system prompt shared by
   all, 32-192 tokens out;
 - `documents`: a long document each, 1024-2048 tokens, nothing shared, 16-96 tokens out;
@@ -34,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 BUILT_IN = ("chat", "documents", "agentic")
+AGENTIC_TURNS = 4.5  # the mean turns of an agentic session (3-6)
 
 
 @dataclass(frozen=True)
@@ -84,9 +86,11 @@ def built_in(name: str, rate: float, duration_s: float, seed: int = 0) -> list[W
             WorkloadRequest(t, int(rng.integers(1024, 2049)), int(rng.integers(16, 97)))
             for t in times
         ]
-    # agentic: a session starts at each arrival; its later turns follow its own think time
+    # agentic: sessions start at rate / AGENTIC_TURNS (so `rate` is requests per second, as
+    # for the others); a session's later turns follow its own think time
     out: list[WorkloadRequest] = []
-    for group, start in enumerate(times):
+    sessions = _arrivals(np.random.default_rng([seed, 3]), rate / AGENTIC_TURNS, duration_s)
+    for group, start in enumerate(sessions):
         prompt, t = 512 + int(rng.integers(64, 257)), start
         prefix = 512
         for _ in range(int(rng.integers(3, 7))):
