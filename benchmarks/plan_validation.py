@@ -218,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--reuse",
         action="store_true",
-        help="score the runs already in OUT/runs (their load figures from OUT/validation.json) "
-        "instead of running them again",
+        help="keep the runs already in OUT/runs (each trace, result and meta file) and run only "
+        "the missing ones",
     )
     args = p.parse_args(argv)
 
@@ -255,45 +255,48 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = str(resolve_model(args.model))
     runs: list[dict[str, Any]] = []
-    previous: dict[str, dict[str, Any]] = {}
-    if args.reuse:
-        old = json.loads((out / "validation.json").read_text())
-        previous = {f"{r['config']}-{r['workload']}-{r['fraction']}": r for r in old["runs"]}
     total = len(configs) * len(workloads) * len(fractions)
     bar = tqdm(total=total, desc="bench-plan", file=sys.stderr)
     for config in configs:
         shape = CONFIGS[config]
         with contextlib.ExitStack() as stack:
-            srv = None
-            if not args.reuse:
-                srv = stack.enter_context(
-                    Server(config, serve_args(config, model_dir, args.dtype, run_dir), run_dir, 300)
-                )
-                warm = built_in("chat", 1.0, 4, seed=99)
-                dump(warm, run_dir / "warmup.jsonl")
-                replay(srv.target, run_dir / "warmup.jsonl", run_dir / "warmup.json", 99)
+            server: list[Server] = []  # started when a run of this configuration needs it
+
+            def target(config: str = config, stack: Any = stack, server: Any = server) -> str:
+                if not server:
+                    args_ = serve_args(config, model_dir, args.dtype, run_dir)
+                    server.append(stack.enter_context(Server(config, args_, run_dir, 300)))
+                    warm = built_in("chat", 1.0, 4, seed=99)
+                    dump(warm, run_dir / "warmup.jsonl")
+                    replay(server[0].target, run_dir / "warmup.jsonl", run_dir / "warmup.json", 99)
+                return str(server[0].target)
+
             for workload in workloads:
                 probe = built_in(workload, 1.0, args.duration, args.seed)
                 cap = capacity_rps(profile, probe, shape.cores)
                 for f in fractions:
                     rate = round(f * cap, 4)
-                    reqs = built_in(workload, rate, args.duration, args.seed)
                     name = f"{config}-{workload}-{f}"
-                    trace = run_dir / f"{name}.jsonl"
-                    bar.set_postfix_str(f"{name} ({len(reqs)} req)")
-                    if srv is None:  # --reuse
-                        meta = previous[name]
-                        res = json.loads((run_dir / f"{name}.json").read_text())
-                        load, other, wall = (
-                            meta["load_before"], meta.get("busy_cores_before", 0.0), meta["wall_s"]
-                        )  # fmt: skip
+                    trace, result = run_dir / f"{name}.jsonl", run_dir / f"{name}.json"
+                    meta_path = run_dir / f"{name}.meta.json"
+                    if args.reuse and trace.exists() and result.exists():
+                        reqs = load_trace(trace)  # what was sent
+                        res = json.loads(result.read_text())
+                        # a run without its meta file: the load before it was not recorded
+                        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
                     else:
+                        reqs = built_in(workload, rate, args.duration, args.seed)
+                        bar.set_postfix_str(f"{name} ({len(reqs)} req)")
                         dump(reqs, trace)
+                        where = target()
                         time.sleep(3)  # the last run's streams end and its workers go quiet
-                        load, other = os.getloadavg()[0], busy_cores()
+                        meta = {"load_before": round(os.getloadavg()[0], 2),
+                                "busy_cores_before": round(busy_cores(), 2)}  # fmt: skip
                         t0 = time.time()
-                        res = replay(srv.target, trace, run_dir / f"{name}.json", args.seed)
-                        wall = round(time.time() - t0, 1)
+                        res = replay(where, trace, result, args.seed)
+                        meta["wall_s"] = round(time.time() - t0, 1)
+                        meta_path.write_text(json.dumps(meta))
+                    other = meta.get("busy_cores_before")
                     measured = measured_outcomes(reqs, res)
                     runs.append(
                         {
@@ -302,10 +305,10 @@ def main(argv: list[str] | None = None) -> int:
                             "fraction": f,
                             "rate": rate,
                             "capacity_rps": round(cap, 4),
-                            "load_before": round(load, 2),
-                            "busy_cores_before": round(other, 2),
-                            "busy": other > BUSY_CORES,
-                            "wall_s": wall,
+                            "load_before": meta.get("load_before"),
+                            "busy_cores_before": other,
+                            "busy": other is not None and other > BUSY_CORES,
+                            "wall_s": meta.get("wall_s"),
                             "measured": summary(measured, slo),
                             "m_ttft": [o.ttft_s for o in measured],
                             "reqs": str(trace),
