@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.checkpoint import write_checkpoint
+from pdserve.cli import main
 from pdserve.plan import plan as planner
 from pdserve.plan.attainment import goodput, parse_slo
 from pdserve.plan.sim import Overheads, PoolShape, SimConfig, Simulator, Transfer, simulate
@@ -209,15 +210,16 @@ def _synthetic_profile(path: Path) -> Path:
     return path
 
 
-def test_plan_answers_with_curves_and_the_best_shape(tmp_path: Path) -> None:
+def test_plan_answers_with_curves_and_the_best_shape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     prof = _synthetic_profile(tmp_path / "p.json")
-    cmd = [sys.executable, "-m", "pdserve.cli", "plan", "--profile", str(prof),
-           "--workload", "documents", "--slo", "ttft=2000,tpot=120", "--cores", "2",
-           "--duration", "60", "--jobs", "1", "--json",
-           "--plot", str(tmp_path / "c.png")]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stderr
-    answer = json.loads(run.stdout)
+    rc = main(["plan", "--profile", str(prof), "--workload", "documents", "--slo",
+               "ttft=2000,tpot=120", "--cores", "2", "--duration", "30", "--jobs", "1",
+               "--json", "--plot", str(tmp_path / "c.png")])  # fmt: skip
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    answer = json.loads(out.out)
     best = answer["candidates"][0]
     assert answer["best"] == best["shape"]
     assert best["goodput_rps"] == max(c["goodput_rps"] or 0 for c in answer["candidates"])
@@ -232,13 +234,12 @@ def test_plan_answers_with_curves_and_the_best_shape(tmp_path: Path) -> None:
     [(["--slo", "ttft=1"], "--slo"), (["--slo", "ttft=1,tpot=1", "--workload", "nope"],
      "--workload"), (["--slo", "ttft=1,tpot=1", "--cores", "0"], "--cores")],
 )  # fmt: skip
-def test_plan_refuses_bad_input_by_name(tmp_path: Path, args: list[str], message: str) -> None:
+def test_plan_refuses_bad_input_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
     prof = _synthetic_profile(tmp_path / "p.json")
-    run = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "plan", "--profile", str(prof), *args],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert run.returncode == 2 and message in run.stderr, run.stderr
+    rc = main(["plan", "--profile", str(prof), *args])
+    assert rc == 2 and message in capsys.readouterr().err
 
 
 # ---- the profile ---------------------------------------------------------------------------
