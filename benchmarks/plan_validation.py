@@ -408,6 +408,20 @@ def main(argv: list[str] | None = None) -> int:
         "best": best,
     }
     (out / "validation.json").write_text(json.dumps(report, indent=1) + "\n")
+    # the profile with what this run calibrated and measured: `pdserve plan --profile` on it
+    # uses these served costs and prints lane C's errors beside its answer
+    validated = json.loads(prof_path.read_text())
+    kind = {"colocated": "colocated", "1P1D": "split"}
+    validated["overheads"] = {kind[c]: o.__dict__ for c, o in overheads.items()}
+    validated["validation"] = {
+        "C": {
+            "held_out_workloads": [w for w in workloads if w != FIT_WORKLOAD],
+            "scores": scores,
+            "goodput_error_pct": {k: g["error_pct"] for k, g in goodputs.items()},
+            "report": str(out / "validation.json"),
+        }
+    }
+    (out / "profile.validated.json").write_text(json.dumps(validated, indent=1) + "\n")
     print_report(report)
     plot(report, out / "validation.png")
     return 0

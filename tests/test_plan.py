@@ -242,6 +242,24 @@ def test_plan_refuses_bad_input_by_name(
     assert rc == 2 and message in capsys.readouterr().err
 
 
+def test_a_validated_profile_carries_its_served_costs_per_kind(tmp_path: Path) -> None:
+    """`make bench-plan` writes one set of served costs per kind of shape; a colocated
+    shape simulates with the colocated set and a split with the split set."""
+    prof = json.loads(_synthetic_profile(tmp_path / "p.json").read_text())
+    prof["overheads"] = {"colocated": {"step_s": 0.001}, "split": {"step_s": 0.002, "row_s": 1e-4}}
+    prof["validation"] = {"C": {"scores": {"colocated/chat below 85% load": {"runs": 2}}}}
+    (tmp_path / "v.json").write_text(json.dumps(prof))
+    p = planner.Profile.read(tmp_path / "v.json")
+    assert planner.sim_config(p, PoolShape(colocated=1)).overheads.step_s == 0.001
+    split = planner.sim_config(p, PoolShape(prefill=1, decode=1)).overheads
+    assert (split.step_s, split.row_s) == (0.002, 1e-4)
+    assert p.errors["C_end_to_end"]["scores"]
+    flat = json.loads((tmp_path / "p.json").read_text()) | {"overheads": {"router_s": 0.05}}
+    (tmp_path / "f.json").write_text(json.dumps(flat))
+    f = planner.Profile.read(tmp_path / "f.json")
+    assert f.overheads["colocated"] == f.overheads["split"] == Overheads(router_s=0.05)
+
+
 # ---- the profile ---------------------------------------------------------------------------
 def test_profile_fits_and_scores_on_held_out_shapes(tmp_path: Path) -> None:
     """`pdserve profile --quick` on the tiny preset: the real engine timed, the model fitted

@@ -53,7 +53,7 @@ class Profile:
     kv_bytes_per_block: int
     pool_blocks: int
     transfer: Transfer
-    overheads: Overheads
+    overheads: dict[str, Overheads]  # "colocated" / "split" -> the served costs
     errors: dict[str, Any]  # lane -> held-out error record, where measured
     raw: dict[str, Any]
 
@@ -85,12 +85,21 @@ class Profile:
                 int(d["kv_bytes_per_block"]),
                 int(d["pool_blocks"]),
                 transfer,
-                Overheads.from_json(d.get("overheads")),
+                _overheads(d.get("overheads")),
                 errors,
                 d,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"--profile: {path} is not a pdserve profile ({e})") from None
+
+
+def _overheads(d: dict[str, Any] | None) -> dict[str, Overheads]:
+    """A profile's served costs: one set for all shapes, or one per kind ("colocated",
+    "split") as `make bench-plan` calibrates them; none measured: all zero."""
+    d = d or {}
+    if "colocated" in d or "split" in d:
+        return {k: Overheads.from_json(d.get(k)) for k in ("colocated", "split")}
+    return dict.fromkeys(("colocated", "split"), Overheads.from_json(d))
 
 
 def candidates(
@@ -175,7 +184,7 @@ def sim_config(profile: Profile, shape: PoolShape) -> SimConfig:
     dec = model(shape.threads if shape.colocated else shape.decode_threads)
     return SimConfig(
         shape, pre, dec, profile.block_size, profile.kv_bytes_per_block, profile.pool_blocks,
-        profile.transfer, profile.overheads,
+        profile.transfer, profile.overheads["colocated" if shape.colocated else "split"],
     )  # fmt: skip
 
 
