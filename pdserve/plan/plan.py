@@ -334,6 +334,12 @@ def print_answer(answer: dict[str, Any], out: Any = sys.stdout) -> None:
         print(f"  {c['shape']:<22} goodput {_fmt(c['goodput_rps']):>7} req/s  {cells}", file=out)
     print(f"best: {answer['best']}", file=out)
     for lane, err in answer["errors"].items():
+        if isinstance(err, dict) and "scores" in err:  # lane C: one line per score
+            print(f"held-out error, lane {lane} (mean |error| %, attainment max points):", file=out)
+            for key, sc in err["scores"].items():
+                cells = ", ".join(f"{k} {v}" for k, v in sc.items())
+                print(f"  {key}: {cells}", file=out)
+            continue
         print(f"held-out error, lane {lane}: {json.dumps(err)}", file=out)
     if not answer["measured_profile"]:
         print("the profile is an unmeasured extrapolation (a published roofline)", file=out)
