@@ -141,16 +141,16 @@ def _fill_trace(trace: argparse.ArgumentParser) -> None:
 
 
 def _fill_profile(p: argparse.ArgumentParser) -> None:
-    from pdserve.plan.profile import add_args
+    from pdserve.plan.args import add_profile_args
 
     _add_model_flags(p)
-    add_args(p)
+    add_profile_args(p)
 
 
 def _fill_plan(p: argparse.ArgumentParser) -> None:
-    from pdserve.plan.plan import add_args
+    from pdserve.plan.args import add_plan_args
 
-    add_args(p)
+    add_plan_args(p)
 
 
 def _fill_client(client: argparse.ArgumentParser) -> None:

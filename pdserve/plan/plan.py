@@ -379,30 +379,3 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"attainment curves: {args.plot}")
     return 0
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", required=True, help="a `pdserve profile` JSON")
-    p.add_argument(
-        "--workload", default="chat", help=f"{', '.join(BUILT_IN)}, or a trace .jsonl file"
-    )
-    p.add_argument("--slo", required=True, help="ttft=MS,tpot=MS (both bounds, in ms)")
-    p.add_argument(
-        "--cores", type=int, default=None, help="CPU cores to plan for (default: this machine's)"
-    )
-    p.add_argument(
-        "--devices", type=int, default=None, help="devices to plan for (a device profile)"
-    )
-    p.add_argument("--rate", type=float, default=None, help="also report this request rate (req/s)")
-    p.add_argument(
-        "--duration", type=float, default=600.0, help="seconds of workload simulated per rate"
-    )
-    p.add_argument("--seed", type=int, default=0, help="the workload's random seed")
-    p.add_argument(
-        "--budgets", default=None, help="step budgets to try, e.g. 512,2048 (default: 2048)"
-    )
-    p.add_argument(
-        "--jobs", type=int, default=None, help="processes simulating candidates (default: cores)"
-    )
-    p.add_argument("--plot", default=None, help="write the attainment curves to this PNG")
-    p.add_argument("--json", action="store_true", help="print the answer as JSON")

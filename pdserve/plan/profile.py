@@ -279,12 +279,3 @@ def run_profile(args: argparse.Namespace) -> int:
         )
     print(f"pdserve: wrote {out} and {plot}")
     return 0
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, help="the profile's JSON path (a .png goes beside)")
-    p.add_argument(
-        "--threads", default=None, help="worker sizes to profile, e.g. 1,2 (default: 1 and all)"
-    )
-    p.add_argument("--repeats", type=int, default=5, help="times each shape is measured")
-    p.add_argument("--quick", action="store_true", help="a smaller grid (a first look, tests)")

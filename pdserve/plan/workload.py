@@ -34,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-BUILT_IN = ("chat", "documents", "agentic")
+from pdserve.plan.args import WORKLOADS as BUILT_IN
+
 AGENTIC_TURNS = 4.5  # the mean turns of an agentic session (3-6)
 
 
