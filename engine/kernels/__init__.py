@@ -70,7 +70,10 @@ class Candidate:
 OPS: dict[str, tuple[Candidate, ...]] = {
     "decode_attention": (
         Candidate("sdpa", sdpa_attention, _anywhere),
-        Candidate("matmul", matmul_attention, _cpu),
+        # not offered with batch invariance on: it passes the probe (batch size), but the
+        # census found it changing tokens chunked, disaggregated and preempted (prompt 12 of
+        # 16, 2026-12-07), and the selection took it whenever load made it tie with `paged`
+        Candidate("matmul", matmul_attention, _cpu, "never"),
         Candidate("paged", paged_decode_attention, PagedDecode.available),
     ),
     "prefill_attention": (

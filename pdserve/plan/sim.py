@@ -172,6 +172,7 @@ class _Live:
     outcome: Outcome
     prefill_start_s: float = 0.0  # when the step that ended its prompt pass began
     decode: SimWorker | None = None  # disaggregated: the worker holding its reservation
+    shared_blocks: int = 0  # of its reservation there, already cached (they do not move)
 
 
 class SimWorker:
@@ -359,9 +360,10 @@ class Simulator:
                 break
             d = self.by_load[id(pair.decode)]
             try:
-                d.blocks.allocate(req.request_id, usable, len(req.prompt_token_ids))
+                alloc = d.blocks.allocate(req.request_id, usable, len(req.prompt_token_ids))
             except NoFreeBlocksError:
                 continue
+            live.shared_blocks = alloc.num_cached_tokens // self.cfg.block_size
             d.refresh()
             p = self.by_load[id(pair.prefill)]
             live.outcome.placement = "disaggregated"
@@ -400,8 +402,8 @@ class Simulator:
         worker.load.outstanding_tokens -= n
         d = live.decode
         assert d is not None, "a prefilled request has a decode reservation"
-        held = d.blocks.match_prefix(req.block_hashes[: (n - 1) // self.cfg.block_size])
-        nbytes = (-(-n // self.cfg.block_size) - held) * self.cfg.kv_bytes_per_block
+        moved = -(-n // self.cfg.block_size) - live.shared_blocks
+        nbytes = moved * self.cfg.kv_bytes_per_block
         t = self.cfg.transfer
         done = max(now + t.alpha_s, live.prefill_start_s + t.seconds(nbytes))
 
