@@ -95,7 +95,7 @@ bench-determinism: $(STAMP)
 
 # pdserve plan against real runs: the profile's held-out step shapes (lane A), and real
 # colocated and 1P1D runs of three workloads at six rates against the simulator's
-# prediction, calibrated on one workload (lane C); benchmarks/plan_validation.py, ~45 min.
+# prediction, calibrated on one workload (lane C); benchmarks/plan_validation.py, ~35 min.
 bench-plan: $(STAMP) redis
 	$(BIN)/python benchmarks/plan_validation.py $(BENCH_PLAN_ARGS)
 
