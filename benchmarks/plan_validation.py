@@ -36,7 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from engine.cpu import identity
 from pdserve.plan.attainment import goodput
-from pdserve.plan.plan import Profile, capacity_rps, sim_config
+from pdserve.plan.plan import Profile, capacity_rps, point, sim_config
 from pdserve.plan.sim import Outcome, Overheads, PoolShape, simulate
 from pdserve.plan.stepmodel import StepShape
 from pdserve.plan.workload import WorkloadRequest, built_in, dump
@@ -130,21 +130,14 @@ def measured_outcomes(reqs: list[WorkloadRequest], res: dict[str, Any]) -> list[
 
 
 def summary(outcomes: list[Outcome], slo: tuple[float, float]) -> dict[str, Any]:
-    ok = [o for o in outcomes if not o.failed and o.ttft_s is not None]
-    ttft = [o.ttft_s for o in ok]
-    tpot = [o.tpot_s for o in ok if o.output_tokens > 1]
-
-    def pct(v: list[Any], q: float) -> float | None:
-        return round(float(np.percentile(v, q)) * 1e3, 2) if v else None
-
+    """`pdserve plan`'s figures of one rate (`plan.point`), and the failed count."""
+    p = point(0.0, outcomes, *slo)
+    figures = asdict(p)
     return {
-        "n": len(outcomes),
-        "failed": len(outcomes) - len(ok),
-        "ttft_p50_ms": pct(ttft, 50),
-        "ttft_p90_ms": pct(ttft, 90),
-        "tpot_p50_ms": pct(tpot, 50),
-        "tpot_p90_ms": pct(tpot, 90),
-        "attainment": sum(o.meets(*slo) for o in outcomes) / len(outcomes),
+        "n": p.n,
+        "failed": sum(1 for o in outcomes if o.failed or o.ttft_s is None),
+        **{k: figures[k] for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")},
+        "attainment": p.attainment,
     }
 
 

@@ -351,7 +351,7 @@ class LLMEngine:
             if reason is not None:
                 self._finish(seq, reason)
             else:
-                self._join(seq)
+                self.scheduler.join(seq)
             # Same hold-back as the prefill worker applied to this token's text, so the
             # decode side's later deltas continue exactly where the prefill side's ended.
             delta = seq.take_text_delta(final=reason is not None)
@@ -388,22 +388,12 @@ class LLMEngine:
                     parent.request_id, child.request_id, parent.num_computed_tokens
                 )
             except NoFreeBlocksError:
-                child.num_computed_tokens = 0  # `_join` queues it to recompute
+                child.num_computed_tokens = 0  # `Scheduler.join` queues it to recompute
                 continue
             if copies:
                 src, dst = zip(*copies, strict=True)
                 self.cache.copy_blocks(list(src), self.cache, list(dst))
         return children
-
-    def _join(self, seq: Request) -> None:
-        """A sequence with its first token (and no stop), or one whose prompt was recomputed
-        after a preemption, joins the running batch; a fork that got no blocks waits to
-        recompute instead."""
-        self.scheduler.remove(seq)
-        if self.blocks.has(seq.request_id):
-            self.scheduler.add_running(seq)
-        else:
-            self.scheduler.requeue(seq)
 
     def _output(
         self,
@@ -530,7 +520,7 @@ class LLMEngine:
             c.request.num_computed_tokens = c.end
             c.request.prefill_s += step_s
             if c.completes_prefill and not c.completes_prompt:
-                self._join(c.request)  # recomputed up to its output: replays it next
+                self.scheduler.join(c.request)  # recomputed up to its output: replays it next
         for r in out.decode:
             r.num_computed_tokens += 1
         for r in [c.request for c in out.prefill] + list(out.decode):
@@ -552,7 +542,7 @@ class LLMEngine:
             elif reason is not None:
                 self._finish(req, reason)
             elif req.status is RequestStatus.WAITING:  # its prompt (or its fork) just ended
-                self._join(req)
+                self.scheduler.join(req)
             first = len(req.output_token_ids) == 1 and req.index == 0
             wanted = req.params.prompt_logprobs is not None
             plps = tuple(req.prompt_logprobs) if first and wanted else ()

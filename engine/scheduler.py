@@ -161,6 +161,16 @@ class Scheduler:
                         break
         return preempted
 
+    def join(self, seq: Request) -> None:
+        """A sequence with its first token (and no stop), or one whose prompt was recomputed
+        after a preemption, joins the running batch; one that holds no blocks (a fork that
+        got none) waits to recompute instead."""
+        self.remove(seq)
+        if self.blocks.has(seq.request_id):
+            self.add_running(seq)
+        else:
+            self.requeue(seq)
+
     def preempt(self, req: Request) -> None:
         """Free a running request's blocks and queue it to recompute (what an empty pool
         does to the most recently admitted one)."""

@@ -161,7 +161,10 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def point(rate: float, outcomes: Sequence[Outcome], ttft_s: float, tpot_s: float) -> Point:
     ttfts = [o.ttft_s for o in outcomes if o.ttft_s is not None and not o.failed]
-    tpots = [o.tpot_s for o in outcomes if o.tpot_s is not None and not o.failed]
+    # a one-token request has no time per output token
+    tpots = [
+        o.tpot_s for o in outcomes if o.tpot_s is not None and not o.failed and o.output_tokens > 1
+    ]
     met = sum(o.meets(ttft_s, tpot_s) for o in outcomes)
     return Point(
         rate,

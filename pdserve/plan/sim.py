@@ -241,7 +241,7 @@ class SimWorker:
         for c in out.prefill:
             c.request.num_computed_tokens = c.end
             if c.completes_prefill and not c.completes_prompt:
-                self._join(c.request)
+                self.scheduler.join(c.request)
         for r in out.decode:
             r.num_computed_tokens += 1
         for r in [c.request for c in out.prefill] + list(out.decode):
@@ -265,17 +265,10 @@ class SimWorker:
                 del self.live[req.request_id]
                 self.sim.finished(live, self)
             elif req.status is RequestStatus.WAITING:
-                self._join(req)
+                self.scheduler.join(req)
         self.busy = False
         self.refresh()
         self.kick()
-
-    def _join(self, seq: Request) -> None:
-        self.scheduler.remove(seq)
-        if self.blocks.has(seq.request_id):
-            self.scheduler.add_running(seq)
-        else:
-            self.scheduler.requeue(seq)
 
 
 @dataclass
