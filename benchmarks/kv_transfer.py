@@ -33,15 +33,12 @@ import atexit
 import contextlib
 import json
 import multiprocessing as mp
-import multiprocessing.connection as mpc
 import os
 import platform
 import signal
 import statistics
 import sys
-import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -60,16 +57,23 @@ from engine.block_manager import BlockManager  # noqa: E402
 from engine.config import CacheConfig, ModelConfig, ceil_div  # noqa: E402
 from engine.kv_cache import PagedKVCache  # noqa: E402
 from engine.scheduler import SchedulerOutput  # noqa: E402
+from kv_transfer.probe import (  # noqa: E402
+    HOST,
+    PageReceiver,
+    PageSender,
+    PeerProcess,
+    checksum,
+    page_cache,
+)
 from kv_transfer.receiver import KVReceiver  # noqa: E402
 from kv_transfer.sender import KVSender, OutboundTransfer  # noqa: E402
-from kv_transfer.transports.base import Endpoint, get_transport  # noqa: E402
+from kv_transfer.transports.base import get_transport  # noqa: E402
 from kv_transfer.wire import block_runs  # noqa: E402
 from protos.pdserve.v1 import kv_transfer_pb2 as pb  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 MIB = 1 << 20
 GB = 1e9
-HOST = "127.0.0.1"
 CHUNK_BYTES = 1 << 20  # raw gRPC message size, as the grpc transport's data chunks
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
@@ -95,7 +99,6 @@ GEOMETRY: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 BLOCK_SIZE = 16
-FINGERPRINT = "kv-transfer-bench"
 
 
 def page_model() -> ModelConfig:
@@ -117,59 +120,6 @@ def med(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 
 
-def checksum(cache: PagedKVCache, ids: Sequence[int]) -> list[int]:
-    """Per (layer, K/V, position in `ids`) int16 sums of the pages: order-sensitive."""
-    idx = torch.tensor(list(ids), dtype=torch.long)
-    raw = cache.data.view(torch.int16).index_select(2, idx)  # [L, 2, n, Bs, H, D]
-    return raw.sum(dim=(3, 4, 5), dtype=torch.int64).flatten().tolist()
-
-
-# ======================================================================================
-# Child processes: a command loop serving the parent's calls over a Pipe.
-# ======================================================================================
-
-
-def _watch_parent(ppid: int) -> None:
-    """Exit hard if the parent goes away (even mid-transfer), so no process is orphaned."""
-
-    def loop() -> None:
-        while True:
-            if os.getppid() != ppid:
-                os._exit(3)
-            time.sleep(0.5)
-
-    threading.Thread(target=loop, name="watch-parent", daemon=True).start()
-
-
-def _peer_main(role: str, conn: mpc.Connection, ppid: int, threads: int) -> None:
-    _watch_parent(ppid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
-    torch.set_num_threads(threads)
-    peer: Any = RxPeer() if role == "rx" else TxPeer()
-    code = 0
-    try:
-        while True:
-            try:
-                op, kwargs = conn.recv()
-            except (EOFError, OSError):
-                break
-            if op == "stop":
-                with contextlib.suppress(Exception):
-                    peer.close()
-                conn.send(("ok", None))
-                break
-            try:
-                conn.send(("ok", getattr(peer, op)(**kwargs)))
-            except BaseException:
-                conn.send(("err", traceback.format_exc()))
-    except BaseException:
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # gloo/gRPC threads must not keep a finished child alive
-
-
 class _RawSink:
     """Raw gRPC receiver: a client stream of bytes messages, optionally landed in a buffer."""
 
@@ -186,74 +136,15 @@ class _RawSink:
         return n.to_bytes(8, "little")
 
 
-class RxPeer:
+class RxPeer(PageReceiver):
     """The decode side: caches, receivers and endpoints; a gloo rank 1; a raw gRPC server."""
 
     def __init__(self) -> None:
-        self.rx: dict[str, KVReceiver] = {}
-        self.endpoints: list[Endpoint] = []
-        self.cache: PagedKVCache | None = None
-        self.pool: dict[str, str] = {}  # key -> "fresh" | "scattered" | "live"
-        self.n = 0
+        super().__init__()
         self.store: Any = None
         self.pg: Any = None
         self.buf: torch.Tensor | None = None
         self.servers: list[Any] = []
-
-    # ---- transports ---------------------------------------------------------------------
-    def setup_pages(self, num_blocks: int) -> None:
-        self.cache = PagedKVCache(
-            page_model(),
-            CacheConfig(BLOCK_SIZE, num_blocks),
-            torch.bfloat16,
-            fingerprint=FINGERPRINT,
-        )
-
-    def listen(self, key: str, transport: str, pool: str = "fresh") -> str:
-        """A receiver + endpoint on the page cache. `pool` decides the destination block ids:
-        "fresh": a new pool per reserve, ids ascending, one run per layer (the best case);
-        "scattered": a fragmented pool, as a long-running worker's can be: every other block
-        held by someone else, the rest freed in random order, so every block is a run of its
-        own (the worst case; the receiving cache has twice the blocks for it);
-        "live": one pool used as is, as the decode worker's."""
-        assert self.cache is not None
-        return self._listen(key, transport, self.cache, pool)
-
-    def _listen(self, key: str, transport: str, cache: PagedKVCache, pool: str) -> str:
-        rx = KVReceiver(
-            cache, BlockManager(cache.num_blocks, cache.block_size), transport=transport
-        )
-        ep = get_transport(transport, timeout_s=TRANSFER_TIMEOUT_S).listen(rx, HOST)
-        rx.address = ep.address
-        self.rx[key] = rx
-        self.pool[key] = pool
-        self.endpoints.append(ep)
-        return ep.address
-
-    def reserve(self, key: str, num_tokens: int) -> bytes:
-        rx = self.rx[key]
-        self.n += 1
-        if self.pool[key] != "live":
-            assert rx.pending() == 0
-            rx.blocks = BlockManager(rx.cache.num_blocks, rx.cache.block_size)
-        if self.pool[key] == "scattered":  # public API only: take every block, free the
-            # even ones in random order. The block manager hands fresh blocks out in ascending
-            # order, so shuffling alone would leave one run; the held odd blocks split them.
-            for b in range(rx.cache.num_blocks):
-                rx.blocks.allocate(f"churn-{b}", [], rx.cache.block_size)  # churn-b holds b
-            evens = np.arange(0, rx.cache.num_blocks, 2)
-            for b in np.random.default_rng(self.n).permutation(evens).tolist():
-                rx.blocks.free(f"churn-{b}")
-        return rx.reserve(f"req-{self.n}", num_tokens, extra_tokens=0).SerializeToString()
-
-    def release(self, key: str, transfer_id: str, want_checksum: bool = False) -> list[int]:
-        rx = self.rx[key]
-        res = rx.wait(transfer_id, TRANSFER_TIMEOUT_S)
-        rx.take(transfer_id)
-        sums = checksum(rx.cache, res.dst_block_ids) if want_checksum else []
-        with rx.lock:
-            rx.blocks.free(res.request_id)
-        return sums
 
     def ttft_listen(self, model_dir: str, fingerprint: str, transport: str, blocks: int) -> str:
         cache = PagedKVCache(
@@ -262,7 +153,7 @@ class RxPeer:
             torch.bfloat16,
             fingerprint=fingerprint,
         )
-        return self._listen(f"ttft-{transport}", transport, cache, "live")
+        return self.listen_on(f"ttft-{transport}", transport, cache, "live")
 
     # ---- raw gloo ------------------------------------------------------------------------
     def gloo_store(self, max_bytes: int) -> int:
@@ -306,63 +197,24 @@ class RxPeer:
         self.servers.append(server)
         return f"{HOST}:{port}"
 
-    def cpu(self) -> float:
-        """CPU seconds this process has used (all threads: transport, store, copies)."""
-        return time.process_time()
-
     def close(self) -> None:
-        for ep in self.endpoints:
-            with contextlib.suppress(Exception):
-                ep.close()
+        super().close()
         for s in self.servers:
             with contextlib.suppress(Exception):
                 s.stop(None)
-        self.endpoints.clear()
         self.servers.clear()
-        self.rx.clear()
 
 
-class TxPeer:
+class TxPeer(PageSender):
     """The prefill side: source pages and senders; gloo rank 0; raw gRPC client; the engine."""
 
     def __init__(self) -> None:
-        self.cache: PagedKVCache | None = None
-        self.senders: dict[str, KVSender] = {}
+        super().__init__()
         self.pg: Any = None
         self.buf: torch.Tensor | None = None
         self.grpc_channels: dict[str, Any] = {}
         self.engine: Any = None
         self.n = 0
-
-    def setup_pages(self, num_blocks: int, seed: int = 0) -> None:
-        self.cache = PagedKVCache(
-            page_model(),
-            CacheConfig(BLOCK_SIZE, num_blocks),
-            torch.bfloat16,
-            fingerprint=FINGERPRINT,
-        )
-        torch.manual_seed(seed)
-        self.cache.data.normal_()
-
-    def _sender(self, key: str, transport: str, cache: PagedKVCache) -> KVSender:
-        if key not in self.senders:
-            tr = get_transport(transport, timeout_s=TRANSFER_TIMEOUT_S)
-            self.senders[key] = KVSender(cache, "bench-tx", tr, timeout_s=TRANSFER_TIMEOUT_S)
-        return self.senders[key]
-
-    def send(self, transport: str, ticket: bytes, src_ids: list[int]) -> float:
-        assert self.cache is not None
-        sender = self._sender(transport, transport, self.cache)
-        t = pb.TransferTicket.FromString(ticket)
-        t0 = time.perf_counter()
-        ack = sender.send(t, src_ids)
-        dt = time.perf_counter() - t0
-        assert ack.status == pb.TRANSFER_STATUS_COMPLETE, ack
-        return dt
-
-    def checksum(self, ids: list[int]) -> list[int]:
-        assert self.cache is not None
-        return checksum(self.cache, ids)
 
     # ---- raw gloo ------------------------------------------------------------------------
     def gloo_pg(self, port: int, max_bytes: int) -> None:
@@ -446,7 +298,7 @@ class TxPeer:
         from engine.sampling import SamplingParams
 
         eng = self.engine
-        sender = self._sender(f"ttft-{transport}", transport, eng.cache)
+        sender = self.sender(f"ttft-{transport}", transport, eng.cache)
         rng = np.random.default_rng(seed)  # a fresh prompt each run: no prefix-cache hits
         ids = rng.integers(10, eng.model_config.vocab_size - 10, n_tokens).tolist()
         self.n += 1
@@ -496,13 +348,10 @@ class TxPeer:
         }
 
     def close(self) -> None:
-        for s in self.senders.values():
-            with contextlib.suppress(Exception):
-                s.close()
+        super().close()
         for ch in self.grpc_channels.values():
             with contextlib.suppress(Exception):
                 ch.close()
-        self.senders.clear()
         self.grpc_channels.clear()
 
 
@@ -511,65 +360,18 @@ class TxPeer:
 # ======================================================================================
 
 
-class Peer:
-    """A spawned child process and its command pipe."""
-
-    def __init__(self, ctx: Any, role: str, threads: int) -> None:
-        self.role = role
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_peer_main, args=(role, child, os.getpid(), threads), name=f"kvbench-{role}"
-        )
-        self.proc.start()
-        child.close()
-
-    def send(self, op: str, **kwargs: Any) -> None:
-        self.conn.send((op, kwargs))
-
-    def result(self, timeout: float = 300.0) -> Any:
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"{self.role}: no reply within {timeout:.0f} s")
-        status, value = self.conn.recv()
-        if status == "err":
-            raise RuntimeError(f"{self.role} process failed:\n{value}")
-        return value
-
-    def call(self, op: str, timeout: float = 300.0, **kwargs: Any) -> Any:
-        self.send(op, **kwargs)
-        return self.result(timeout)
-
-    def stop(self, graceful: bool = True) -> None:
-        """Ask the child to close its endpoints and exit; terminate it when it does not (or at
-        once when not `graceful`, e.g. after an error or a signal, when it may be mid-call)."""
-        if graceful and self.proc.is_alive():
-            with contextlib.suppress(Exception):
-                self.conn.send(("stop", {}))
-                if self.conn.poll(5.0):
-                    self.conn.recv()
-            self.proc.join(5.0)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(3.0)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(3.0)
-        with contextlib.suppress(Exception):
-            self.conn.close()
-
-
 class Peers:
     """Both children; stopped on every exit path (normal, exception, SIGTERM, atexit)."""
 
     def __init__(self, threads_rx: int, threads_tx: int) -> None:
         ctx = mp.get_context("spawn")
-        self.items: list[Peer] = []
+        self.items: list[PeerProcess] = []
         self.gloo_ready = False  # the raw gloo pair (shared by the raw gloo rows) is up
         atexit.register(self.stop, False)
-        self.rx = self._add(ctx, "rx", threads_rx)
-        self.tx = self._add(ctx, "tx", threads_tx)
+        self.rx = self._add(PeerProcess(ctx, "kvbench-rx", RxPeer, threads_rx))
+        self.tx = self._add(PeerProcess(ctx, "kvbench-tx", TxPeer, threads_tx))
 
-    def _add(self, ctx: Any, role: str, threads: int) -> Peer:
-        p = Peer(ctx, role, threads)
+    def _add(self, p: PeerProcess) -> PeerProcess:
         self.items.append(p)
         return p
 
@@ -662,9 +464,8 @@ class LocalCase(Case):
 
     def __init__(self, max_blocks: int) -> None:
         cfg = page_model()
-        cc = CacheConfig(BLOCK_SIZE, max_blocks)
-        self.src = PagedKVCache(cfg, cc, torch.bfloat16, fingerprint=FINGERPRINT)
-        self.dst = PagedKVCache(cfg, cc, torch.bfloat16, fingerprint=FINGERPRINT)
+        self.src = page_cache(cfg, BLOCK_SIZE, max_blocks)
+        self.dst = page_cache(cfg, BLOCK_SIZE, max_blocks)
         self.src.data.normal_()
         self.bpb = block_bytes_all_layers(cfg)
         tr = get_transport("local", timeout_s=TRANSFER_TIMEOUT_S)
@@ -1244,8 +1045,9 @@ def main(argv: list[str] | None = None) -> int:
             local.close()
             del local
         with Peers(threads_rx=1, threads_tx=1) as peers:
-            peers.rx.call("setup_pages", num_blocks=2 * max_blocks)  # room for "scattered"
-            peers.tx.call("setup_pages", num_blocks=max_blocks)
+            pages: dict[str, Any] = {"model": page_model(), "block_size": BLOCK_SIZE}
+            peers.rx.call("setup_pages", num_blocks=2 * max_blocks, **pages)  # for "scattered"
+            peers.tx.call("setup_pages", num_blocks=max_blocks, **pages)
             cases: list[Case] = [
                 RawGlooCase(peers, max(sizes) * MIB),
                 RawGlooCase(peers, max(sizes) * MIB, messages=2 * cfg.num_layers),

@@ -17,11 +17,15 @@ attainment at the SLO measured and predicted; per configuration and workload, th
 (interpolated, `pdserve.plan.attainment.goodput`) measured and predicted; and whether the
 best configuration predicted is the one measured best.
 
-Lane B (the KV transfer's `α + bytes/β`) is not measured here yet: the profile has no
-transfer model and the simulator takes the transfer as free (docs/plan.md).
+- **B, transfer**: the profile's held-out transfer sizes, per transport (`pdserve profile`
+  times real transfers between two processes; its JSON has them). The 1P1D runs use the
+  serving transport's fitted `α + bytes/β`.
 
-The SLO scales with the machine: TTFT <= 8 x the predicted 512-token prompt pass, TPOT <=
-3 x the predicted batch-1 decode step (both with the largest worker).
+The SLO scales with the machine and the workload (`workload_slo`): TTFT within 8 predicted
+512-token prompt passes, or 4 passes of the workload's 90th-percentile prompt where longer;
+TPOT within 3 predicted batch-1 decode steps (both with the largest worker). Each run sends
+prompts of its own (a seed per run), so no run hits what an earlier one left in the server's
+prefix cache, and lasts long enough for `--min-requests` requests (up to 3 x `--duration`).
 
 Results: `benchmarks/results/plan/validation.json` and `validation.png`.
 """
@@ -47,10 +51,11 @@ from serving import Server
 from tqdm import tqdm
 
 from engine.cpu import identity
+from engine.loop import STEP_LOG_ENV
 from pdserve.plan.attainment import goodput
 from pdserve.plan.plan import Profile, capacity_rps, point, sim_config
 from pdserve.plan.sim import Outcome, Overheads, PoolShape, simulate
-from pdserve.plan.stepmodel import StepShape
+from pdserve.plan.stepmodel import StepModel, StepShape
 from pdserve.plan.workload import WorkloadRequest, built_in, dump
 from pdserve.plan.workload import load as load_trace
 
@@ -129,6 +134,19 @@ def measured_outcomes(reqs: list[WorkloadRequest], res: dict[str, Any]) -> list[
     return out
 
 
+def workload_slo(
+    model: StepModel, workload: str, duration: float, seed: int
+) -> tuple[float, float]:
+    """The SLO (TTFT, TPOT seconds) of a workload, scaled to the machine (`model`: the
+    largest worker's): TTFT within 8 uncached 512-token passes, or 4 passes of the
+    workload's 90th-percentile prompt where that is longer (a long document's answer may
+    start later than a chat's); TPOT within 3 batch-1 decode steps at 512 tokens."""
+    prompts = sorted(r.prompt_tokens for r in built_in(workload, 1.0, duration, seed))
+    p90 = prompts[int(0.9 * (len(prompts) - 1))]
+    ttft = max(8 * model.predict(StepShape(((512, 0),))), 4 * model.predict(StepShape(((p90, 0),))))
+    return ttft, 3 * model.predict(StepShape((), (512,)))
+
+
 def summary(outcomes: list[Outcome], slo: tuple[float, float]) -> dict[str, Any]:
     """`pdserve plan`'s figures of one rate (`plan.point`), and the failed count."""
     p = point(0.0, outcomes, *slo)
@@ -141,44 +159,77 @@ def summary(outcomes: list[Outcome], slo: tuple[float, float]) -> dict[str, Any]
     }
 
 
-STEP_GRID_MS = (0, 5, 10, 15, 20, 25, 30, 40)
-ROW_GRID_MS = (0, 0.5, 1, 2, 3, 4, 6, 8, 10, 12)
+def read_steps(log_dir: Path, t0: float, t1: float) -> list[dict[str, Any]]:
+    """The step records (`engine.loop.StepLog`) every worker wrote between t0 and t1 (wall
+    clock), each with its worker's name."""
+    out = []
+    for f in sorted(log_dir.glob("*.jsonl")):
+        worker = f.stem.rsplit("-", 1)[0]
+        for line in f.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line still being written
+            if t0 <= rec["t"] <= t1:
+                out.append(rec | {"worker": worker})
+    return out
 
 
-def calibrate(
-    profile: Profile, config: str, fit_runs: list[dict[str, Any]], seed: int
-) -> Overheads:
-    """The served costs the engine's steps do not show, fitted on the fit workload's runs
-    alone (every rate): a cost per step and a cost per token a step emits (on a 2-core host
-    the router, Ray and the client stream each token on the worker's own cores), chosen on
-    a grid to minimise the mean |log(predicted / measured)| of TTFT and TPOT p50 and p90
-    over those runs; then the TTFT offset (router, hops, first token out) as the median
-    difference at the lowest rate. Fixed before any held-out run is scored."""
+def served_steps(model: StepModel, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The served steps against the profile's model (fitted on an idle machine):
+
+    - `engine_mape`: the model's error on `LLMEngine.step` itself, served (the router, Ray
+      and the client share the host's cores with it);
+    - the loop's cycle (the step, handing its outputs on, the commands run before the next)
+      minus the model's prediction, regressed on (1, rows emitted): `step_s` + `row_s` per
+      row, what the simulator adds to each step (`Overheads`)."""
+    if not steps:
+        return {"n": 0}
+    pred = np.array([model.predict(StepShape(tuple(map(tuple, s["chunks"])), tuple(s["decode"])))
+                     for s in steps])  # fmt: skip
+    eng = np.array([s["step_s"] for s in steps])
+    cycle = eng + np.array([s["out_s"] + s["gap_s"] for s in steps])
+    rows = np.array([s["rows"] for s in steps], dtype=np.float64)
+    extra = cycle - pred
+    x = np.stack([np.ones_like(rows), rows], axis=1)
+    (step_s, row_s), *_ = np.linalg.lstsq(x, extra, rcond=None)
+    if row_s < 0:  # held non-negative, as the simulator's costs are
+        step_s, row_s = float(np.mean(extra)), 0.0
+    step_s = max(0.0, float(step_s))
+    return {
+        "n": len(steps),
+        "engine_mape": round(float(np.mean(np.abs(pred - eng) / eng)) * 100, 1),
+        "engine_bias_pct": round(float(np.mean((eng - pred) / pred)) * 100, 1),
+        "out_ms_mean": round(float(np.mean([s["out_s"] for s in steps])) * 1e3, 3),
+        "gap_ms_mean": round(float(np.mean([s["gap_s"] for s in steps])) * 1e3, 3),
+        "rows_mean": round(float(rows.mean()), 2),
+        "step_s": round(step_s, 5),
+        "row_s": round(float(row_s), 6),
+    }
+
+
+def calibrate(profile: Profile, config: str, fit_runs: list[dict[str, Any]]) -> Overheads:
+    """The served costs the engine's steps in isolation do not show, from the fit workload's
+    quiet runs alone (every rate), fixed before any held-out run is scored:
+
+    - per step and per row emitted (`step_s`, `row_s`): measured, the served steps of those
+      runs against the profile's model (`served_steps`, all steps pooled);
+    - the TTFT offset (`router_s`: the router, the hop to the worker, the first token out):
+      the median of measured minus predicted TTFT at the lowest rate, where nothing queues.
+    """
     base = sim_config(profile, CONFIGS[config])
     quiet = [r for r in fit_runs if not r["busy"]] or fit_runs
+    shape = CONFIGS[config]
+    served = served_steps(
+        profile.models[shape.threads if shape.colocated else 1],
+        [s for r in quiet for s in r["steps"]],
+    )
+    over = Overheads(step_s=served.get("step_s", 0.0), row_s=served.get("row_s", 0.0))
     low = min(quiet, key=lambda r: r["request_rate"])
-    keys = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
-
-    def with_ttft_offset(over: Overheads) -> Overheads:
-        sim = simulate(replace(base, overheads=over), low["requests"], seed)
-        d = [m - o.ttft_s for m, o in zip(low["m_ttft"], sim, strict=True)
-             if m is not None and o.ttft_s is not None]  # fmt: skip
-        return replace(over, router_s=max(0.0, statistics.median(d)) if d else 0.0)
-
-    best: tuple[float, Overheads] | None = None
-    for step_ms in STEP_GRID_MS:
-        for row_ms in ROW_GRID_MS:
-            over = with_ttft_offset(Overheads(step_s=step_ms / 1e3, row_s=row_ms / 1e3))
-            cost = 0.0
-            for r in quiet:
-                pred = summary(simulate(replace(base, overheads=over), r["requests"], seed),
-                               (1.0, 1.0))  # fmt: skip
-                cost += sum(abs(np.log(pred[k] / r["measured"][k])) for k in keys
-                            if pred[k] and r["measured"][k])  # fmt: skip
-            if best is None or cost < best[0]:
-                best = (cost, over)
-    assert best is not None
-    return best[1]
+    sim = simulate(replace(base, overheads=over), low["requests"], low["seed"])
+    d = [m - o.ttft_s for m, o in zip(low["m_ttft"], sim, strict=True)
+         if m is not None and o.ttft_s is not None]  # fmt: skip
+    return replace(over, router_s=max(0.0, statistics.median(d)) if d else 0.0)
 
 
 def err_pct(pred: float | None, meas: float | None) -> float | None:
@@ -204,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         help="rates, as fractions of each configuration's predicted capacity",
     )
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
+    p.add_argument(
+        "--min-requests",
+        type=int,
+        default=40,
+        help="a run at a low rate lasts long enough for this many (up to 3 x --duration)",
+    )
     p.add_argument("--workloads", default="chat,documents,agentic")
     p.add_argument("--configs", default="colocated,1P1D")
     p.add_argument("--seed", type=int, default=0)
@@ -238,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     profile = Profile.read(prof_path)
     big = profile.models[max(profile.models)]
-    slo = (8 * big.predict(StepShape(((512, 0),))), 3 * big.predict(StepShape((), (512,))))
+    slos = {w: workload_slo(big, w, args.duration, args.seed) for w in args.workloads.split(",")}
     fractions = [float(f) for f in args.fractions.split(",")]
     workloads = args.workloads.split(",")
     configs = args.configs.split(",")
@@ -255,40 +312,65 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.ExitStack() as stack:
             server: list[Server] = []  # started when a run of this configuration needs it
 
-            def target(config: str = config, stack: Any = stack, server: Any = server) -> str:
+            steps_dir = run_dir / "steps" / config
+
+            def target(
+                config: str = config,
+                stack: Any = stack,
+                server: Any = server,
+                logs: Path = steps_dir,
+            ) -> str:
                 if not server:
                     args_ = serve_args(config, model_dir, args.dtype, run_dir)
+                    os.environ[STEP_LOG_ENV] = str(logs)  # the workers log their steps
                     server.append(stack.enter_context(Server(config, args_, run_dir, 300)))
                     warm = built_in("chat", 1.0, 4, seed=99)
                     dump(warm, run_dir / "warmup.jsonl")
                     replay(server[0].target, run_dir / "warmup.jsonl", run_dir / "warmup.json", 99)
                 return str(server[0].target)
 
-            for workload in workloads:
+            for wi, workload in enumerate(workloads):
                 probe = built_in(workload, 1.0, args.duration, args.seed)
                 cap = capacity_rps(profile, probe, shape.cores)
-                for f in fractions:
+                for fi, f in enumerate(fractions):
                     rate = round(f * cap, 4)
+                    # A seed of its own per run: a server serves all of a configuration's
+                    # runs, and a run with the seed of an earlier one sends the same prompts,
+                    # which its prefix cache still holds (the simulator starts empty). The
+                    # configurations share seeds: the same requests at the same rate.
+                    seed = args.seed + 1 + wi * len(fractions) + fi
+                    duration = min(3 * args.duration, max(args.duration, args.min_requests / rate))
                     name = f"{config}-{workload}-{f}"
                     trace, result = run_dir / f"{name}.jsonl", run_dir / f"{name}.json"
                     meta_path = run_dir / f"{name}.meta.json"
+                    steps_path = run_dir / f"{name}.steps.json"
                     if args.reuse and trace.exists() and result.exists():
                         reqs = load_trace(trace)  # what was sent
                         res = json.loads(result.read_text())
                         # a run without its meta file: the load before it was not recorded
                         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+                        steps = json.loads(steps_path.read_text()) if steps_path.exists() else []
+                        if meta.get("seed", seed) != seed or meta.get("duration_s") not in (
+                            None,
+                            round(duration, 1),
+                        ):
+                            raise SystemExit(f"--reuse: {meta_path} is of another design: rerun")
                     else:
-                        reqs = built_in(workload, rate, args.duration, args.seed)
+                        reqs = built_in(workload, rate, duration, seed)
                         bar.set_postfix_str(f"{name} ({len(reqs)} req)")
                         dump(reqs, trace)
                         where = target()
                         time.sleep(3)  # the last run's streams end and its workers go quiet
                         meta = {"load_before": round(os.getloadavg()[0], 2),
-                                "busy_cores_before": round(busy_cores(), 2)}  # fmt: skip
+                                "busy_cores_before": round(busy_cores(), 2),
+                                "seed": seed, "duration_s": round(duration, 1)}  # fmt: skip
                         t0 = time.time()
-                        res = replay(where, trace, result, args.seed)
+                        res = replay(where, trace, result, seed)
                         meta["wall_s"] = round(time.time() - t0, 1)
                         meta_path.write_text(json.dumps(meta))
+                        time.sleep(1.5)  # the workers' logs are flushed once they are idle
+                        steps = read_steps(steps_dir, t0, time.time())
+                        steps_path.write_text(json.dumps(steps))
                     other = meta.get("busy_cores_before")
                     measured = measured_outcomes(reqs, res)
                     runs.append(
@@ -297,12 +379,18 @@ def main(argv: list[str] | None = None) -> int:
                             "workload": workload,
                             "fraction": f,
                             "rate": rate,
+                            "seed": seed,
+                            "duration_s": round(duration, 1),
                             "capacity_rps": round(cap, 4),
                             "load_before": meta.get("load_before"),
                             "busy_cores_before": other,
                             "busy": other is not None and other > BUSY_CORES,
                             "wall_s": meta.get("wall_s"),
-                            "measured": summary(measured, slo),
+                            "measured": summary(measured, slos[workload]),
+                            "served_steps": served_steps(
+                                profile.models[shape.threads if shape.colocated else 1], steps
+                            ),
+                            "steps": steps,
                             "m_ttft": [o.ttft_s for o in measured],
                             "reqs": str(trace),
                         }
@@ -315,27 +403,26 @@ def main(argv: list[str] | None = None) -> int:
         r["requests"] = load_trace(r["reqs"])  # exactly what was sent
         # the load as requests per second against the capacity estimate (requests per
         # second): an agentic session is several requests
-        r["request_rate"] = round(len(r["requests"]) / args.duration, 4)
+        r["request_rate"] = round(len(r["requests"]) / r["duration_s"], 4)
         r["load"] = round(r["request_rate"] / r["capacity_rps"], 3)
     overheads = {
         c: calibrate(
             profile,
             c,
             [r for r in runs if r["config"] == c and r["workload"] == FIT_WORKLOAD],
-            args.seed,
         )
         for c in configs
     }
     for r in runs:
         cfg = replace(sim_config(profile, CONFIGS[r["config"]]), overheads=overheads[r["config"]])
-        r["predicted"] = summary(simulate(cfg, r["requests"], args.seed), slo)
+        r["predicted"] = summary(simulate(cfg, r["requests"], r["seed"]), slos[r["workload"]])
         m, pr = r["measured"], r["predicted"]
         r["errors_pct"] = {
             k: err_pct(pr[k], m[k])
             for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
         }
         r["attainment_points"] = round((pr["attainment"] - m["attainment"]) * 100, 1)
-        for k in ("m_ttft", "requests"):
+        for k in ("m_ttft", "requests", "steps"):
             r.pop(k)
 
     goodputs: dict[str, dict[str, Any]] = {}
@@ -391,10 +478,13 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "dtype": args.dtype,
         "profile": str(prof_path),
-        "slo_ms": {"ttft": round(slo[0] * 1e3, 1), "tpot": round(slo[1] * 1e3, 1)},
+        "slo_ms": {
+            w: {"ttft": round(t * 1e3, 1), "tpot": round(p * 1e3, 1)} for w, (t, p) in slos.items()
+        },
         "fit_workload": FIT_WORKLOAD,
         "overheads": {c: o.__dict__ for c, o in overheads.items()},
         "lane_A": profile.errors["A_step_time"],
+        "lane_B": lane_b(profile),
         "runs": runs,
         "scores": scores,
         "goodput": goodputs,
@@ -420,13 +510,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def lane_b(profile: Profile) -> dict[str, Any] | str:
+    """The profile's held-out transfer errors and fitted costs, per transport."""
+    transports = (profile.raw.get("transfer") or {}).get("transports") or {}
+    return {
+        name: {k: t["held_out"][k] for k in ("mape", "n", "max_ape", "noise_pct")}
+        | {
+            "alpha_ms": round(t["alpha_s"] * 1e3, 3),
+            "beta_gb_s": round(t["beta_bytes_per_s"] / 1e9, 3),
+        }
+        for name, t in transports.items()
+    } or "unvalidated"
+
+
 def print_report(rep: dict[str, Any]) -> None:
     print(f"bench-plan: {rep['model']} {rep['dtype']} on {rep['cpu']}")
-    print(
-        f"SLO: TTFT <= {rep['slo_ms']['ttft']} ms, TPOT <= {rep['slo_ms']['tpot']} ms; "
-        f"calibrated on {rep['fit_workload']}: {rep['overheads']}"
-    )
+    print(f"SLO (ms): {rep['slo_ms']}; calibrated on {rep['fit_workload']}: {rep['overheads']}")
     print(f"lane A (held-out step shapes): {rep['lane_A']}")
+    print(f"lane B (held-out transfer sizes, per transport): {rep.get('lane_B')}")
     head = (
         "config",
         "workload",
@@ -465,6 +566,19 @@ def print_report(rep: dict[str, Any]) -> None:
                 )
             )
         )
+    print(
+        "served steps against the profile's model: n steps, |error| % and bias % of the "
+        "engine's step, served cost per step + per row emitted (ms):"
+    )
+    for r in rep["runs"]:
+        sv = r.get("served_steps") or {}
+        if sv.get("n"):
+            print(
+                f"  {r['config']} {r['workload']} load {r['load']}: n {sv['n']}, "
+                f"|error| {sv['engine_mape']}%, bias {sv['engine_bias_pct']:+}%, "
+                f"{sv['step_s'] * 1e3:.2f} + {sv['row_s'] * 1e3:.3f}/row "
+                f"(rows {sv['rows_mean']}, out {sv['out_ms_mean']}, gap {sv['gap_ms_mean']})"
+            )
     print("mean |error| % per quiet run (n = runs, requests), attainment max |points|:")
     for k, sc in rep["scores"].items():
         print(f"  {k}: {sc}")

@@ -63,7 +63,7 @@ from engine.sampling import (
     sample,
     skip_draw,
 )
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import NO_BATCH, BatchShape, Scheduler, SchedulerOutput
 from engine.structured import GrammarBackend
 from engine.tokenizer import Tokenizer
 from engine.validation import ContextLengthError, check_request
@@ -167,6 +167,7 @@ class StepResult:
     phase: Literal["prefill", "decode", "mixed"] | None
     num_tokens: int  # tokens the forward ran: prompt-chunk tokens plus one per decode row
     forward_s: float  # forward and postprocess wall time
+    shape: BatchShape = NO_BATCH  # what ran (`SchedulerOutput.batch_shape`)
 
 
 @dataclass(frozen=True)
@@ -459,6 +460,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return StepResult([], None, 0, 0.0)
+        shape = out.batch_shape()
         t0 = time.perf_counter()
         hook = self.layer_hook if out.prefill else None
         logits = self.runner.step(
@@ -473,7 +475,7 @@ class LLMEngine:
         outputs = self._postprocess(out, done, logits, step_s)
         if not self.scheduler.running and self.runner.workspace is not None:
             self.runner.workspace.reset()  # every row is stale: give the memory back
-        return StepResult(outputs, out.phase, num_tokens, step_s)
+        return StepResult(outputs, out.phase, num_tokens, step_s, shape)
 
     def _prompt_logprobs(self) -> None:
         """Each prompt position's logprob (of the prompt's next token) and top-N, from the

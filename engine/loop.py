@@ -7,6 +7,10 @@ regions and every one of a decode step's hundreds of regions pays a futex wake-u
 loaded on the actor's main thread leave such a second team behind (the cost of a decode
 step: docs/benchmarks.md).
 
+With env `PDSERVE_STEP_LOG=DIR`, each loop appends one JSON line per step to
+`DIR/<name>-<pid>.jsonl` (`StepLog`): the batch's shape and the step's served costs, what
+`make bench-plan` compares with the step-time model a profile fitted in isolation.
+
 Other threads (a Ray actor's asyncio loop, transport threads) hand the loop closures with
 `call`; the loop runs them between steps, in order, on the engine thread. The engine, its
 block manager included, is therefore only ever touched by one thread: transport threads
@@ -19,7 +23,9 @@ import asyncio
 import concurrent.futures
 import ctypes
 import ctypes.util
+import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -28,6 +34,7 @@ from typing import TypeVar
 
 from engine.engine import LLMEngine
 from engine.request import RequestOutput
+from engine.scheduler import BatchShape
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,6 +58,51 @@ def name_os_thread(name: str) -> None:
         pass
 
 
+STEP_LOG_ENV = "PDSERVE_STEP_LOG"
+
+
+class StepLog:
+    """Per-step records of a serving engine, one JSON line each (buffered; flushed at least
+    once a second, when the engine goes idle and at stop):
+
+    - `t`: wall-clock time at the step's end (`time.time()`);
+    - `chunks`, `decode`: the batch's shape (`SchedulerOutput.batch_shape`);
+    - `rows`: the outputs it handed on (requests that got a token or ended);
+    - `step_s`: `LLMEngine.step`, whole;
+    - `out_s`: handing its outputs on (the worker's streaming);
+    - `gap_s`: from the previous step's outputs to this step's start (commands run between
+      steps: admissions, transfers landing, frees), 0 after an idle wait."""
+
+    def __init__(self, directory: str, name: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, f"{name}-{os.getpid()}.jsonl")
+        self._file = open(self.path, "a", buffering=1 << 16)  # noqa: SIM115 - closed at stop
+        self._flushed = time.monotonic()
+
+    def write(
+        self, shape: BatchShape, rows: int, step_s: float, out_s: float, gap_s: float
+    ) -> None:
+        rec = {
+            "t": round(time.time(), 4),
+            "chunks": shape.chunks,
+            "decode": shape.decode,
+            "rows": rows,
+            "step_s": round(step_s, 6),
+            "out_s": round(out_s, 6),
+            "gap_s": round(gap_s, 6),
+        }
+        self._file.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        if time.monotonic() - self._flushed > 1.0:
+            self.flush()
+
+    def flush(self) -> None:
+        self._file.flush()
+        self._flushed = time.monotonic()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class EngineFailed(RuntimeError):
     """The engine thread died (or is stuck): this engine serves nothing more. A worker's
     callers take it as the worker being unavailable, not as a bug of theirs."""
@@ -70,6 +122,8 @@ class EngineLoop:
         self.on_outputs = on_outputs
         self.on_fatal = on_fatal  # called on the engine thread after a fatal error
         self.fatal: BaseException | None = None
+        log_dir = os.environ.get(STEP_LOG_ENV)
+        self.step_log = StepLog(log_dir, name) if log_dir else None
         self.num_steps = 0  # steps that ran a forward
         self.step_s_total = 0.0  # their wall time (schedule, forward, sampling, detokenize)
         self._busy_since: float | None = None  # monotonic start of the step or call running
@@ -157,11 +211,15 @@ class EngineLoop:
                 fut.set_exception(EngineFailed(f"engine died: {error!r}"))
 
     def _loop(self) -> None:
+        last = None  # when the previous step's outputs were handed on (None: idle since)
         while not self._stop.is_set():
             self._drain()
             if not self.engine.has_unfinished():
+                if last is not None and self.step_log is not None:
+                    self.step_log.flush()  # idle now: what it wrote is readable
                 self._wake.wait(_IDLE_WAIT_S)
                 self._wake.clear()
+                last = None
                 continue
             t0 = time.perf_counter()
             self._busy_since = time.monotonic()
@@ -169,17 +227,36 @@ class EngineLoop:
                 result = self.engine.step()
             finally:
                 self._busy_since = None
+            t1 = time.perf_counter()
             outputs = result.outputs
             if result.phase is not None:
                 self.num_steps += 1
-                self.step_s_total += time.perf_counter() - t0
+                self.step_s_total += t1 - t0
             else:  # work exists but none fits now (e.g. waiting on blocks): do not spin
                 self._wake.wait(_BLOCKED_WAIT_S)
                 self._wake.clear()
             if outputs and self.on_outputs is not None:
                 self.on_outputs(outputs)
+            if self.step_log is not None and result.phase is not None:
+                gap = 0.0 if last is None else t0 - last
+                self._log_step(result.shape, len(outputs), t1 - t0, time.perf_counter() - t1, gap)
+            last = time.perf_counter() if result.phase is not None else None
+
+    def _log_step(
+        self, shape: BatchShape, rows: int, step_s: float, out_s: float, gap: float
+    ) -> None:
+        """A record for the step log; a log that cannot be written is dropped, never the
+        engine (observability must not stop serving)."""
+        assert self.step_log is not None
+        try:
+            self.step_log.write(shape, rows, step_s, out_s, gap)
+        except Exception:
+            log.exception("step log %s: cannot write; logging stops", self.step_log.path)
+            self.step_log = None
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout_s)
+        if self.step_log is not None and not self._thread.is_alive():
+            self.step_log.close()

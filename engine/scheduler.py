@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from engine.block_manager import BlockManager, NoFreeBlocksError
 from engine.config import SchedulerConfig
@@ -49,6 +49,14 @@ class PrefillChunk:
         return self.end == self.request.prefill_end
 
 
+class BatchShape(NamedTuple):
+    chunks: tuple[tuple[int, int], ...]  # (new tokens, cached tokens before them) per chunk
+    decode: tuple[int, ...]  # cached tokens per decode row
+
+
+NO_BATCH = BatchShape((), ())
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     """One step's work: prompt chunks, decode rows, or both (a mixed step)."""
@@ -60,6 +68,15 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.prefill and not self.decode
+
+    def batch_shape(self) -> BatchShape:
+        """What the step's cost depends on (`pdserve.plan.stepmodel`), read before it runs:
+        (new tokens, tokens already cached before them) per prompt chunk, and the tokens
+        already cached per decode row."""
+        return BatchShape(
+            tuple((c.end - c.start, c.start) for c in self.prefill),
+            tuple(r.num_computed_tokens for r in self.decode),
+        )
 
     @property
     def phase(self) -> Literal["prefill", "decode", "mixed"] | None:

@@ -9,7 +9,11 @@ a top1-top2 logit gap along the reference trajectory instead of loosening the co
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import random
+import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -1189,3 +1193,38 @@ def test_the_grammar_wins_over_bans_that_leave_it_no_token(make_engine: MakeEngi
         (out,) = eng.generate([prompt], params)
         assert out.text in ("yes", "no") and out.finish_reason is FinishReason.STOP, out.text
     assert not eng.has_unfinished()
+
+
+def test_the_step_log_records_each_served_step_with_its_shape(
+    make_engine: MakeEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`PDSERVE_STEP_LOG`: the engine loop writes one line per step that ran, with the shape
+    the scheduler ran: a 40-token prompt's pass, then decode rows reading 40, 41, ... tokens."""
+    from engine.loop import STEP_LOG_ENV, EngineLoop
+
+    monkeypatch.setenv(STEP_LOG_ENV, str(tmp_path / "steps"))
+    eng = make_engine(max_num_batched_tokens=64)
+    done = threading.Event()
+
+    def on_outputs(outs: list[RequestOutput]) -> None:
+        if any(o.finished for o in outs):
+            done.set()
+
+    loop = EngineLoop(eng, on_outputs, name="logged")
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        loop.call(lambda: eng.add_request("r", list(range(5, 45)), params)).result(10)
+        assert done.wait(30)
+        deadline = time.monotonic() + 10
+        log = tmp_path / "steps" / f"logged-{os.getpid()}.jsonl"
+        while time.monotonic() < deadline and len(log.read_text().splitlines()) < 4:
+            time.sleep(0.05)  # flushed once the loop goes idle
+    finally:
+        loop.stop()
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [(x["chunks"], x["decode"]) for x in lines] == [
+        ([[40, 0]], []), ([], [40]), ([], [41]), ([], [42])
+    ]  # fmt: skip
+    assert all(x["step_s"] > 0 and x["out_s"] >= 0 and x["gap_s"] >= 0 for x in lines)
+    assert [x["rows"] for x in lines] == [1, 1, 1, 1]  # one token out per step
+    assert lines[0]["gap_s"] == 0  # it followed an idle wait

@@ -21,8 +21,10 @@ from pdserve.checkpoint import write_checkpoint
 from pdserve.cli import main
 from pdserve.plan import plan as planner
 from pdserve.plan.attainment import goodput, parse_slo
+from pdserve.plan.profile import transports_to_time
 from pdserve.plan.sim import Overheads, PoolShape, SimConfig, Simulator, Transfer, simulate
 from pdserve.plan.stepmodel import TERMS, StepModel, StepShape, fit, mape
+from pdserve.plan.transfer import fit_transfer
 from pdserve.plan.workload import WorkloadRequest, built_in, dump, load, token_ids
 
 MODEL = StepModel((0.010, 0.002, 60e-6, 2e-9, 5e-9, 0.0004, 2e-7))
@@ -52,6 +54,21 @@ def test_fit_never_gives_a_negative_cost() -> None:
     model = fit(shapes, [0.030, 0.029, 0.028, 0.027])
     assert all(c >= 0 for c in model.coef)
     assert model.predict(StepShape((), (128,) * 64)) > 0
+
+
+def test_transfer_fit_recovers_alpha_and_beta() -> None:
+    rows = [(b, 0.003 + b / 2e9) for b in (1 << 16, 1 << 20, 1 << 24)]
+    alpha, beta = fit_transfer(rows)
+    assert alpha == pytest.approx(0.003, rel=1e-6) and beta == pytest.approx(2e9, rel=1e-6)
+
+
+def test_profile_transports_are_named_and_checked() -> None:
+    assert transports_to_time(None)[0] == "torch_dist"
+    assert transports_to_time("grpc,torch_dist,grpc") == ["grpc", "torch_dist"]
+    assert transports_to_time("none") == []
+    for bad in ("local", "carrier-pigeon", ","):
+        with pytest.raises(ValueError, match="--transports"):
+            transports_to_time(bad)
 
 
 def test_fit_refuses_a_non_positive_time() -> None:
@@ -284,3 +301,16 @@ def test_profile_fits_and_scores_on_held_out_shapes(tmp_path: Path) -> None:
     assert prof["kv_bytes_per_block"] > 0 and prof["cpu"]
     assert out.with_suffix(".png").stat().st_size > 0
     assert "held-out MAPE" in run.stdout
+    # lane B: each cross-process transport timed between two processes, fitted, scored
+    transfer = prof["transfer"]
+    assert set(transfer["transports"]) == {"torch_dist", "grpc"}
+    assert transfer["chosen"]["transport"] == "torch_dist"  # the serving default comes first
+    for t in transfer["transports"].values():
+        fit_blocks = {r["blocks"] for r in t["samples"]["fit"]}
+        held_blocks = {r["blocks"] for r in t["samples"]["held_out"]}
+        assert held_blocks and not fit_blocks & held_blocks
+        assert t["alpha_s"] >= 0 and t["beta_bytes_per_s"] > 0
+        assert all(r["bytes"] == r["blocks"] * prof["kv_bytes_per_block"]
+                   for r in t["samples"]["held_out"])  # fmt: skip
+    assert planner.Profile.read(out).errors["B_transfer"]["n"] == len(held_blocks)
+    assert "transfer grpc" in run.stdout

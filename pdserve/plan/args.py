@@ -16,6 +16,12 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--repeats", type=int, default=5, help="times each shape is measured")
     p.add_argument("--quick", action="store_true", help="a smaller grid (a first look, tests)")
+    p.add_argument(
+        "--transports",
+        default=None,
+        help="KV transports to time, the plan's first, e.g. grpc,torch_dist; none: skip "
+        "(default: the serving config's transport first, then the others)",
+    )
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:

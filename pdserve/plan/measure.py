@@ -7,9 +7,9 @@ whole (schedule, forward, sampling, postprocess), the shape read from the schedu
 output. Prompts are random token ids, fresh for every repeat, so a repeat never hits the
 cache a previous one wrote except where a scenario means it to (its prefix).
 
-What must hold: a timed step's shape is the one the scheduler ran (recorded from
-`Scheduler.schedule`'s output, not assumed from the scenario), so a scenario that the
-scheduler splits differently still yields true samples.
+What must hold: a timed step's shape is the one the scheduler ran (`StepResult.shape`, not
+assumed from the scenario), so a scenario that the scheduler splits differently still
+yields true samples.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import numpy as np
 
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
-from engine.scheduler import SchedulerOutput
 from pdserve.plan.stepmodel import StepShape
 
 _IDS = itertools.count()
@@ -61,32 +60,14 @@ class Sample:
     spread: float = 0.0  # its scenario's repeats: interquartile range / median (noise)
 
 
-class _Recorder:
-    """Wraps the engine's scheduler to keep the last step's output."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.last: SchedulerOutput | None = None
-        self._schedule = engine.scheduler.schedule
-
-        def schedule() -> SchedulerOutput:
-            self.last = self._schedule()
-            return self.last
-
-        engine.scheduler.schedule = schedule  # type: ignore[method-assign]
-
-    def timed_step(self, scenario: Scenario) -> Sample | None:
-        t0 = time.perf_counter()
-        result = self.engine.step()
-        dt = time.perf_counter() - t0
-        out = self.last
-        if out is None or result.phase is None:
-            return None
-        shape = StepShape(
-            tuple((c.end - c.start, c.start) for c in out.prefill),
-            tuple(r.num_computed_tokens - 1 for r in out.decode),
-        )
-        return Sample(shape, dt, scenario.label)
+def timed_step(engine: LLMEngine, scenario: Scenario) -> Sample | None:
+    """One `LLMEngine.step`, whole; its sample with the shape the scheduler ran."""
+    t0 = time.perf_counter()
+    result = engine.step()
+    dt = time.perf_counter() - t0
+    if result.phase is None:
+        return None
+    return Sample(StepShape(result.shape.chunks, result.shape.decode), dt, scenario.label)
 
 
 class Driver:
@@ -99,7 +80,6 @@ class Driver:
 
     def __init__(self, engine: LLMEngine, seed: int = 0) -> None:
         self.engine = engine
-        self.rec = _Recorder(engine)
         self.rng = np.random.default_rng(seed)
         self.vocab = engine.model_config.vocab_size
         self.bs = engine.cache_config.block_size
@@ -146,13 +126,13 @@ class Driver:
                 prompts.append([*prefix, *self._ids(n)])
             for p in prompts:
                 self._add(p, 1)
-            sample = self.rec.timed_step(s)
+            sample = timed_step(self.engine, s)
             return [sample] if sample else []
         for _ in range(s.batch):
             self._prefilled(self._ids(s.ctx))
         if s.kind == "mixed":
             self._add(self._ids(s.chunk), 1)
-        samples = [self.rec.timed_step(s) for _ in range(s.steps if s.kind == "decode" else 1)]
+        samples = [timed_step(self.engine, s) for _ in range(s.steps if s.kind == "decode" else 1)]
         return [x for x in samples if x is not None]
 
 

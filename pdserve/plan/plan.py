@@ -76,7 +76,13 @@ class Profile:
                     if "held_out" in w
                 }
                 or "unvalidated",
-                "B_transfer": tr.get("held_out", "unvalidated"),
+                "B_transfer": {
+                    "transport": tr.get("transport"),
+                    "mape": tr["held_out"]["mape"],
+                    "n": tr["held_out"]["n"],
+                }
+                if "held_out" in tr
+                else "unvalidated",
                 "C_end_to_end": d.get("validation", {}).get("C", "unvalidated"),
             }
             return cls(

@@ -28,6 +28,12 @@ from typing import Any
 
 from pdserve.plan.measure import Driver, Sample, Scenario, measure, pinned
 from pdserve.plan.stepmodel import StepModel, ape, fit, mape
+from pdserve.plan.transfer import FIT as TR_FIT
+from pdserve.plan.transfer import HELD_OUT as TR_HELD
+from pdserve.plan.transfer import QUICK_FIT as QUICK_TR_FIT
+from pdserve.plan.transfer import QUICK_HELD_OUT as QUICK_TR_HELD
+from pdserve.plan.transfer import REPEATS_PER_STEP_REPEAT as TR_REPEATS
+from pdserve.plan.transfer import profile_transfer
 
 PROFILE_VERSION = 1
 
@@ -117,6 +123,25 @@ def _serving_pool_blocks() -> int:
     return int(ServeConfig.load().cache.num_blocks)
 
 
+def transports_to_time(arg: str | None) -> list[str]:
+    """`--transports`: the ones named (the first is the one the plan uses); default: the
+    serving config's transport, then the other cross-process ones; "none": none."""
+    from kv_transfer.registry import TRANSPORT_NAMES
+    from pdserve.config import ServeConfig
+    from pdserve.plan.transfer import TRANSPORTS
+
+    if arg is None:
+        served = str(ServeConfig.load().transfer.transport)
+        return [served, *(t for t in TRANSPORTS if t != served)]
+    if arg.strip() == "none":
+        return []
+    names = [x.strip() for x in arg.split(",") if x.strip()]
+    bad = [n for n in names if n not in TRANSPORT_NAMES or n == "local"]
+    if bad or not names:
+        raise ValueError(f"--transports: {bad or arg!r}: choose from {', '.join(TRANSPORTS)}")
+    return list(dict.fromkeys(names))
+
+
 def _samples_json(samples: list[Sample], model: StepModel) -> list[dict[str, Any]]:
     return [
         {
@@ -172,6 +197,7 @@ def profile_worker(
         info = {
             "block_size": engine.cache_config.block_size,
             "kv_bytes_per_block": engine.stats().kv_bytes_per_block,
+            "kv_dtype": engine.cache.spec.dtype,
             "kernels": engine.kernel_selection.line(),
         }
         del driver, engine
@@ -196,47 +222,73 @@ def plot_residuals(profile: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     workers = profile["workers"]
-    fig, axes = plt.subplots(1, len(workers), figsize=(5.5 * len(workers), 4.8), squeeze=False)
-    for ax, (size, w) in zip(axes[0], workers.items(), strict=True):
+    transfer = (profile.get("transfer") or {}).get("transports") or {}
+    panels = len(workers) + (1 if transfer else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.8), squeeze=False)
+    for ax, (size, w) in zip(axes[0], workers.items(), strict=False):
         for split, marker in (("fit", "o"), ("held_out", "x")):
             for kind, color in (("prefill", "C0"), ("decode", "C1"), ("mixed", "C2")):
                 rows = [s for s in w["samples"][split] if s["kind"] == kind]
                 if rows:
-                    ax.scatter(
-                        [r["measured_ms"] for r in rows],
-                        [
-                            (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] * 100
-                            for r in rows
-                        ],
-                        marker=marker,
-                        color=color,
-                        label=f"{kind} ({split.replace('_', '-')})",
-                    )
-        ax.axhline(0, color="grey", lw=0.8)
-        ax.set_xscale("log")
-        ax.set_xlabel("measured step time (ms)")
-        ax.set_ylabel("predicted - measured (%)")
+                    _residuals(ax, rows, marker, color, f"{kind} ({split.replace('_', '-')})")
         ho = w["held_out"]
-        ax.set_title(f"{size} thread(s): held-out MAPE {ho['mape']}% (n={ho['n']})")
-        ax.legend(fontsize=7)
+        _axes(ax, "step", f"{size} thread(s): held-out MAPE {ho['mape']}% (n={ho['n']})")
+    if transfer:
+        ax = axes[0][-1]
+        for i, (name, t) in enumerate(transfer.items()):
+            for split, marker in (("fit", "o"), ("held_out", "x")):
+                label = f"{name} ({split.replace('_', '-')})"
+                _residuals(ax, t["samples"][split], marker, f"C{i + 3}", label)
+        _axes(
+            ax,
+            "transfer",
+            "KV transfer, held-out MAPE "
+            + ", ".join(f"{n} {t['held_out']['mape']}%" for n, t in transfer.items()),
+        )
     fig.suptitle(f"{profile['model_name']} {profile['dtype']}, {profile['cpu']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def _residuals(ax: Any, rows: list[dict[str, Any]], marker: str, color: str, label: str) -> None:
+    ax.scatter(
+        [r["measured_ms"] for r in rows],
+        [(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] * 100 for r in rows],
+        marker=marker,
+        color=color,
+        label=label,
+    )
+
+
+def _axes(ax: Any, what: str, title: str) -> None:
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"measured {what} time (ms)")
+    ax.set_ylabel("predicted - measured (%)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+
+
 def run_profile(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
+    from engine.config import ModelConfig
     from engine.cpu import identity
     from pdserve.models import require_tokenizer, resolve_model
 
     path = resolve_model(args.model, seed=args.weights_seed, revision=args.revision)
     require_tokenizer(path, args.model)
     sizes = worker_sizes(args.threads)
+    transports = transports_to_time(args.transports)
     grids = (QUICK_FIT + QUICK_HELD_OUT) if args.quick else (FIT + HELD_OUT)
-    bar = tqdm(total=len(grids) * args.repeats * len(sizes), desc="profile", file=sys.stderr)
+    tr_sizes = len(QUICK_TR_FIT + QUICK_TR_HELD) if args.quick else len(TR_FIT + TR_HELD)
+    bar = tqdm(
+        total=(len(grids) * len(sizes) + tr_sizes * len(transports) * TR_REPEATS) * args.repeats,
+        desc="profile",
+        file=sys.stderr,
+    )
 
     def progress(what: str) -> None:
         bar.set_postfix_str(what[:40])
@@ -247,8 +299,18 @@ def run_profile(args: argparse.Namespace) -> int:
         workers[str(t)] = profile_worker(
             str(path), args.dtype, t, args.quick, args.repeats, progress
         )
-    bar.close()
     first = next(iter(workers.values()))
+    transfer = profile_transfer(
+        ModelConfig.from_hf(path),
+        first["kv_dtype"],
+        first["block_size"],
+        first["kv_bytes_per_block"],
+        transports,
+        args.quick,
+        args.repeats * TR_REPEATS,
+        progress,
+    )
+    bar.close()
     profile: dict[str, Any] = {
         "version": PROFILE_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -264,6 +326,13 @@ def run_profile(args: argparse.Namespace) -> int:
         "kv_bytes_per_block": first["kv_bytes_per_block"],
         "pool_blocks": _serving_pool_blocks(),
         "workers": workers,
+        "transfer": {
+            "transports": transfer,
+            # what the plan uses: the first transport timed (the serving config's by default)
+            "chosen": {"transport": transports[0], **transfer[transports[0]]}
+            if transports
+            else None,
+        },
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -274,6 +343,14 @@ def run_profile(args: argparse.Namespace) -> int:
         f, h = w["fit"], w["held_out"]
         print(
             f"{size} thread(s): fit MAPE {f['mape']}% (n={f['n']}), "
+            f"held-out MAPE {h['mape']}% (n={h['n']}, max {h['max_ape']}%); "
+            f"the machine's noise on them {h['noise_pct']}%"
+        )
+    for name, r in transfer.items():
+        h = r["held_out"]
+        print(
+            f"transfer {name}: α {r['alpha_s'] * 1e3:.2f} ms, "
+            f"β {r['beta_bytes_per_s'] / 1e9:.2f} GB/s; "
             f"held-out MAPE {h['mape']}% (n={h['n']}, max {h['max_ape']}%); "
             f"the machine's noise on them {h['noise_pct']}%"
         )

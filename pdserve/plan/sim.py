@@ -222,10 +222,7 @@ class SimWorker:
         if out.is_empty:
             return
         self.busy = True
-        shape = StepShape(
-            tuple((c.end - c.start, c.start) for c in out.prefill),
-            tuple(r.num_computed_tokens for r in out.decode),
-        )
+        shape = StepShape(*out.batch_shape())
         start = self.sim.clock.now
         for c in out.prefill:
             if c.completes_prompt:

@@ -84,13 +84,18 @@ class StepModel:
 
 
 def fit(shapes: Sequence[StepShape], times_s: Sequence[float]) -> StepModel:
+    """The step-time model of these samples (`fit_relative`)."""
+    return StepModel(tuple(fit_relative([s.features() for s in shapes], times_s)))
+
+
+def fit_relative(features: Sequence[Sequence[float]], times_s: Sequence[float]) -> list[float]:
     """Least squares on relative error, non-negative (terms a negative fit would give are
     dropped and the rest refitted, until none is negative). Terms no sample exercises (all
     zero) get 0."""
-    x = np.array([s.features() for s in shapes], dtype=np.float64)
+    x = np.array(features, dtype=np.float64)
     y = np.array(times_s, dtype=np.float64)
     if len(y) == 0 or np.any(y <= 0):
-        raise ValueError("fit needs positive step times")
+        raise ValueError("fit needs positive times")
     w = 1.0 / y
     active = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
     while True:
@@ -107,7 +112,7 @@ def fit(shapes: Sequence[StepShape], times_s: Sequence[float]) -> StepModel:
     coef = [0.0] * x.shape[1]
     for j, v in zip(active, sol, strict=True):
         coef[j] = float(v)
-    return StepModel(tuple(coef))
+    return coef
 
 
 def ape(predicted: Iterable[float], measured: Iterable[float]) -> list[float]:
