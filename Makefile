@@ -93,11 +93,14 @@ bench-kernels: $(STAMP)
 bench-determinism: $(STAMP)
 	$(BIN)/python -m pdserve.tools.determinism
 
-# pdserve plan against real runs: the profile's held-out step shapes (lane A), and real
-# colocated and 1P1D runs of three workloads at six rates against the simulator's
-# prediction, calibrated on one workload (lane C); benchmarks/plan_validation.py, ~35 min.
+# pdserve plan against real runs: the profile's held-out step shapes (lane A) and transfer
+# sizes (lane B), and real colocated and 1P1D runs of three workloads at six rates against
+# the simulator's prediction, served costs measured on one workload (lane C);
+# benchmarks/plan_validation.py, ~70 min. Then where disaggregation wins on H100/H200 nodes,
+# predicted from their rooflines (benchmarks/plan_devices.py, minutes).
 bench-plan: $(STAMP) redis
 	$(BIN)/python benchmarks/plan_validation.py $(BENCH_PLAN_ARGS)
+	$(BIN)/python benchmarks/plan_devices.py
 
 # The API side by side with vLLM's CPU build: shapes and greedy tokens (benchmarks/peers_api.py).
 bench-peers-api: $(STAMP)

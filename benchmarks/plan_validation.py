@@ -55,7 +55,7 @@ from engine.loop import STEP_LOG_ENV
 from pdserve.plan.attainment import goodput
 from pdserve.plan.plan import Profile, capacity_rps, point, sim_config
 from pdserve.plan.sim import Outcome, Overheads, PoolShape, simulate
-from pdserve.plan.stepmodel import StepModel, StepShape
+from pdserve.plan.stepmodel import StepCost, StepShape
 from pdserve.plan.workload import WorkloadRequest, built_in, dump
 from pdserve.plan.workload import load as load_trace
 
@@ -135,7 +135,7 @@ def measured_outcomes(reqs: list[WorkloadRequest], res: dict[str, Any]) -> list[
 
 
 def workload_slo(
-    model: StepModel, workload: str, duration: float, seed: int
+    model: StepCost, workload: str, duration: float, seed: int
 ) -> tuple[float, float]:
     """The SLO (TTFT, TPOT seconds) of a workload, scaled to the machine (`model`: the
     largest worker's): TTFT within 8 uncached 512-token passes, or 4 passes of the
@@ -175,7 +175,7 @@ def read_steps(log_dir: Path, t0: float, t1: float) -> list[dict[str, Any]]:
     return out
 
 
-def served_steps(model: StepModel, steps: list[dict[str, Any]]) -> dict[str, Any]:
+def served_steps(model: StepCost, steps: list[dict[str, Any]]) -> dict[str, Any]:
     """The served steps against the profile's model (fitted on an idle machine):
 
     - `engine_mape`: the model's error on `LLMEngine.step` itself, served (the router, Ray

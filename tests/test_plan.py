@@ -314,3 +314,54 @@ def test_profile_fits_and_scores_on_held_out_shapes(tmp_path: Path) -> None:
                    for r in t["samples"]["held_out"])  # fmt: skip
     assert planner.Profile.read(out).errors["B_transfer"]["n"] == len(held_blocks)
     assert "transfer grpc" in run.stdout
+
+
+# ---- device profiles ------------------------------------------------------------------------
+def test_a_device_profile_counts_what_pdserve_trace_counts() -> None:
+    """The roofline's FLOPs and bytes of a step are `trace_counts`' own: a decode row with
+    its context and a prompt pass, every op of the step summed."""
+    from engine.config import ModelConfig
+    from pdserve.plan.device import GEOMETRIES, RooflineModel, counts
+    from pdserve.tools.trace_counts import Totals, embed_ops, head_ops, layer_ops
+
+    cfg = ModelConfig.from_hf_dict(GEOMETRIES["llama-3-8b"])
+    roof = RooflineModel(*counts(cfg), flop_rate=1.0, byte_rate=1.0, step_s=0.0)
+
+    def step(t: int, ctx: int, decode: bool) -> Totals:
+        ops = embed_ops(cfg, t, 2) + head_ops(cfg, 1, 2)
+        for li in range(cfg.num_layers):
+            ops += layer_ops(cfg, li, t, ctx, 2, decode=decode, workspace=False)
+        return Totals.of(ops)
+
+    dec, pre = step(1, 301, True), step(200, 200, False)
+    assert roof.flops_of(StepShape((), (300,))) == dec.flops
+    assert roof.bytes_of(StepShape((), (300,))) == dec.bytes
+    assert roof.flops_of(StepShape(((200, 0),))) == pre.flops
+    assert roof.bytes_of(StepShape(((200, 0),))) == pre.bytes
+
+
+def test_plan_on_devices_is_copies_of_one_node(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pdserve profile --device h100` writes an unmeasured profile; `pdserve plan --devices
+    16` plans one 8-device node and reports two copies of it; a CPU profile or a count that
+    is no multiple of 8 is refused by name."""
+    prof = tmp_path / "h100.json"
+    assert main(["profile", "--device", "h100", "--model", "llama-3-8b", "--out", str(prof)]) == 0
+    d = json.loads(prof.read_text())
+    assert d["measured"] is False and d["assumptions"] and d["pool_blocks"] > 0
+    capsys.readouterr()
+    rc = main(["plan", "--profile", str(prof), "--devices", "16", "--workload", "documents",
+               "--slo", "ttft=1000,tpot=60", "--duration", "2", "--jobs", "1",
+               "--json"])  # fmt: skip
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    answer = json.loads(out.out)
+    assert (answer["unit"], answer["replicas"], answer["cores"]) == ("devices", 2, 16)
+    assert not answer["measured_profile"]
+    assert {c["cores"] for c in answer["candidates"]} == {8}
+    assert any(c["pool"]["colocated"] == 0 for c in answer["candidates"])
+    for args, message in ((["--devices", "12"], "multiple"), (["--devices", "4"], "CPU")):
+        cpu = _synthetic_profile(tmp_path / "cpu.json") if message == "CPU" else prof
+        rc = main(["plan", "--profile", str(cpu), "--slo", "ttft=1,tpot=1", *args])
+        assert rc == 2 and message in capsys.readouterr().err

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 
 WORKLOADS = ("chat", "documents", "agentic")
+DEVICES = ("h100", "h200")
+"""The accelerators `pdserve profile --device` extrapolates (`pdserve.plan.device`)."""
 """The built-in workloads (`pdserve.plan.workload`)."""
 
 
@@ -16,6 +18,13 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--repeats", type=int, default=5, help="times each shape is measured")
     p.add_argument("--quick", action="store_true", help="a smaller grid (a first look, tests)")
+    p.add_argument(
+        "--device",
+        default=None,
+        choices=DEVICES,
+        help="extrapolate an accelerator's profile from its published roofline instead of "
+        "measuring this machine (unmeasured; --model may also be llama-3-8b)",
+    )
     p.add_argument(
         "--transports",
         default=None,

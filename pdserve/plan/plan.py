@@ -33,7 +33,7 @@ import numpy as np
 
 from pdserve.plan.attainment import TARGET, goodput, parse_slo
 from pdserve.plan.sim import Outcome, Overheads, PoolShape, SimConfig, Transfer, simulate
-from pdserve.plan.stepmodel import StepModel
+from pdserve.plan.stepmodel import StepCost, StepModel
 from pdserve.plan.workload import BUILT_IN, WorkloadRequest, built_in, load, rescaled
 
 FRACTIONS = (0.1, 0.2, 0.35, 0.5, 0.7, 0.9, 1.1, 1.4)
@@ -42,13 +42,17 @@ BUDGETS = (2048,)
 """Step budgets tried by default (`scheduler.max_num_batched_tokens`; 2048 is the served
 default); `--budgets 512,2048` tries more."""
 GIVE_UP_BELOW = 0.5
+DEVICE_UNIT = 8
+"""`--devices N` above this plans N / 8 copies of an 8-device machine (one node)."""
+PROBE_S = 600.0
+"""Seconds of the workload (at 1 req/s, or the trace) that the capacity estimate draws on."""
 
 
 @dataclass(frozen=True)
 class Profile:
     """What the simulator reads of a `pdserve profile` JSON."""
 
-    models: dict[int, StepModel]  # worker threads -> step-time model
+    models: dict[int, StepCost]  # worker size (threads, or devices) -> step-time model
     block_size: int
     kv_bytes_per_block: int
     pool_blocks: int
@@ -64,7 +68,7 @@ class Profile:
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"--profile: cannot read {path}: {e}") from None
         try:
-            models = {int(k): StepModel.from_json(w["step_model"]) for k, w in d["workers"].items()}
+            models = {int(k): _step_cost(w) for k, w in d["workers"].items()}
             tr = d.get("transfer", {}).get("chosen") or {}
             transfer = Transfer(
                 float(tr.get("alpha_s", 0.0)), float(tr.get("beta_bytes_per_s", math.inf))
@@ -97,6 +101,15 @@ class Profile:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"--profile: {path} is not a pdserve profile ({e})") from None
+
+
+def _step_cost(worker: dict[str, Any]) -> StepCost:
+    """A measured worker's fitted model, or a device's roofline (`pdserve.plan.device`)."""
+    if "roofline" in worker:
+        from pdserve.plan.device import RooflineModel
+
+        return RooflineModel.from_json(worker["roofline"])
+    return StepModel.from_json(worker["step_model"])
 
 
 def _overheads(d: dict[str, Any] | None) -> dict[str, Overheads]:
@@ -134,17 +147,20 @@ def candidates(
 
 
 def capacity_rps(profile: Profile, requests: Sequence[WorkloadRequest], cores: int) -> float:
-    """The machine's throughput on this workload, simulated: its first (up to) 200 requests
-    all at once on colocated workers of the largest profiled size filling `cores`, requests
-    over the time to finish them. Only the rate grid's scale depends on it."""
+    """The machine's throughput on this workload, simulated: its first requests all at once
+    on colocated workers of the largest profiled size filling `cores` (enough to fill every
+    worker's batch twice over: 200 at least), requests over the time to finish them. Only the
+    rate grid's scale depends on it."""
     t = max(t for t in profile.models if t <= cores) if min(profile.models) <= cores else 0
     if not t:
         raise ValueError(
             f"--cores {cores}: the profile's smallest worker needs {min(profile.models)}"
         )
-    burst = [replace(r, arrival_s=0.0) for r in requests[:200]]
     shape = PoolShape(colocated=max(1, cores // t), threads=t)
-    outcomes = simulate(sim_config(profile, shape), burst)
+    cfg = sim_config(profile, shape)
+    size = max(200, 2 * cfg.max_num_seqs * shape.colocated)
+    burst = [replace(r, arrival_s=0.0) for r in requests[:size]]
+    outcomes = simulate(cfg, burst)
     makespan = max((o.last_token_s or 0.0) for o in outcomes)
     return len(burst) / makespan if makespan > 0 else float("inf")
 
@@ -184,7 +200,7 @@ def point(rate: float, outcomes: Sequence[Outcome], ttft_s: float, tpot_s: float
 
 
 def sim_config(profile: Profile, shape: PoolShape) -> SimConfig:
-    def model(t: int) -> StepModel:
+    def model(t: int) -> StepCost:
         if t not in profile.models:
             raise ValueError(f"the profile has no {t}-thread worker")
         return profile.models[t]
@@ -194,6 +210,7 @@ def sim_config(profile: Profile, shape: PoolShape) -> SimConfig:
     return SimConfig(
         shape, pre, dec, profile.block_size, profile.kv_bytes_per_block, profile.pool_blocks,
         profile.transfer, profile.overheads["colocated" if shape.colocated else "split"],
+        max_num_seqs=int(profile.raw.get("max_num_seqs", 64)),
     )  # fmt: skip
 
 
@@ -240,9 +257,15 @@ def plan(
     seed: int = 0,
     budgets: Sequence[int] = BUDGETS,
     jobs: int = 1,
+    replicas: int = 1,
 ) -> dict[str, Any]:
+    """Every candidate's attainment curve and goodput on `cores` (cores, or a device
+    profile's devices). With `replicas` > 1 the machine is that many copies of `cores`
+    behind one router: each copy is planned alone and its rates and goodput are scaled
+    (requests spread evenly; what one copy cannot do for another, e.g. prefix reuse across
+    copies, is not modelled)."""
     profile = Profile.read(profile_path)
-    probe = workload_at(workload, rate or 1.0, duration_s, seed)
+    probe = workload_at(workload, rate or 1.0, max(duration_s, PROBE_S), seed)
     cap = capacity_rps(profile, probe, cores)
     rates = sorted({round(f * cap, 4) for f in FRACTIONS} | ({round(rate, 4)} if rate else set()))
     shapes = candidates(sorted(profile.models), cores, budgets)
@@ -276,7 +299,7 @@ def plan(
         return (-(r["goodput_rps"] or 0.0), r["cores"], r["pool"]["colocated"] == 0)
 
     results.sort(key=rank)
-    return {
+    answer = {
         "profile": profile_path,
         "model": profile.raw.get("model_name"),
         "dtype": profile.raw.get("dtype"),
@@ -285,13 +308,31 @@ def plan(
         "workload": workload,
         "duration_s": duration_s,
         "slo": {"ttft_ms": slo[0] * 1e3, "tpot_ms": slo[1] * 1e3, "target": TARGET},
-        "cores": cores,
+        "cores": cores * replicas,
+        "unit": "devices" if profile.raw.get("device", "cpu") != "cpu" else "cores",
+        "replicas": replicas,
         "capacity_estimate_rps": round(cap, 4),
         "rates": rates,
         "best": results[0]["shape"],
         "candidates": results,
         "errors": profile.errors,
     }
+    return _replicated(answer, replicas) if replicas > 1 else answer
+
+
+def _replicated(answer: dict[str, Any], k: int) -> dict[str, Any]:
+    """One copy's answer as `k` copies': every rate and goodput times k."""
+
+    def times(v: float | None) -> float | None:
+        return None if v is None else round(v * k, 4)
+
+    answer["rates"] = [times(r) for r in answer["rates"]]
+    answer["capacity_estimate_rps"] = times(answer["capacity_estimate_rps"])
+    for c in answer["candidates"]:
+        c["goodput_rps"] = times(c["goodput_rps"])
+        for p in c["curve"]:
+            p["rate"] = times(p["rate"])
+    return answer
 
 
 def plot(answer: dict[str, Any], path: Path) -> None:
@@ -313,7 +354,7 @@ def plot(answer: dict[str, Any], path: Path) -> None:
     slo = answer["slo"]
     ax.set_title(
         f"{answer['workload']}: TTFT <= {slo['ttft_ms']:.0f} ms, TPOT <= {slo['tpot_ms']:.0f} ms, "
-        f"{answer['cores']} cores (predicted)",
+        f"{answer['cores']} {answer['unit']} (predicted)",
         fontsize=9,
     )
     ax.legend(fontsize=7)
@@ -329,7 +370,9 @@ def _fmt(v: float | None, unit: str = "") -> str:
 def print_answer(answer: dict[str, Any], out: Any = sys.stdout) -> None:
     slo = answer["slo"]
     print(
-        f"pdserve plan: {answer['workload']} on {answer['cores']} cores, TTFT <= "
+        f"pdserve plan: {answer['workload']} on {answer['cores']} {answer['unit']}"
+        + (f" ({answer['replicas']} copies of the shapes below)" if answer["replicas"] > 1 else "")
+        + ", TTFT <= "
         f"{slo['ttft_ms']:.0f} ms and TPOT <= {slo['tpot_ms']:.0f} ms for {TARGET:.0%} of "
         f"requests ({answer['model']} {answer['dtype']}, {answer['cpu']})",
         file=out,
@@ -363,6 +406,18 @@ def run_plan(args: argparse.Namespace) -> int:
         units = len(os.sched_getaffinity(0))
     if units < 1:
         raise ValueError("--cores/--devices: at least 1")
+    replicas = 1
+    if args.devices is not None:
+        device = Profile.read(args.profile).raw.get("device", "cpu")
+        if device == "cpu":
+            raise ValueError(
+                "--devices: the profile is of a CPU; make a device's with "
+                "`pdserve profile --device h100`, or plan --cores"
+            )
+        if units > DEVICE_UNIT:
+            if units % DEVICE_UNIT:
+                raise ValueError(f"--devices: up to {DEVICE_UNIT}, or a multiple of it")
+            replicas, units = units // DEVICE_UNIT, DEVICE_UNIT
     if args.workload not in BUILT_IN and not Path(args.workload).is_file():
         raise ValueError(f"--workload: one of {', '.join(BUILT_IN)} or a .jsonl file")
     budgets: tuple[int, ...] = BUDGETS
@@ -375,8 +430,8 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ValueError("--budgets: positive")
     jobs = args.jobs or len(os.sched_getaffinity(0))
     answer = plan(
-        args.profile, args.workload, slo, units, args.duration, args.rate, args.seed,
-        budgets, jobs,
+        args.profile, args.workload, slo, units, args.duration,
+        args.rate / replicas if args.rate else None, args.seed, budgets, jobs, replicas,
     )  # fmt: skip
     if args.plot:
         plot(answer, Path(args.plot))

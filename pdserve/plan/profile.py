@@ -270,6 +270,27 @@ def _axes(ax: Any, what: str, title: str) -> None:
     ax.legend(fontsize=7)
 
 
+def write_device_profile(args: argparse.Namespace) -> int:
+    """`pdserve profile --device D`: an unmeasured extrapolation (`pdserve.plan.device`)."""
+    from engine.config import ModelConfig
+    from pdserve.models import resolve_model
+    from pdserve.plan.device import GEOMETRIES, device_profile
+
+    config = None
+    if args.model not in GEOMETRIES:
+        config = ModelConfig.from_hf(resolve_model(args.model, seed=args.weights_seed))
+    profile = device_profile(args.device, args.model, config)
+    profile["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=1) + "\n")
+    print(
+        f"pdserve: wrote {out}: {profile['cpu']}, {args.model}, extrapolated from the published "
+        f"roofline (unmeasured; assumptions in the file)"
+    )
+    return 0
+
+
 def run_profile(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
@@ -278,6 +299,8 @@ def run_profile(args: argparse.Namespace) -> int:
     from engine.cpu import identity
     from pdserve.models import require_tokenizer, resolve_model
 
+    if args.device:
+        return write_device_profile(args)
     path = resolve_model(args.model, seed=args.weights_seed, revision=args.revision)
     require_tokenizer(path, args.model)
     sizes = worker_sizes(args.threads)

@@ -41,7 +41,7 @@ from engine.prefix_hash import namespace_seed
 from engine.request import Request, RequestStatus
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.plan.stepmodel import StepModel, StepShape
+from pdserve.plan.stepmodel import StepCost, StepShape
 from pdserve.plan.workload import WorkloadRequest, token_ids
 from pool_api.messages import Role, WorkerStats
 from router.pools import Pool, WorkerLoad, rank_pairs
@@ -182,7 +182,7 @@ class SimWorker:
         self,
         name: str,
         role: Role,
-        model: StepModel,
+        model: StepCost,
         num_blocks: int,
         block_size: int,
         kv_bytes_per_block: int,
@@ -271,8 +271,8 @@ class SimWorker:
 @dataclass
 class SimConfig:
     shape: PoolShape
-    prefill_model: StepModel
-    decode_model: StepModel
+    prefill_model: StepCost
+    decode_model: StepCost
     block_size: int
     kv_bytes_per_block: int
     pool_blocks: int
@@ -297,7 +297,7 @@ class Simulator:
             max_model_len=cfg.max_model_len,
         )
 
-        def workers(role: Role, n: int, model: StepModel, prefix: str) -> list[SimWorker]:
+        def workers(role: Role, n: int, model: StepCost, prefix: str) -> list[SimWorker]:
             return [
                 SimWorker(f"{prefix}-{i}", role, model, cfg.pool_blocks, cfg.block_size,
                           cfg.kv_bytes_per_block, sched, self)

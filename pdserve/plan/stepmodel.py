@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -64,6 +64,13 @@ class StepShape:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> StepShape:
         return cls(tuple((int(n), int(c)) for n, c in d["chunks"]), tuple(d["decode"]))
+
+
+class StepCost(Protocol):
+    """What the simulator needs of a step-time model: a fitted `StepModel`, or a device's
+    `pdserve.plan.device.RooflineModel`."""
+
+    def predict(self, shape: StepShape) -> float: ...
 
 
 @dataclass(frozen=True)
