@@ -55,7 +55,7 @@ from engine.loop import STEP_LOG_ENV
 from pdserve.plan.attainment import goodput
 from pdserve.plan.plan import Profile, capacity_rps, point, sim_config
 from pdserve.plan.sim import Outcome, Overheads, PoolShape, simulate
-from pdserve.plan.stepmodel import StepCost, StepShape
+from pdserve.plan.stepmodel import StepCost, StepShape, fit_relative
 from pdserve.plan.workload import WorkloadRequest, built_in, dump
 from pdserve.plan.workload import load as load_trace
 
@@ -134,9 +134,7 @@ def measured_outcomes(reqs: list[WorkloadRequest], res: dict[str, Any]) -> list[
     return out
 
 
-def workload_slo(
-    model: StepCost, workload: str, duration: float, seed: int
-) -> tuple[float, float]:
+def workload_slo(model: StepCost, workload: str, duration: float, seed: int) -> tuple[float, float]:
     """The SLO (TTFT, TPOT seconds) of a workload, scaled to the machine (`model`: the
     largest worker's): TTFT within 8 uncached 512-token passes, or 4 passes of the
     workload's 90th-percentile prompt where that is longer (a long document's answer may
@@ -178,11 +176,12 @@ def read_steps(log_dir: Path, t0: float, t1: float) -> list[dict[str, Any]]:
 def served_steps(model: StepCost, steps: list[dict[str, Any]]) -> dict[str, Any]:
     """The served steps against the profile's model (fitted on an idle machine):
 
-    - `engine_mape`: the model's error on `LLMEngine.step` itself, served (the router, Ray
-      and the client share the host's cores with it);
+    - `engine_mape`, `engine_bias_pct`: the model's error on `LLMEngine.step` itself, served
+      (the router, Ray and the client share the host's cores with it);
     - the loop's cycle (the step, handing its outputs on, the commands run before the next)
-      minus the model's prediction, regressed on (1, rows emitted): `step_s` + `row_s` per
-      row, what the simulator adds to each step (`Overheads`)."""
+      regressed, non-negative, on (the model's prediction, 1, rows emitted): `step_scale`
+      times the prediction plus `step_s` plus `row_s` per row, what the simulator takes a
+      served step to cost (`Overheads`)."""
     if not steps:
         return {"n": 0}
     pred = np.array([model.predict(StepShape(tuple(map(tuple, s["chunks"])), tuple(s["decode"])))
@@ -190,12 +189,10 @@ def served_steps(model: StepCost, steps: list[dict[str, Any]]) -> dict[str, Any]
     eng = np.array([s["step_s"] for s in steps])
     cycle = eng + np.array([s["out_s"] + s["gap_s"] for s in steps])
     rows = np.array([s["rows"] for s in steps], dtype=np.float64)
-    extra = cycle - pred
-    x = np.stack([np.ones_like(rows), rows], axis=1)
-    (step_s, row_s), *_ = np.linalg.lstsq(x, extra, rcond=None)
-    if row_s < 0:  # held non-negative, as the simulator's costs are
-        step_s, row_s = float(np.mean(extra)), 0.0
-    step_s = max(0.0, float(step_s))
+    # absolute error: a request's TPOT is the mean cycle of the steps it rides, so the fit
+    # must keep the mean (a relative fit follows the many short steps)
+    x = np.stack([pred, np.ones_like(rows), rows], axis=1).tolist()
+    coef = fit_relative(x, cycle.tolist(), relative=False)
     return {
         "n": len(steps),
         "engine_mape": round(float(np.mean(np.abs(pred - eng) / eng)) * 100, 1),
@@ -203,8 +200,9 @@ def served_steps(model: StepCost, steps: list[dict[str, Any]]) -> dict[str, Any]
         "out_ms_mean": round(float(np.mean([s["out_s"] for s in steps])) * 1e3, 3),
         "gap_ms_mean": round(float(np.mean([s["gap_s"] for s in steps])) * 1e3, 3),
         "rows_mean": round(float(rows.mean()), 2),
-        "step_s": round(step_s, 5),
-        "row_s": round(float(row_s), 6),
+        "step_scale": round(coef[0], 4),
+        "step_s": round(coef[1], 5),
+        "row_s": round(coef[2], 6),
     }
 
 
@@ -212,8 +210,9 @@ def calibrate(profile: Profile, config: str, fit_runs: list[dict[str, Any]]) -> 
     """The served costs the engine's steps in isolation do not show, from the fit workload's
     quiet runs alone (every rate), fixed before any held-out run is scored:
 
-    - per step and per row emitted (`step_s`, `row_s`): measured, the served steps of those
-      runs against the profile's model (`served_steps`, all steps pooled);
+    - the served step's scale over the profile's, and its cost per step and per row emitted
+      (`step_scale`, `step_s`, `row_s`): measured, the served steps of those runs against
+      the profile's model (`served_steps`, all steps pooled);
     - the TTFT offset (`router_s`: the router, the hop to the worker, the first token out):
       the median of measured minus predicted TTFT at the lowest rate, where nothing queues.
     """
@@ -224,7 +223,11 @@ def calibrate(profile: Profile, config: str, fit_runs: list[dict[str, Any]]) -> 
         profile.models[shape.threads if shape.colocated else 1],
         [s for r in quiet for s in r["steps"]],
     )
-    over = Overheads(step_s=served.get("step_s", 0.0), row_s=served.get("row_s", 0.0))
+    over = Overheads(
+        step_s=served.get("step_s", 0.0),
+        row_s=served.get("row_s", 0.0),
+        step_scale=served.get("step_scale", 1.0),
+    )
     low = min(quiet, key=lambda r: r["request_rate"])
     sim = simulate(replace(base, overheads=over), low["requests"], low["seed"])
     d = [m - o.ttft_s for m, o in zip(low["m_ttft"], sim, strict=True)
@@ -568,7 +571,7 @@ def print_report(rep: dict[str, Any]) -> None:
         )
     print(
         "served steps against the profile's model: n steps, |error| % and bias % of the "
-        "engine's step, served cost per step + per row emitted (ms):"
+        "engine's step, served step = scale x model + per step + per row emitted (ms):"
     )
     for r in rep["runs"]:
         sv = r.get("served_steps") or {}
@@ -576,7 +579,8 @@ def print_report(rep: dict[str, Any]) -> None:
             print(
                 f"  {r['config']} {r['workload']} load {r['load']}: n {sv['n']}, "
                 f"|error| {sv['engine_mape']}%, bias {sv['engine_bias_pct']:+}%, "
-                f"{sv['step_s'] * 1e3:.2f} + {sv['row_s'] * 1e3:.3f}/row "
+                f"{sv['step_scale']} x model + {sv['step_s'] * 1e3:.2f} + "
+                f"{sv['row_s'] * 1e3:.3f}/row "
                 f"(rows {sv['rows_mean']}, out {sv['out_ms_mean']}, gap {sv['gap_ms_mean']})"
             )
     print("mean |error| % per quiet run (n = runs, requests), attainment max |points|:")

@@ -261,9 +261,11 @@ def test_kill_9_of_a_decode_worker(chaos: Chaos, n: int) -> None:
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_a_frozen_worker_costs_its_requests_seconds(chaos: Chaos, role: str) -> None:
     """SIGSTOP of one of the two `role` workers for 12 s under a load that outlasts it: the
-    requests on it end within 8 s (served elsewhere, or UNAVAILABLE; none ends as an abort
-    nobody asked for), the other worker completes requests meanwhile, and a frozen prefill
-    worker takes no decode worker down with it. (Before the fix, they ended when it woke.)"""
+    requests on it are let go within 8 s (UNAVAILABLE, or served elsewhere: a prompt taken
+    over by the other prefill worker counts at its first token, not at the end of its 512
+    tokens, which depends on the row's own load; none ends as an abort nobody asked for), the
+    other worker completes requests meanwhile, and a frozen prefill worker takes no decode
+    worker down with it. (Before the fix, they ended when it woke.)"""
     sizes = replace(SIZES, freeze_s=12.0, freeze_bound_s=8.0, output_len=512)
     sized = Chaos(sizes, chaos.rig, None, chaos.rng, _n=chaos._n)
     res = scenario_freeze(sized, role)

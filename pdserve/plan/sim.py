@@ -58,11 +58,14 @@ class Overheads:
     stream_s: float = 0.0  # a token from the worker's step to the client
     step_s: float = 0.0  # a served worker's own work per step (its loop, its stats)
     row_s: float = 0.0  # per token a step emits (streaming it out: CPU the step shares)
+    # served step time over the profile's for the same batch: the host's speed while it
+    # serves (its drift since the profile, the cores it shares with the router and Ray)
+    step_scale: float = 1.0
 
     @classmethod
     def from_json(cls, d: dict[str, float] | None) -> Overheads:
-        d = d or {}
-        return cls(*(float(d.get(f.name, 0.0)) for f in fields(cls)))
+        given = {k: float(v) for k, v in (d or {}).items() if k in {f.name for f in fields(cls)}}
+        return cls(**given)
 
 
 @dataclass(frozen=True)
@@ -229,7 +232,9 @@ class SimWorker:
                 self.live[c.request.request_id].prefill_start_s = start
         over = self.sim.cfg.overheads
         rows = len(out.decode) + sum(c.completes_prompt for c in out.prefill)
-        dt = max(self.model.predict(shape), 1e-6) + over.step_s + over.row_s * rows
+        dt = (
+            max(self.model.predict(shape), 1e-6) * over.step_scale + over.step_s + over.row_s * rows
+        )
         self.sim.clock.at(start + dt, lambda: self._step_done(out))
 
     def _step_done(self, out: SchedulerOutput) -> None:

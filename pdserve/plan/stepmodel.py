@@ -95,15 +95,17 @@ def fit(shapes: Sequence[StepShape], times_s: Sequence[float]) -> StepModel:
     return StepModel(tuple(fit_relative([s.features() for s in shapes], times_s)))
 
 
-def fit_relative(features: Sequence[Sequence[float]], times_s: Sequence[float]) -> list[float]:
-    """Least squares on relative error, non-negative (terms a negative fit would give are
-    dropped and the rest refitted, until none is negative). Terms no sample exercises (all
-    zero) get 0."""
+def fit_relative(
+    features: Sequence[Sequence[float]], times_s: Sequence[float], relative: bool = True
+) -> list[float]:
+    """Least squares on relative error (`relative`; else on absolute error, which keeps the
+    mean), non-negative (terms a negative fit would give are dropped and the rest refitted,
+    until none is negative). Terms no sample exercises (all zero) get 0."""
     x = np.array(features, dtype=np.float64)
     y = np.array(times_s, dtype=np.float64)
     if len(y) == 0 or np.any(y <= 0):
         raise ValueError("fit needs positive times")
-    w = 1.0 / y
+    w = 1.0 / y if relative else np.ones_like(y)
     active = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
     while True:
         cols = x[:, active] * w[:, None]

@@ -814,7 +814,17 @@ def scenario_freeze(ch: Chaos, role: str) -> ScenarioResult:
     res.quiescence = ch.quiesce()
     by_id = {o.request_id: o for o in outs}
     on_it = [by_id[r] for r in hit if r in by_id]
-    after = [(o.ended_s or math.inf) - t_freeze for o in on_it]
+
+    def let_go(o: Outcome) -> float:
+        """When the frozen worker stopped holding the request up: a prompt that was on a
+        frozen prefill worker, at its first token from the worker that took it over (the
+        rest of its tokens are ordinary decoding, as long as its output, under this
+        scenario's own load); otherwise when it ended."""
+        if role == "prefill" and o.status == OK and o.first_token_s is not None:
+            return o.first_token_s
+        return o.ended_s or math.inf
+
+    after = [let_go(o) - t_freeze for o in on_it]
     during = [
         o
         for o in outs
@@ -823,7 +833,7 @@ def scenario_freeze(ch: Chaos, role: str) -> ScenarioResult:
     res.figures = {
         "on_worker_at_freeze": len(hit),
         "on_worker_outcomes": dict(Counter(o.status for o in on_it)),
-        "max_end_after_freeze_s": round(max(after, default=0.0), 3),
+        "max_let_go_after_freeze_s": round(max(after, default=0.0), 3),
         "completed_while_frozen": len(during),
         "decode_workers_marked_down": sorted(decode_down),
         "frozen": name,
@@ -833,7 +843,7 @@ def scenario_freeze(ch: Chaos, role: str) -> ScenarioResult:
     res.checks["each completes or ends UNAVAILABLE (none as an abort)"] = set(
         o.status for o in outs
     ) <= {OK, grpc.StatusCode.UNAVAILABLE.name}
-    res.checks[f"its requests ended within {cfg.freeze_bound_s:g} s"] = all(
+    res.checks[f"its requests were let go within {cfg.freeze_bound_s:g} s"] = all(
         t <= cfg.freeze_bound_s for t in after
     )
     res.checks["the service completed requests while it was frozen"] = len(during) >= 1
@@ -1547,9 +1557,10 @@ def _key_figures(r: ScenarioResult) -> str:
         )
     if r.name.startswith("freeze"):
         return (
-            f"{f['on_worker_at_freeze']} on {f['frozen']}: {f['on_worker_outcomes']}, last "
-            f"{f['max_end_after_freeze_s']} s after the freeze; {f['completed_while_frozen']} "
-            f"completed while frozen; decode marked down: {f['decode_workers_marked_down']}"
+            f"{f['on_worker_at_freeze']} on {f['frozen']}: {f['on_worker_outcomes']}, last let "
+            f"go {f['max_let_go_after_freeze_s']} s after the freeze; "
+            f"{f['completed_while_frozen']} completed while frozen; "
+            f"decode marked down: {f['decode_workers_marked_down']}"
         )
     if r.name == "drain-overrun":
         return (
