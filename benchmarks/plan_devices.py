@@ -56,6 +56,7 @@ class Cell:
     prompt: int
     tpot_s: float
     ttft_s: float
+    unit: int = DEVICE_UNIT
     seed: int = 0
 
 
@@ -100,9 +101,9 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     model = profile.models[1]
     # a start near the node's decode throughput at a full batch
     step = model.predict(StepShape((), (cell.prompt + OUTPUT_TOKENS // 2,) * 128))
-    start = DEVICE_UNIT * 128 / (step * OUTPUT_TOKENS) / 4
+    start = cell.unit * 128 / (step * OUTPUT_TOKENS) / 4
     rows: list[dict[str, Any]] = []
-    for shape in candidates([1], DEVICE_UNIT, (8192,)):
+    for shape in candidates([1], cell.unit, (8192,)):
         rows.append({"shape": shape.label, "colocated": bool(shape.colocated),
                      "prefill": shape.prefill, "decode": shape.decode,
                      "goodput_rps": round(goodput(profile, shape, cell, start), 3)})  # fmt: skip
@@ -113,8 +114,9 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         "prompt": cell.prompt,
         "tpot_ms": round(cell.tpot_s * 1e3),
         "ttft_ms": round(cell.ttft_s * 1e3),
-        "colocated_rps_per_device": round(colo["goodput_rps"] / DEVICE_UNIT, 3),
-        "split_rps_per_device": round(split["goodput_rps"] / DEVICE_UNIT, 3),
+        "unit_devices": cell.unit,
+        "colocated_rps_per_device": round(colo["goodput_rps"] / cell.unit, 3),
+        "split_rps_per_device": round(split["goodput_rps"] / cell.unit, 3),
         "split_over_colocated": round(split["goodput_rps"] / colo["goodput_rps"], 2)
         if colo["goodput_rps"]
         else None,
@@ -123,7 +125,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     }
 
 
-def plot(cells: list[dict[str, Any]], path: Path) -> None:
+def plot(cells: list[dict[str, Any]], path: Path, prompts: list[int], tpots: list[int]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,26 +134,27 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
     devices = sorted({c["device"] for c in cells})
     fig, axes = plt.subplots(1, len(devices), figsize=(5.2 * len(devices), 4.2), squeeze=False)
     for ax, dev in zip(axes[0], devices, strict=True):
-        grid = np.full((len(TPOT_MS), len(PROMPTS)), np.nan)
+        grid = np.full((len(tpots), len(prompts)), np.nan)
         for c in cells:
             if c["device"] == dev and c["split_over_colocated"] is not None:
-                grid[TPOT_MS.index(c["tpot_ms"]), PROMPTS.index(c["prompt"])] = c[
+                grid[tpots.index(c["tpot_ms"]), prompts.index(c["prompt"])] = c[
                     "split_over_colocated"
                 ]
         im = ax.imshow(grid, cmap="RdBu", vmin=0, vmax=2, origin="lower")
         for c in cells:
             if c["device"] == dev:
-                i, j = TPOT_MS.index(c["tpot_ms"]), PROMPTS.index(c["prompt"])
+                i, j = tpots.index(c["tpot_ms"]), prompts.index(c["prompt"])
                 ax.text(j, i, f"{c['split_over_colocated']}x\n{c['best_split']}", ha="center",
                         va="center", fontsize=8)  # fmt: skip
-        ax.set_xticks(range(len(PROMPTS)), [str(p) for p in PROMPTS])
-        ax.set_yticks(range(len(TPOT_MS)), [f"{t} ms" for t in TPOT_MS])
+        ax.set_xticks(range(len(prompts)), [str(p) for p in prompts])
+        ax.set_yticks(range(len(tpots)), [f"{t} ms" for t in tpots])
         ax.set_xlabel("prompt tokens (128 out)")
         ax.set_ylabel("TPOT bound")
         ax.set_title(f"{DEVICES[dev].name}: split / colocated goodput", fontsize=9)
         fig.colorbar(im, ax=ax, fraction=0.046)
     fig.suptitle(
-        "predicted from published rooflines (unmeasured), llama-3-8b, one 8-device node",
+        f"predicted from published rooflines (unmeasured), llama-3-8b, "
+        f"{cells[0]['unit_devices']} devices",
         fontsize=8,
     )
     fig.tight_layout()
@@ -164,31 +167,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", default=",".join(DEVICES))
     p.add_argument("--model", default="llama-3-8b")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--prompts", default=",".join(map(str, PROMPTS)), help="prompt lengths")
+    p.add_argument("--tpot-ms", default=",".join(map(str, TPOT_MS)), help="TPOT bounds (ms)")
+    p.add_argument(
+        "--unit", type=int, default=DEVICE_UNIT, help="devices in the node planned (8: one node)"
+    )
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-devices-"))
+    prompts = [int(x) for x in args.prompts.split(",")]
+    tpots = [int(x) for x in args.tpot_ms.split(",")]
     cells = []
     for dev in args.devices.split(","):
         path = tmp / f"{dev}.json"
         path.write_text(json.dumps(device_profile(dev, args.model)))
         one = Profile.read(path).models[1]
-        for prompt in PROMPTS:
+        for prompt in prompts:
             ttft = max(0.25, 4 * one.predict(StepShape(((prompt, 0),))))
-            cells += [Cell(dev, str(path), prompt, t / 1e3, ttft) for t in TPOT_MS]
+            cells += [Cell(dev, str(path), prompt, t / 1e3, ttft, args.unit) for t in tpots]
     with ProcessPoolExecutor(args.jobs) as ex:
         results = list(tqdm(ex.map(run_cell, cells), total=len(cells), desc="cells"))
     doc = {
         "model": args.model,
-        "unit_devices": DEVICE_UNIT,
+        "unit_devices": args.unit,
         "output_tokens": OUTPUT_TOKENS,
         "measured": False,
         "assumptions": json.loads((tmp / f"{cells[0].device}.json").read_text())["assumptions"],
         "cells": results,
     }
     (out / "devices.json").write_text(json.dumps(doc, indent=1) + "\n")
-    plot(results, out / "devices.png")
+    plot(results, out / "devices.png", prompts, tpots)
     print("device | prompt | TPOT ms | TTFT ms | colocated req/s/dev | split req/s/dev | "
           "split/colocated | best split")  # fmt: skip
     for c in results:

@@ -23,7 +23,7 @@ best configuration predicted is the one measured best.
 
 The SLO scales with the machine and the workload (`workload_slo`): TTFT within 8 predicted
 512-token prompt passes, or 4 passes of the workload's 90th-percentile prompt where longer;
-TPOT within 3 predicted batch-1 decode steps (both with the largest worker). Each run sends
+TPOT within 5 predicted batch-1 decode steps (both with the largest worker). Each run sends
 prompts of its own (a seed per run), so no run hits what an earlier one left in the server's
 prefix cache, and lasts long enough for `--min-requests` requests (up to 3 x `--duration`).
 
@@ -54,7 +54,7 @@ from engine.cpu import identity
 from engine.loop import STEP_LOG_ENV
 from pdserve.plan.attainment import goodput
 from pdserve.plan.plan import Profile, capacity_rps, point, sim_config
-from pdserve.plan.sim import Outcome, Overheads, PoolShape, simulate
+from pdserve.plan.sim import Outcome, Overheads, PoolShape, offered_token_rate, simulate
 from pdserve.plan.stepmodel import StepCost, StepShape, fit_relative
 from pdserve.plan.workload import WorkloadRequest, built_in, dump
 from pdserve.plan.workload import load as load_trace
@@ -134,15 +134,20 @@ def measured_outcomes(reqs: list[WorkloadRequest], res: dict[str, Any]) -> list[
     return out
 
 
+TPOT_STEPS = 5
+
+
 def workload_slo(model: StepCost, workload: str, duration: float, seed: int) -> tuple[float, float]:
     """The SLO (TTFT, TPOT seconds) of a workload, scaled to the machine (`model`: the
     largest worker's): TTFT within 8 uncached 512-token passes, or 4 passes of the
     workload's 90th-percentile prompt where that is longer (a long document's answer may
-    start later than a chat's); TPOT within 3 batch-1 decode steps at 512 tokens."""
+    start later than a chat's); TPOT within 5 batch-1 decode steps at 512 tokens (at 3, a
+    served run's TPOT p90 sat on the bound at the lowest rate on a noisy host, and every
+    attainment was decided by noise)."""
     prompts = sorted(r.prompt_tokens for r in built_in(workload, 1.0, duration, seed))
     p90 = prompts[int(0.9 * (len(prompts) - 1))]
     ttft = max(8 * model.predict(StepShape(((512, 0),))), 4 * model.predict(StepShape(((p90, 0),))))
-    return ttft, 3 * model.predict(StepShape((), (512,)))
+    return ttft, TPOT_STEPS * model.predict(StepShape((), (512,)))
 
 
 def summary(outcomes: list[Outcome], slo: tuple[float, float]) -> dict[str, Any]:
@@ -178,31 +183,24 @@ def served_steps(model: StepCost, steps: list[dict[str, Any]]) -> dict[str, Any]
 
     - `engine_mape`, `engine_bias_pct`: the model's error on `LLMEngine.step` itself, served
       (the router, Ray and the client share the host's cores with it);
-    - the loop's cycle (the step, handing its outputs on, the commands run before the next)
-      regressed, non-negative, on (the model's prediction, 1, rows emitted): `step_scale`
-      times the prediction plus `step_s` plus `row_s` per row, what the simulator takes a
-      served step to cost (`Overheads`)."""
+    - `scale`: the loop's cycles (the step, handing its outputs on, the commands run before
+      the next) summed, over the model's predictions summed: what a served step costs for
+      each second the profile predicts. A sum, not a mean of ratios: a request's TPOT is the
+      mean cycle of the steps it rides, long and short alike."""
     if not steps:
         return {"n": 0}
     pred = np.array([model.predict(StepShape(tuple(map(tuple, s["chunks"])), tuple(s["decode"])))
                      for s in steps])  # fmt: skip
     eng = np.array([s["step_s"] for s in steps])
     cycle = eng + np.array([s["out_s"] + s["gap_s"] for s in steps])
-    rows = np.array([s["rows"] for s in steps], dtype=np.float64)
-    # absolute error: a request's TPOT is the mean cycle of the steps it rides, so the fit
-    # must keep the mean (a relative fit follows the many short steps)
-    x = np.stack([pred, np.ones_like(rows), rows], axis=1).tolist()
-    coef = fit_relative(x, cycle.tolist(), relative=False)
     return {
         "n": len(steps),
         "engine_mape": round(float(np.mean(np.abs(pred - eng) / eng)) * 100, 1),
         "engine_bias_pct": round(float(np.mean((eng - pred) / pred)) * 100, 1),
         "out_ms_mean": round(float(np.mean([s["out_s"] for s in steps])) * 1e3, 3),
         "gap_ms_mean": round(float(np.mean([s["gap_s"] for s in steps])) * 1e3, 3),
-        "rows_mean": round(float(rows.mean()), 2),
-        "step_scale": round(coef[0], 4),
-        "step_s": round(coef[1], 5),
-        "row_s": round(coef[2], 6),
+        "rows_mean": round(float(np.mean([s["rows"] for s in steps])), 2),
+        "scale": round(float(cycle.sum() / pred.sum()), 4),
     }
 
 
@@ -210,24 +208,19 @@ def calibrate(profile: Profile, config: str, fit_runs: list[dict[str, Any]]) -> 
     """The served costs the engine's steps in isolation do not show, from the fit workload's
     quiet runs alone (every rate), fixed before any held-out run is scored:
 
-    - the served step's scale over the profile's, and its cost per step and per row emitted
-      (`step_scale`, `step_s`, `row_s`): measured, the served steps of those runs against
-      the profile's model (`served_steps`, all steps pooled);
+    - how much slower a served step is than the profile's prediction, as a line in the
+      output token rate the run offered (`step_scale + scale_per_token_s x tokens/s`): each
+      run's `served_steps` scale, fitted on the runs' offered token rates (least squares,
+      non-negative). On this host the router, Ray and the load generator run on the
+      workers' cores and take more of them the more tokens stream;
     - the TTFT offset (`router_s`: the router, the hop to the worker, the first token out):
       the median of measured minus predicted TTFT at the lowest rate, where nothing queues.
     """
     base = sim_config(profile, CONFIGS[config])
-    quiet = [r for r in fit_runs if not r["busy"]] or fit_runs
-    shape = CONFIGS[config]
-    served = served_steps(
-        profile.models[shape.threads if shape.colocated else 1],
-        [s for r in quiet for s in r["steps"]],
-    )
-    over = Overheads(
-        step_s=served.get("step_s", 0.0),
-        row_s=served.get("row_s", 0.0),
-        step_scale=served.get("step_scale", 1.0),
-    )
+    quiet = [r for r in fit_runs if not r["busy"] and r["served_steps"].get("n")] or fit_runs
+    x = [[1.0, offered_token_rate(r["requests"])] for r in quiet]
+    s0, s1 = fit_relative(x, [r["served_steps"].get("scale", 1.0) for r in quiet], relative=False)
+    over = Overheads(step_scale=s0, scale_per_token_s=s1)
     low = min(quiet, key=lambda r: r["request_rate"])
     sim = simulate(replace(base, overheads=over), low["requests"], low["seed"])
     d = [m - o.ttft_s for m, o in zip(low["m_ttft"], sim, strict=True)
@@ -408,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         # second): an agentic session is several requests
         r["request_rate"] = round(len(r["requests"]) / r["duration_s"], 4)
         r["load"] = round(r["request_rate"] / r["capacity_rps"], 3)
+        r["token_rate"] = round(offered_token_rate(r["requests"]), 1)
     overheads = {
         c: calibrate(
             profile,
@@ -571,7 +565,7 @@ def print_report(rep: dict[str, Any]) -> None:
         )
     print(
         "served steps against the profile's model: n steps, |error| % and bias % of the "
-        "engine's step, served step = scale x model + per step + per row emitted (ms):"
+        "engine's step, served cycles over the model's predictions (scale):"
     )
     for r in rep["runs"]:
         sv = r.get("served_steps") or {}
@@ -579,8 +573,7 @@ def print_report(rep: dict[str, Any]) -> None:
             print(
                 f"  {r['config']} {r['workload']} load {r['load']}: n {sv['n']}, "
                 f"|error| {sv['engine_mape']}%, bias {sv['engine_bias_pct']:+}%, "
-                f"{sv['step_scale']} x model + {sv['step_s'] * 1e3:.2f} + "
-                f"{sv['row_s'] * 1e3:.3f}/row "
+                f"scale {sv['scale']} at {r['token_rate']} tokens/s "
                 f"(rows {sv['rows_mean']}, out {sv['out_ms_mean']}, gap {sv['gap_ms_mean']})"
             )
     print("mean |error| % per quiet run (n = runs, requests), attainment max |points|:")

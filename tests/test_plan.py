@@ -132,6 +132,18 @@ def test_a_lone_colocated_request_takes_exactly_its_steps() -> None:
     assert out.placement == "colocated" and not out.failed
 
 
+def test_served_steps_scale_with_the_offered_token_rate() -> None:
+    """`Overheads.step_scale` and `scale_per_token_s`: every step takes the model's time
+    times (scale + per-token-rate x the output tokens per second the workload offers)."""
+    reqs = [WorkloadRequest(0.0, 200, 10), WorkloadRequest(50.0, 200, 10)]  # 0.4 tokens/s
+    base = simulate(_cfg(PoolShape(colocated=1)), reqs)
+    over = Overheads(step_scale=1.5, scale_per_token_s=1.25)  # x (1.5 + 1.25 x 0.4) = x 2
+    scaled = simulate(_cfg(PoolShape(colocated=1), overheads=over), reqs)
+    for b, s in zip(base, scaled, strict=True):
+        assert s.ttft_s == pytest.approx(2 * b.ttft_s, rel=1e-9)
+        assert s.tpot_s == pytest.approx(2 * b.tpot_s, rel=1e-9)
+
+
 def test_a_lone_disaggregated_request_waits_for_its_transfer() -> None:
     tr = Transfer(alpha_s=0.004, beta_bytes_per_s=1e8)
     cfg = _cfg(PoolShape(prefill=1, decode=1), transfer=tr)

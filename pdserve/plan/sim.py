@@ -59,8 +59,12 @@ class Overheads:
     step_s: float = 0.0  # a served worker's own work per step (its loop, its stats)
     row_s: float = 0.0  # per token a step emits (streaming it out: CPU the step shares)
     # served step time over the profile's for the same batch: the host's speed while it
-    # serves (its drift since the profile, the cores it shares with the router and Ray)
+    # serves (its drift since the profile, the cores it shares with the router and Ray) ...
     step_scale: float = 1.0
+    # ... plus this much per output token per second the workload offers: on a host whose
+    # router, Ray and clients run on the workers' cores, the CPU they take grows with the
+    # token rate, and the steps slow down with it
+    scale_per_token_s: float = 0.0
 
     @classmethod
     def from_json(cls, d: dict[str, float] | None) -> Overheads:
@@ -232,9 +236,7 @@ class SimWorker:
                 self.live[c.request.request_id].prefill_start_s = start
         over = self.sim.cfg.overheads
         rows = len(out.decode) + sum(c.completes_prompt for c in out.prefill)
-        dt = (
-            max(self.model.predict(shape), 1e-6) * over.step_scale + over.step_s + over.row_s * rows
-        )
+        dt = max(self.model.predict(shape), 1e-6) * self.sim.scale + over.step_s + over.row_s * rows
         self.sim.clock.at(start + dt, lambda: self._step_done(out))
 
     def _step_done(self, out: SchedulerOutput) -> None:
@@ -296,6 +298,7 @@ class Simulator:
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
         self.clock = _Clock()
+        self.scale = cfg.overheads.step_scale  # set per run (`run`)
         sched = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.shape.budget,
@@ -426,6 +429,8 @@ class Simulator:
 
     # ---- a run -----------------------------------------------------------------------------
     def run(self, requests: Sequence[WorkloadRequest], seed: int = 0) -> list[Outcome]:
+        over = self.cfg.overheads
+        self.scale = over.step_scale + over.scale_per_token_s * offered_token_rate(requests)
         prompts = token_ids(requests, self.cfg.vocab_size, seed)
         split = not self.cfg.shape.colocated
         lives = []
@@ -455,6 +460,14 @@ def _decode_copy(req: Request) -> Request:
     decoded.append_token(req.output_token_ids[0], None)
     decoded.status = RequestStatus.RUNNING
     return decoded
+
+
+def offered_token_rate(requests: Sequence[WorkloadRequest]) -> float:
+    """Output tokens per second the workload asks for over its arrivals (0: one instant)."""
+    if len(requests) < 2:
+        return 0.0
+    span = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
+    return sum(r.output_tokens for r in requests) / span if span > 0 else 0.0
 
 
 def simulate(cfg: SimConfig, requests: Sequence[WorkloadRequest], seed: int = 0) -> list[Outcome]:
