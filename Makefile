@@ -96,11 +96,12 @@ bench-determinism: $(STAMP)
 # pdserve plan against real runs: the profile's held-out step shapes (lane A) and transfer
 # sizes (lane B), and real colocated and 1P1D runs of three workloads at six rates against
 # the simulator's prediction, served costs measured on one workload (lane C);
-# benchmarks/plan_validation.py, ~70 min. Then where disaggregation wins on H100/H200 nodes,
-# predicted from their rooflines (benchmarks/plan_devices.py, minutes).
+# benchmarks/plan_validation.py, ~70 min. Then where disaggregation wins on H100/H200,
+# predicted from their rooflines (benchmarks/plan_devices.py on a 4-device unit, ~3 min; its
+# defaults, a 3x3 grid on an 8-device node, take over 4 min a cell on 2 cores).
 bench-plan: $(STAMP) redis
 	$(BIN)/python benchmarks/plan_validation.py $(BENCH_PLAN_ARGS)
-	$(BIN)/python benchmarks/plan_devices.py
+	$(BIN)/python benchmarks/plan_devices.py --unit 4 --prompts 512,4096 --tpot-ms 25,100
 
 # The API side by side with vLLM's CPU build: shapes and greedy tokens (benchmarks/peers_api.py).
 bench-peers-api: $(STAMP)
