@@ -69,6 +69,7 @@ from kv_transfer.receiver import KVReceiver  # noqa: E402
 from kv_transfer.sender import KVSender, OutboundTransfer  # noqa: E402
 from kv_transfer.transports.base import get_transport  # noqa: E402
 from kv_transfer.wire import block_runs  # noqa: E402
+from pdserve.plan.device import GEOMETRIES  # noqa: E402
 from protos.pdserve.v1 import kv_transfer_pb2 as pb  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -84,20 +85,11 @@ TARGET_GLOO = 0.8
 TARGET_GRPC = 0.6
 TARGET_TTFT_SHARE = 0.02
 
-# Page geometry for the throughput part: a Llama-3-8B-like layout (32 layers, 8 KV heads of
+# Page geometry for the throughput part: Llama-3-8B's layout (32 layers, 8 KV heads of
 # 128 dims, bf16, 16-token blocks). One page (K+V of one block of one layer) is 64 KiB, one
 # block of all layers 2 MiB, so 8/64/512 MiB are 4/32/256 blocks and a layer's K (or V) run is
 # 128 KiB / 1 MiB / 8 MiB.
-GEOMETRY: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "torch_dtype": "bfloat16",
-}
+GEOMETRY: dict[str, Any] = GEOMETRIES["llama-3-8b"]
 BLOCK_SIZE = 16
 
 
