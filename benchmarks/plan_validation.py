@@ -54,7 +54,14 @@ from engine.cpu import identity
 from engine.loop import STEP_LOG_ENV
 from pdserve.plan.attainment import goodput
 from pdserve.plan.plan import Profile, capacity_rps, point, sim_config
-from pdserve.plan.sim import Outcome, Overheads, PoolShape, offered_token_rate, simulate
+from pdserve.plan.sim import (
+    Outcome,
+    Overheads,
+    PoolShape,
+    SimConfig,
+    offered_token_rate,
+    simulate,
+)
 from pdserve.plan.stepmodel import StepCost, StepShape, fit_relative
 from pdserve.plan.workload import WorkloadRequest, built_in, dump
 from pdserve.plan.workload import load as load_trace
@@ -178,8 +185,9 @@ def read_steps(log_dir: Path, t0: float, t1: float) -> list[dict[str, Any]]:
     return out
 
 
-def served_steps(model: StepCost, steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """The served steps against the profile's model (fitted on an idle machine):
+def served_steps(cfg: SimConfig, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The served steps against the profile's model of each step's worker (its prefill or
+    decode model in `cfg`; fitted on an idle machine):
 
     - `engine_mape`, `engine_bias_pct`: the model's error on `LLMEngine.step` itself, served
       (the router, Ray and the client share the host's cores with it);
@@ -189,7 +197,12 @@ def served_steps(model: StepCost, steps: list[dict[str, Any]]) -> dict[str, Any]
       mean cycle of the steps it rides, long and short alike."""
     if not steps:
         return {"n": 0}
-    pred = np.array([model.predict(StepShape(tuple(map(tuple, s["chunks"])), tuple(s["decode"])))
+
+    def model(worker: str) -> StepCost:
+        return cfg.prefill_model if "-prefill-" in worker else cfg.decode_model
+
+    pred = np.array([model(s["worker"]).predict(StepShape(tuple(map(tuple, s["chunks"])),
+                                                          tuple(s["decode"])))
                      for s in steps])  # fmt: skip
     eng = np.array([s["step_s"] for s in steps])
     cycle = eng + np.array([s["out_s"] + s["gap_s"] for s in steps])
@@ -346,10 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                         # a run without its meta file: the load before it was not recorded
                         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
                         steps = json.loads(steps_path.read_text()) if steps_path.exists() else []
-                        if meta.get("seed", seed) != seed or meta.get("duration_s") not in (
-                            None,
-                            round(duration, 1),
-                        ):
+                        if (meta.get("seed"), meta.get("duration_s")) != (seed, round(duration, 1)):
                             raise SystemExit(f"--reuse: {meta_path} is of another design: rerun")
                     else:
                         reqs = built_in(workload, rate, duration, seed)
@@ -383,9 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                             "busy": other is not None and other > BUSY_CORES,
                             "wall_s": meta.get("wall_s"),
                             "measured": summary(measured, slos[workload]),
-                            "served_steps": served_steps(
-                                profile.models[shape.threads if shape.colocated else 1], steps
-                            ),
+                            "served_steps": served_steps(sim_config(profile, shape), steps),
                             "steps": steps,
                             "m_ttft": [o.ttft_s for o in measured],
                             "reqs": str(trace),

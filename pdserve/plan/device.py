@@ -143,8 +143,9 @@ def counts(config: Any, dtype_bytes: int = 2) -> tuple[tuple[float, ...], tuple[
     weights = one.bytes - tok_bytes  # read once a step, whatever the batch
     head = Totals.of(head_ops(config, 1, b))
     head_row_bytes = head.bytes - head.weight_bytes
-    pair = attention(1, 2, decode=True).flops / 2  # per (query, key) pair, all layers
-    kv_tok = attention(1, 2, decode=True).kv_bytes_read / 2  # K and V of one context token
+    row = attention(1, 2, decode=True)  # a decode row reading 2 tokens
+    pair = row.flops / 2  # per (query, key) pair, all layers
+    kv_tok = row.kv_bytes_read / 2  # K and V of one context token
     q_bytes = attention(1, 1, decode=False).bytes - kv_tok  # a query in, its output out
     flops = {
         "chunks": head.flops,  # a chunk gives one logits row (the one that ends its prompt)

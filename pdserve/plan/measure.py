@@ -67,7 +67,7 @@ def timed_step(engine: LLMEngine, scenario: Scenario) -> Sample | None:
     dt = time.perf_counter() - t0
     if result.phase is None:
         return None
-    return Sample(StepShape(result.shape.chunks, result.shape.decode), dt, scenario.label)
+    return Sample(StepShape(*result.shape), dt, scenario.label)
 
 
 class Driver:

@@ -84,6 +84,7 @@ def profile_transfer(
     rx_cores = [allowed[1 if len(allowed) > 1 else 0]]
     times: dict[tuple[str, int], list[float]] = {(t, n): [] for t in transports for n in sizes}
     rng = random.Random(seed)
+    tx = PageSender()
     with pinned(1):
         rx = PeerProcess(mp.get_context("spawn"), "profile-kv-rx", PageReceiver, 1, rx_cores)
         try:
@@ -94,7 +95,6 @@ def profile_transfer(
                 "dtype": dtype,
             }
             rx.call("setup_pages", **pages)
-            tx = PageSender()
             tx.setup_pages(seed=seed, **pages)
             for t in transports:
                 rx.call("listen", key=t, transport=t)
@@ -118,8 +118,8 @@ def profile_transfer(
                 for t, n in order:
                     progress(f"{t} {n} blocks ({r + 1}/{repeats})")
                     times[(t, n)].append(once(t, n))
-            tx.close()
         finally:
+            tx.close()
             rx.stop()
     out: dict[str, Any] = {}
     for t in transports:
