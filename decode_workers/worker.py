@@ -104,8 +104,13 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 class DecodeWorker(WorkerBase):
     default_role = Role.DECODE
 
-    def __init__(self, cfg: WorkerConfig, engine: LLMEngine | None = None) -> None:
-        super().__init__(cfg, engine)
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        engine: LLMEngine | None = None,
+        previous: WorkerBase | None = None,
+    ) -> None:
+        super().__init__(cfg, engine, previous)
         t = cfg.transfer
         self.receiver = KVReceiver(
             self.engine.cache,
@@ -137,7 +142,7 @@ class DecodeWorker(WorkerBase):
 
         Blocks of the prompt's prefix that this worker still caches (an earlier turn decoded
         here) are shared, so the ticket asks the prefill side for the delta only."""
-
+        self.refuse_when_draining(r.request_id)
         grammar = await self.compile_grammar(r.params)
 
         def do() -> ReserveResult:
@@ -200,6 +205,7 @@ class DecodeWorker(WorkerBase):
 
     async def submit(self, r: WorkerRequest, sink: TokenSink) -> None:
         """Prefill here and decode (colocated mode, or a prompt under the local threshold)."""
+        self.refuse_when_draining(r.request_id)
         conn = await self._connect(sink)
         self._open(r.request_id, sink)
 
@@ -258,7 +264,7 @@ class DecodeWorker(WorkerBase):
 
         return await self.loop.run(do)
 
-    def shutdown(self) -> None:
+    def _close_role(self) -> None:
         if self._stream_reaper is not None:
             # Dropped too: a task that ended cancelled keeps its CancelledError, whose
             # traceback holds the reaper's frame and so this worker (and its engine) alive.
@@ -267,9 +273,20 @@ class DecodeWorker(WorkerBase):
         with self._sinks_lock:
             for conn in self._sinks.values():
                 conn.close()
-        super().shutdown()
         self.receiver.close()
         self.endpoint.close()
+
+    def _end_all(self) -> int:
+        """Every request here, running or reserved, ends (its stream with an error)."""
+        self._on_engine_thread()
+        ids = set(self._routes) | set(self.reserved)
+        for rid in ids:
+            self.engine.abort(rid)
+            entry = self.reserved.pop(rid, None)
+            if entry is not None:
+                self.receiver.fail(entry[1], f"{self.name} is handing over")
+        self._emit([_ending(rid) for rid in ids], f"{self.name} was drained before it ended")
+        return len(ids)
 
     # ---- the actor loop's state ----------------------------------------------------------
     def _on_actor_loop(self) -> None:

@@ -185,6 +185,12 @@ def _fill_bench(p: argparse.ArgumentParser) -> None:
     add_cli_args(p)
 
 
+def _fill_pool(p: argparse.ArgumentParser) -> None:
+    from pdserve.pool_cli import add_cli_args
+
+    add_cli_args(p)
+
+
 def _fill_chaos(p: argparse.ArgumentParser) -> None:
     from pdserve.tools.chaos import add_cli_args
 
@@ -547,6 +553,8 @@ _COMMANDS: tuple[tuple[str, str, bool, Callable[[argparse.ArgumentParser], None]
     ("serve", "run the disaggregated service (gRPC and the OpenAI HTTP API)", False,
      _add_serve_flags),
     ("client", "stream one request from a running server", True, _fill_client),
+    ("pool", "see and change a running server's pools: add, drain, flip workers", True,
+     _fill_pool),
     ("bench", "load-test a server like `vllm bench serve`", False, _fill_bench),
     ("chaos", "load while faults are injected (make chaos)", False, _fill_chaos),
     ("profile", "measure this machine's step and transfer costs for pdserve plan", True,
@@ -578,6 +586,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pdserve.client import run_client
 
             return run_client(args)
+        if args.command == "pool":
+            from pdserve.pool_cli import run_pool
+
+            return run_pool(args)
         if args.command == "bench":
             from pdserve.tools.bench import run_bench
 

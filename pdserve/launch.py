@@ -8,13 +8,15 @@ weights.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
 import sys
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from engine.config import ConfigError, GenerationDefaults, ModelConfig
 from engine.engine import EngineConfig, resolve_dtype
@@ -39,7 +41,7 @@ from router.pools import Pool
 from router.validation import EdgeLimits, ModelLimits
 
 if TYPE_CHECKING:
-    from worker_common import StartupSummary
+    from worker_common import StartupSummary, WorkerBase
 
 log = logging.getLogger(__name__)
 # Calls a worker actor runs at once (Ray async actors; an internal, not a setting).
@@ -161,9 +163,7 @@ def router_view(cfg: ServeConfig, summaries: list[StartupSummary]) -> ServeConfi
     return replace(cfg, cache=replace(cfg.cache, num_blocks=num_blocks))
 
 
-def check_workers(
-    summaries: list[StartupSummary], info: gen.ModelInfo, cfg: ServeConfig
-) -> None:
+def check_workers(summaries: list[StartupSummary], info: gen.ModelInfo, cfg: ServeConfig) -> None:
     """Refuse, in one line naming both sides, a worker this router cannot serve with: it
     speaks another pdserve wire version, serves another checkpoint, compiles grammars with
     another backend, or keeps another KV layout or cache than this config asks for (workers
@@ -206,21 +206,23 @@ def check_workers(
 
 @dataclass
 class Deployment:
-    """Ray plus both pools. `start` blocks until every worker answered `ready`."""
+    """Ray plus both pools. `start` blocks until every worker answered `ready`; afterwards
+    the router's pool admin (`router.membership`) adds, flips and retires workers through
+    it (`launch`, `flip`, `retire`: the router's `WorkerLauncher`)."""
 
     cfg: ServeConfig
     model_path: Path | None = None
-    prefill_actors: list[Any] = field(default_factory=list)
-    decode_actors: list[Any] = field(default_factory=list)
+    # every worker actor by name, whatever its role now (a flip keeps the name)
+    actors: dict[str, Any] = field(default_factory=dict)
     started_ray: bool = False
     # what each worker loaded and its KV cache, from `ready` (pdserve.serve prints them)
     summaries: list[StartupSummary] = field(default_factory=list)
+    _engine: EngineConfig | None = None
+    _transfer: TransferConfig | None = None
+    _router_info: gen.ModelInfo | None = None
 
     def start(self) -> Router:
         import ray
-
-        from decode_workers.actor import DecodeActor
-        from prefill_workers.actor import PrefillActor
 
         cfg = self.cfg
         self.model_path = resolve_model(
@@ -241,49 +243,20 @@ class Deployment:
                 log_to_driver=True,
             )
             self.started_ray = cfg.ray.address is None
-        ecfg = engine_config(cfg, self.model_path)
+        self._engine = engine_config(cfg, self.model_path)
         # host "auto" is resolved by each decode actor on its node
-        transfer = kv_secret_by_default(cfg.transfer, own_cluster=self.started_ray)
-
-        def worker_cfg(name: str, pool: PoolConfig, role: Role, i: int) -> WorkerConfig:
-            sets = cpu_sets(pool.cpu_affinity)
-            cpus = sets[i] if sets else ()
-            threads = len(cpus) or pool.num_threads  # pinned: a thread per core
-            return WorkerConfig(
-                name=name,
-                engine=replace(ecfg, num_threads=threads) if cpus else ecfg,
-                transfer=transfer,
-                index=cfg.index,
-                model_name=served_name(cfg),
-                num_threads=threads,
-                cpus=cpus,
-                stall_timeout_s=pool.stall_timeout_s,
-                log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-                role=role,
-                # ten missed long polls, and never under the default
-                stream_idle_timeout_s=max(30.0, 10 * cfg.router.heartbeat_s),
-            )
-
+        self._transfer = kv_secret_by_default(cfg.transfer, own_cluster=self.started_ray)
+        # (name, role, index in its pool: its core set when pinned)
+        roles: list[tuple[str, Role, int]] = []
         if not cfg.colocated:
-            self.prefill_actors = [
-                self._actor(
-                    ray,
-                    PrefillActor,
-                    cfg.prefill,
-                    worker_cfg(f"pdserve-prefill-{i}", cfg.prefill, Role.PREFILL, i),
-                )
-                for i in range(cfg.prefill.num_workers)
+            roles += [
+                (f"pdserve-prefill-{i}", Role.PREFILL, i) for i in range(cfg.prefill.num_workers)
             ]
-        role = Role.COLOCATED if cfg.colocated else Role.DECODE
-        self.decode_actors = [
-            self._actor(
-                ray, DecodeActor, cfg.decode, worker_cfg(f"pdserve-decode-{i}", cfg.decode, role, i)
-            )
-            for i in range(cfg.decode.num_workers)
-        ]
-        self.summaries = wait_ready(
-            ray, [a.ready.remote() for a in self.prefill_actors + self.decode_actors]
-        )
+        decode_role = self.decode_role
+        roles += [(f"pdserve-decode-{i}", decode_role, i) for i in range(cfg.decode.num_workers)]
+        actors = [self._actor(name, role, i) for name, role, i in roles]
+        self.summaries = wait_ready(ray, [a.ready.remote() for a in actors])
+        self.actors = {name: a for (name, _, _), a in zip(roles, actors, strict=True)}
         view = router_view(cfg, self.summaries)
         if cfg.router.token_stream_host == "auto" and not self.started_ray:
             # joined a cluster: decode workers elsewhere reach this node's address
@@ -292,21 +265,55 @@ class Deployment:
         router = build_router(
             view,
             self.model_path,
+            [PrefillClient.of_actor(n, self.actors[n]) for n, r, _ in roles if r is Role.PREFILL],
             [
-                PrefillClient.of_actor(f"pdserve-prefill-{i}", a)
-                for i, a in enumerate(self.prefill_actors)
-            ],
-            [
-                DecodeClient.of_actor(f"pdserve-decode-{i}", a, role)
-                for i, a in enumerate(self.decode_actors)
+                DecodeClient.of_actor(n, self.actors[n], r)
+                for n, r, _ in roles
+                if r is not Role.PREFILL
             ],
         )
         check_workers(self.summaries, router.model_info, cfg)
+        self._router_info = router.model_info
+        router.admin.launcher = self
         return router
 
-    def _actor(self, ray: Any, cls: type, pool: PoolConfig, wcfg: WorkerConfig) -> Any:
+    @property
+    def decode_role(self) -> Role:
+        return Role.COLOCATED if self.cfg.colocated else Role.DECODE
+
+    def _pool(self, role: Role) -> PoolConfig:
+        return self.cfg.prefill if role is Role.PREFILL else self.cfg.decode
+
+    def _worker_cfg(self, name: str, role: Role, i: int) -> WorkerConfig:
+        """Worker `name`, the `i`-th of its role's pool at start (its cores, if pinned)."""
+        assert self._engine is not None and self._transfer is not None, "start() first"
+        cfg, pool = self.cfg, self._pool(role)
+        sets = cpu_sets(pool.cpu_affinity)
+        cpus = sets[i] if i < len(sets) else ()
+        threads = len(cpus) or pool.num_threads  # pinned: a thread per core
+        return WorkerConfig(
+            name=name,
+            engine=replace(self._engine, num_threads=threads) if cpus else self._engine,
+            transfer=self._transfer,
+            index=cfg.index,
+            model_name=served_name(cfg),
+            num_threads=threads,
+            cpus=cpus,
+            stall_timeout_s=pool.stall_timeout_s,
+            log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+            role=role,
+            # ten missed long polls, and never under the default
+            stream_idle_timeout_s=max(30.0, 10 * cfg.router.heartbeat_s),
+        )
+
+    def _actor(self, name: str, role: Role, i: int) -> Any:
+        import ray
+
+        from pdserve.worker_actor import WorkerActor
+
+        pool = self._pool(role)
         opts: dict[str, Any] = dict(
-            name=wcfg.name,
+            name=name,
             namespace=self.cfg.ray.namespace,
             num_cpus=pool.num_cpus,
             num_gpus=pool.num_gpus,
@@ -317,7 +324,64 @@ class Deployment:
         )
         if self.cfg.ray.detached:
             opts["lifetime"] = "detached"
-        return ray.remote(cls).options(**opts).remote(wcfg)
+        return ray.remote(WorkerActor).options(**opts).remote(self._worker_cfg(name, role, i))
+
+    def _client(self, name: str, role: Role) -> PrefillClient | DecodeClient:
+        actor = self.actors[name]
+        if role is Role.PREFILL:
+            return PrefillClient.of_actor(name, actor)
+        return DecodeClient.of_actor(name, actor, role)
+
+    def _check(self, summary: StartupSummary) -> None:
+        assert self._router_info is not None, "start() first"
+        check_workers([summary], self._router_info, self.cfg)
+
+    # ---- the router's WorkerLauncher (router.membership) ---------------------------------
+    async def launch(self, role: Role) -> PrefillClient | DecodeClient:
+        """A new worker of `role` (decode: the deployment's decode role), started on any
+        node with the pool's resources, ready and checked against this router (checkpoint,
+        wire version, KV layout) before it is returned; one that fails the check is
+        stopped."""
+        import ray
+
+        role = self.decode_role if role is not Role.PREFILL else role
+        if role is Role.PREFILL and self.cfg.colocated:
+            raise ValueError("role: a colocated deployment has no prefill pool")
+        kind = "prefill" if role is Role.PREFILL else "decode"
+        taken = {int(n.rsplit("-", 1)[1]) for n in self.actors if n.startswith(f"pdserve-{kind}-")}
+        i = next(i for i in range(len(taken) + 1) if i not in taken)
+        name = f"pdserve-{kind}-{i}"
+        actor = self._actor(name, role, i)
+        try:
+            summary = await actor.ready.remote()
+            self._check(summary)
+        except BaseException:
+            ray.kill(actor)
+            raise
+        self.actors[name] = actor
+        self.summaries.append(summary)
+        log.warning("added %s: %s", name, summary.line())
+        return self._client(name, role)
+
+    async def flip(self, name: str, to: Role) -> tuple[PrefillClient | DecodeClient, float]:
+        """Worker `name`, drained, switched to role `to` in place (weights and KV cache
+        kept): its client of the new role, and the switch's seconds on the worker."""
+        summary: StartupSummary = await self.actors[name].flip.remote(to.value)
+        self._check(summary)
+        self.summaries = [s for s in self.summaries if s.name != name] + [summary]
+        return self._client(name, to), summary.load_s
+
+    async def retire(self, name: str) -> None:
+        """Stop worker `name` (drained) and forget it."""
+        import ray
+
+        actor = self.actors.pop(name)
+        self.summaries = [s for s in self.summaries if s.name != name]
+        try:
+            await asyncio.wait_for(actor.shutdown.remote(), 5)
+        except Exception as e:  # it may be gone already: killing it is what matters
+            log.debug("shutdown of %s failed: %s", name, e)
+        ray.kill(actor)
 
     def stop(self) -> None:
         import ray
@@ -325,7 +389,7 @@ class Deployment:
         if not ray.is_initialized():
             return
         if not self.cfg.ray.detached:
-            for a in self.prefill_actors + self.decode_actors:
+            for a in self.actors.values():
                 try:
                     ray.get(a.shutdown.remote(), timeout=5)
                 except Exception as e:
@@ -346,37 +410,80 @@ def run_with_workers(cfg: Any, model_dir: Any, body: Any) -> None:
         give_freed_memory_back()
 
 
+class InProcessLauncher:
+    """The router's `WorkerLauncher` for workers that live in this process (tests, the
+    determinism census, benchmarks): the same workers and the same role switch
+    (`pdserve.worker_actor.switch_role`) as the Ray actors, without Ray. `cfg` is a
+    ServeConfig (use transport `local`)."""
+
+    def __init__(self, cfg: ServeConfig, model_dir: Path) -> None:
+        self.cfg = cfg
+        self.model_dir = model_dir
+        self.workers: dict[str, WorkerBase] = {}
+
+    def _worker_cfg(self, name: str, role: Role) -> WorkerConfig:
+        ecfg = engine_config(self.cfg, self.model_dir)
+        return WorkerConfig(name, ecfg, self.cfg.transfer, self.cfg.index, "tiny", role=role)
+
+    def start(self, name: str, role: Role) -> WorkerBase:
+        """Worker `name`, built here and now (the caller's thread)."""
+        from pdserve.worker_actor import make_worker
+
+        worker = self.workers[name] = make_worker(self._worker_cfg(name, role))
+        return worker
+
+    def client(self, name: str) -> PrefillClient | DecodeClient:
+        w = self.workers[name]
+        if w.role is Role.PREFILL:
+            return PrefillClient(name, cast(Any, w))
+        return DecodeClient(name, cast(Any, w), role=w.role)
+
+    async def launch(self, role: Role) -> PrefillClient | DecodeClient:
+        names = (f"pdserve-{role.value}-{i}" for i in range(len(self.workers) + 1))
+        name = next(n for n in names if n not in self.workers)
+        worker = await asyncio.to_thread(self.start, name, role)
+        await worker.start_feed()
+        return self.client(worker.name)
+
+    async def flip(self, name: str, to: Role) -> tuple[PrefillClient | DecodeClient, float]:
+        from pdserve.worker_actor import switch_role
+
+        t0 = time.perf_counter()
+        old = self.workers[name]
+        self.workers[name], _ = await switch_role(old, replace(old.cfg, role=to))
+        return self.client(name), time.perf_counter() - t0
+
+    async def retire(self, name: str) -> None:
+        self.workers.pop(name).shutdown()
+
+    def shutdown(self) -> None:
+        for w in self.workers.values():
+            w.shutdown()
+
+
 def _serve_in_process(cfg: Any, model_dir: Any, body: Any) -> None:
-    import asyncio
-
-    from decode_workers.worker import DecodeWorker
-    from pool_api.config import WorkerConfig
-    from pool_api.messages import Role
-    from prefill_workers.worker import PrefillWorker
-    from router.clients import DecodeClient, PrefillClient
-
-    def worker_cfg(name: str, role: Role) -> WorkerConfig:
-        ecfg = engine_config(cfg, model_dir)
-        return WorkerConfig(name, ecfg, cfg.transfer, cfg.index, "tiny", role=role)
-
-    prefill = PrefillWorker(worker_cfg("pdserve-prefill-0", Role.PREFILL))
-    decode = DecodeWorker(worker_cfg("pdserve-decode-0", Role.DECODE))
-    router = build_router(
-        cfg, model_dir, [PrefillClient(prefill.name, prefill)], [DecodeClient(decode.name, decode)]
-    )
-
-    async def main() -> None:
-        await router.start()
-        try:
-            await body(router, prefill, decode)
-        finally:
-            await router.drain(0.0)
-
+    launcher = InProcessLauncher(cfg, model_dir)
     try:
+        prefill = launcher.start("pdserve-prefill-0", Role.PREFILL)
+        decode = launcher.start("pdserve-decode-0", Role.DECODE)
+        router = build_router(
+            cfg,
+            model_dir,
+            [cast(PrefillClient, launcher.client(prefill.name))],
+            [cast(DecodeClient, launcher.client(decode.name))],
+        )
+        router.admin.launcher = launcher
+
+        async def main() -> None:
+            await router.start()
+            try:
+                await body(router, prefill, decode)
+            finally:
+                await router.drain(0.0)
+
         asyncio.run(main())
     finally:
-        prefill.shutdown()
-        decode.shutdown()
+        launcher.shutdown()
 
 
 _RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"

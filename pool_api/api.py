@@ -34,6 +34,10 @@ class WorkerApi(Protocol):
         """End the request wherever it is on this worker and free its blocks."""
         ...
 
+    async def drain(self) -> None:
+        """Take no new request from any router (`NotServing`); what is here runs on."""
+        ...
+
 
 class PrefillApi(WorkerApi, Protocol):
     async def prefill(self, task: PrefillTask) -> PrefillResult:

@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.engine import EngineStats
+from engine.loop import EngineFailed
 from engine.prefix_hash import BlockEvent
 from engine.request import FinishReason
 from engine.sampling import SamplingParams, TokenLogprob
@@ -28,6 +29,12 @@ __all__ = [
     "WorkerRequest",
     "WorkerStats",
 ]
+
+
+class NotServing(EngineFailed):
+    """A worker refused a new request: it is draining (before it stops or changes role), or
+    serves the other role now. Its callers place the request on another worker; the worker
+    itself is well (`router.clients.WorkerDraining`), and what it holds runs to its end."""
 
 
 class Role(str, enum.Enum):
@@ -180,6 +187,8 @@ class WorkerStats:
     extra: dict[str, float] = field(default_factory=dict)  # StatKey values -> gauges, counters
     kv_bytes_per_block: int = 0  # K + V of one block over all layers (what a transfer moves)
     kernels: tuple[KernelTiming, ...] = ()  # the start-up kernel selection's timings
+    draining: bool = False  # refuses new requests (a drain before it stops or flips)
+    pid: int = 0  # the worker's process (an operator's `pdserve pool status`, chaos tools)
 
     @classmethod
     def of(
@@ -191,6 +200,8 @@ class WorkerStats:
         num_requests_total: int,
         extra: dict[str, float],
         kernels: tuple[KernelTiming, ...] = (),
+        draining: bool = False,
+        pid: int = 0,
     ) -> WorkerStats:
         """A worker's load: its engine's stats plus what only the worker knows."""
         if engine.decode_workspace_bytes is not None:
@@ -215,6 +226,8 @@ class WorkerStats:
             extra=extra,
             kv_bytes_per_block=engine.kv_bytes_per_block,
             kernels=kernels,
+            draining=draining,
+            pid=pid,
         )
 
 

@@ -58,8 +58,13 @@ class _Job:
 class PrefillWorker(WorkerBase):
     default_role = Role.PREFILL
 
-    def __init__(self, cfg: WorkerConfig, engine: LLMEngine | None = None) -> None:
-        super().__init__(cfg, engine)
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        engine: LLMEngine | None = None,
+        previous: WorkerBase | None = None,
+    ) -> None:
+        super().__init__(cfg, engine, previous)
         t = cfg.transfer
         self.sender = KVSender(
             self.engine.cache, cfg.name, self.transport, DEFAULT_MAX_CHANNELS, t.layers_per_frame,
@@ -80,10 +85,11 @@ class PrefillWorker(WorkerBase):
     # ---- API (called from the actor's event loop) ----------------------------------------
     async def prefill(self, task: PrefillTask) -> PrefillResult:
         """Run the prompt pass, ship its KV per the ticket, return the first token."""
+        r = task.request
+        self.refuse_when_draining(r.request_id)
         ticket = pb.TransferTicket.FromString(task.ticket)
         fut: concurrent.futures.Future[PrefillResult] = concurrent.futures.Future()
         arrival = time.perf_counter()
-        r = task.request
         grammar = await self.compile_grammar(r.params)
         if grammar.fingerprint != ticket.grammar_fingerprint:
             # Token #1 is sampled here under the grammar and only checked there: both sides
@@ -121,12 +127,19 @@ class PrefillWorker(WorkerBase):
         self.leases.expire()
         return super()._check_integrity()
 
-    def shutdown(self) -> None:
-        super().shutdown()
+    def _close_role(self) -> None:
+        self.engine.layer_hook = None
         self.sender.close()
         # waits for a completion under way (the sender is closed: it ends at once); one left
         # running held this worker's jobs, and so its engine, past shutdown
         self._finisher.shutdown(wait=True, cancel_futures=True)
+
+    def _end_all(self) -> int:
+        self._on_engine_thread()
+        ids = list(self.jobs)
+        for rid in ids:
+            self._abort(rid, f"{self.name} is handing over")
+        return len(ids)
 
     # ---- engine thread -------------------------------------------------------------------
     def _on_engine_thread(self) -> None:

@@ -9,6 +9,7 @@ mypy checks every call the router makes. A client wraps either a plain in-proces
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar, cast
@@ -18,6 +19,7 @@ from pool_api.api import DecodeApi, PrefillApi, WorkerApi
 from pool_api.messages import (
     DecodeStart,
     IndexUpdate,
+    NotServing,
     PrefillResult,
     PrefillTask,
     ReserveResult,
@@ -45,6 +47,12 @@ class WorkerUnavailable(Exception):
     never ran there, or its answer was lost with the process. Another worker of the pool may
     take the request. What a worker's death raises, and the only thing the request path
     takes as one: any other error is a bug, answered INTERNAL (`router.flow`)."""
+
+
+class WorkerDraining(WorkerUnavailable):
+    """The worker refused a new request (`NotServing`: it drains, or serves the other role
+    now). It is not down: the request goes to another worker, and what the worker holds
+    keeps running, so no caller marks it silent for this."""
 
 
 class _RayApi:
@@ -86,16 +94,29 @@ class WorkerClient(Generic[A]):
         self._lost = lost
         self.deadline_s = 60.0  # the Router sets router.worker_call_timeout_s
         self._silent: asyncio.Event | None = None  # set when the worker is found silent
+        self.silent_why = "was found silent"  # `went_silent`'s reason, for the callers' errors
+        self.gone: str | None = None  # `retire`'s reason: every call fails at once
 
-    def went_silent(self) -> None:
-        """The worker stopped answering (its stats timed out, or a call found it gone):
-        every call waiting on it now fails with WorkerUnavailable, not when it wakes up."""
+    def went_silent(self, why: str = "was found silent") -> None:
+        """The worker stopped answering (its stats timed out, or a call found it gone), or
+        was retired while calls waited (`why` says which): every call waiting on it now
+        fails with WorkerUnavailable, not when it wakes up."""
+        self.silent_why = why
         if self._silent is not None:
             self._silent.set()
             self._silent = None
 
+    def retire(self, why: str) -> None:
+        """This client's worker left the pool (drained and stopped, or switched to the other
+        role: `router.membership`): the calls waiting on it fail now, and every later call
+        at once, never reaching a worker that no longer serves it."""
+        self.gone = why
+        self.went_silent(why)
+
     async def until_silent(self) -> None:
-        """Returns once this worker is found silent (`went_silent`)."""
+        """Returns once this worker is found silent (`went_silent`) or retired."""
+        if self.gone is not None:
+            return
         if self._silent is None:
             self._silent = asyncio.Event()
         await self._silent.wait()
@@ -103,6 +124,10 @@ class WorkerClient(Generic[A]):
     async def _call(self, call: Awaitable[T], deadline_s: float | None = None) -> T:
         """`call`'s answer, or WorkerUnavailable: the worker died, its engine failed, it was
         found silent meanwhile, or it did not answer within the deadline."""
+        if self.gone is not None:
+            if inspect.iscoroutine(call):
+                call.close()  # never sent: no "never awaited" warning
+            raise WorkerUnavailable(f"{self.name} {self.gone}")
         silent = asyncio.ensure_future(self.until_silent())
         answer = asyncio.ensure_future(call)
         limit = self.deadline_s if deadline_s is None else deadline_s
@@ -112,10 +137,12 @@ class WorkerClient(Generic[A]):
             )
             if answer in done:
                 return answer.result()
-            why = "was found silent" if silent in done else f"did not answer in {limit:g} s"
+            why = self.silent_why if silent in done else f"did not answer in {limit:g} s"
             raise WorkerUnavailable(f"{self.name} {why}")
         except self._lost as e:  # died, or unavailable while Ray restarts it
             raise WorkerUnavailable(f"{self.name}: {e}") from e
+        except NotServing as e:  # Ray re-raises the worker's own error as a subclass
+            raise WorkerDraining(f"{self.name}: {_first_line(e)}") from e
         except EngineFailed as e:  # Ray re-raises the worker's own error as a subclass
             raise WorkerUnavailable(f"{self.name}: {e}") from e
         finally:
@@ -131,6 +158,9 @@ class WorkerClient(Generic[A]):
 
     async def abort(self, request_id: str) -> bool:
         return await self._call(self._api.abort(request_id))
+
+    async def drain(self) -> None:
+        await self._call(self._api.drain())
 
 
 class PrefillClient(WorkerClient[PrefillApi]):
@@ -175,6 +205,12 @@ class DecodeClient(WorkerClient[DecodeApi]):
 
     async def heartbeat(self, request_id: str) -> bool:
         return await self._call(self._api.heartbeat(request_id), HEARTBEAT_DEADLINE_S)
+
+
+def _first_line(e: BaseException) -> str:
+    """A worker's error as Ray re-raised it carries its traceback: the message alone."""
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else type(e).__name__
 
 
 async def quietly(call: Callable[[], Awaitable[object]], what: str, worker: str) -> None:

@@ -33,6 +33,7 @@ from router.config import RouterConfig
 from router.flow import RequestFlow
 from router.grammar_check import COMPILE_TIMEOUT_S, GrammarChecker, TokenizerSpec
 from router.index_sync import IndexSync
+from router.membership import PoolAdmin
 from router.pools import Pool
 from router.reservation import Reserver
 from router.stats_log import RequestLog, StatsLog
@@ -96,6 +97,9 @@ class Router:
         for worker in prefill.workers + decode.workers:
             worker.client.deadline_s = cfg.worker_call_timeout_s
         self.reserver = Reserver(cfg.policy, prefill, decode, model_info.block_size, self._spawn)
+        # workers added, drained and flipped at run time (/v1/admin/pool; router.membership)
+        admin = (prefill, decode, self.index, self.in_flight_on, colocated)
+        self.admin = PoolAdmin(*admin, cfg.worker_call_timeout_s)
         # Decode workers push tokens here (router.token_sink).
         host = "127.0.0.1" if cfg.token_stream_host == "auto" else cfg.token_stream_host
         self.sinks = TokenSinkServer(host)
@@ -140,6 +144,14 @@ class Router:
             return True
         return self.cfg.policy.prefill_failure_policy == "recompute"
 
+    def in_flight_on(self, worker: str) -> int:
+        """Requests of this router's that are on worker `worker` now (a drain waits them out)."""
+        return sum(
+            1
+            for act in self.active.values()
+            if any(w is not None and w.name == worker for w in (act.prefill, act.decode))
+        )
+
     def degraded(self) -> list[str]:
         """Why a serving router serves less than its whole deployment (empty: it does not):
         what a load balancer's health check and an operator see."""
@@ -148,6 +160,9 @@ class Router:
             down = [w.name for w in pool.workers if not w.healthy]
             if down:
                 out.append(f"{len(down)} of {len(pool.workers)} {what} workers down")
+            draining = [w.name for w in pool.workers if w.healthy and not w.routable]
+            if draining:
+                out.append(f"{len(draining)} of {len(pool.workers)} {what} workers draining")
         if self.prefill.workers and not self.colocated and not self.prefill.serviceable():
             out.append("no prefill worker: decode workers prefill the prompts")
         return out

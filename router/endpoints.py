@@ -7,6 +7,7 @@ router, and any workers hosted in the process, alive after the app is gone."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from fastapi import Request, Response
@@ -24,6 +25,8 @@ class OpenAIApp(Protocol):
     async def health(self) -> Response: ...
     async def version(self) -> Response: ...
     async def metrics_text(self) -> Response: ...
+    async def pool_status(self, request: Request) -> Response: ...
+    async def pool_change(self, request: Request, op: str) -> Response: ...
 
 
 def _oa(request: Request) -> OpenAIApp:
@@ -65,3 +68,27 @@ async def version(request: Request) -> Response:
 
 async def metrics_text(request: Request) -> Response:
     return await _oa(request).metrics_text()
+
+
+async def pool_status(request: Request) -> Response:
+    return await _oa(request).pool_status(request)
+
+
+def pool_change(op: str) -> Callable[[Request], Awaitable[Response]]:
+    """The endpoint of `POST /v1/admin/pool/<op>` (one module-level function per op)."""
+    return _POOL_CHANGES[op]
+
+
+async def _pool_add(request: Request) -> Response:
+    return await _oa(request).pool_change(request, "add")
+
+
+async def _pool_drain(request: Request) -> Response:
+    return await _oa(request).pool_change(request, "drain")
+
+
+async def _pool_flip(request: Request) -> Response:
+    return await _oa(request).pool_change(request, "flip")
+
+
+_POOL_CHANGES = {"add": _pool_add, "drain": _pool_drain, "flip": _pool_flip}

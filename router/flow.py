@@ -38,7 +38,13 @@ from pool_api.prefix_index import PrefixIndex
 from protos.pdserve.v1 import generation_pb2 as gen
 from protos.pdserve.v1 import kv_transfer_pb2 as kvpb
 from router.active import ActiveRequest, RequestAborted, RequestFailed
-from router.clients import DecodeClient, PrefillClient, WorkerUnavailable, quietly
+from router.clients import (
+    DecodeClient,
+    PrefillClient,
+    WorkerDraining,
+    WorkerUnavailable,
+    quietly,
+)
 from router.config import RouterConfig
 from router.pools import Pool, WorkerLoad, overflow_worker
 from router.reservation import Reserver
@@ -46,6 +52,9 @@ from router.token_sink import PushedStream, StreamLost, TokenSinkServer
 
 log = logging.getLogger(__name__)
 
+# Times a request is placed again because the worker chosen refused it (it started to drain
+# since the router last heard from it); each refusal marks that worker as draining.
+_REFUSALS = 3
 # A prefill result may come this long after its ticket's lease ran out (clocks of two nodes,
 # the decode side's reaper period) before the router stops waiting for it.
 _LEASE_GRACE_S = 2.0
@@ -124,14 +133,22 @@ class RequestFlow:
         """Drive one admitted request; every failure ends as RequestFailed (or an abort)."""
         try:
             matches = await self.index.lookup(self.block_hashes(act))
-            local = self._local_worker(act, matches)
-            stream = (
-                self._local(act, matches, local)
-                if local is not None
-                else self._disaggregated(act, matches)
-            )
-            async for resp in stream:
-                yield resp
+            for attempt in range(_REFUSALS):
+                local = self._local_worker(act, matches)
+                stream = (
+                    self._local(act, matches, local)
+                    if local is not None
+                    else self._disaggregated(act, matches)
+                )
+                try:
+                    async for resp in stream:
+                        yield resp
+                    return
+                except WorkerDraining as e:
+                    if act.first_sent_s is not None or attempt == _REFUSALS - 1:
+                        raise
+                    log.info("%s: placed again: %s", act.request_id, e)
+                    self._forget_placement(act)
         except RequestFailed as e:
             act.failure = e.code  # for the books: Router.finish counts it as failed
             raise
@@ -161,6 +178,16 @@ class RequestFlow:
             act.done = True
             self.sinks.close(act.request_id)
 
+    def _forget_placement(self, act: ActiveRequest) -> None:
+        """Its worker refused it before it started there: as if it had not been placed."""
+        self.sinks.close(act.request_id)
+        for w in (act.prefill, act.decode):
+            if w is not None:
+                w.untrack(act.request_id)
+        if act.decode is not None:
+            act.decode.draining = True
+        act.prefill = act.decode = None
+
     def _push_to(self, act: ActiveRequest, decode_worker: WorkerLoad[DecodeClient]) -> TokenSink:
         """Open the request's pushed stream before the worker can send to it."""
         assert self.sinks.sink is not None, "the router's token sink is not started"
@@ -182,9 +209,9 @@ class RequestFlow:
         if self.colocated or n - cached <= self.cfg.policy.local_prefill_threshold:
             act.placement = "colocated" if self.colocated else "short_prompt"
             return best or self._pick_decode()
-        if prefill := self.prefill.healthy():
+        if prefill := self.prefill.routable():
             limit = self.cfg.policy.prefill_overflow_tokens
-            decode_worker = overflow_worker(prefill, self.decode.healthy(), matches, n, bs, limit)
+            decode_worker = overflow_worker(prefill, self.decode.routable(), matches, n, bs, limit)
             act.placement = "disaggregated" if decode_worker is None else "overflow"
             return decode_worker
         if self.cfg.policy.prefill_failure_policy == "fail":
@@ -219,7 +246,7 @@ class RequestFlow:
             if act.aborted:
                 yield self.out.complete(act, FinishReason.ABORT)
                 return
-            if not self.prefill.healthy():
+            if not self.prefill.routable():
                 act.placement = "no_prefill_worker"
                 async for resp in self._local(act, {}, self._pick_decode()):
                     yield resp
@@ -266,14 +293,14 @@ class RequestFlow:
         act.decode, act.transfer_id = rsv.decode, rsv.transfer_id
         act.timings.queue_ms = rsv.queue_ms
         n, bs = act.num_prompt_tokens, self.model_info.block_size
-        if not rsv.prefill.healthy and not self.prefill.healthy():
+        if not rsv.prefill.routable and not self.prefill.routable():
             # The whole prefill pool went down since the pair was ranked: let the blocks go
             # and place the request again (locally under `recompute`).
             await self._release_pair(act, rsv.decode)
             self._fail_under_policy(act, "no healthy prefill worker")
             return None
         prefill_worker = (
-            rsv.prefill if rsv.prefill.healthy else self.prefill.pick_prefill(matches, n, bs)
+            rsv.prefill if rsv.prefill.routable else self.prefill.pick_prefill(matches, n, bs)
         )
         act.prefill = prefill_worker
         try:
@@ -285,6 +312,11 @@ class RequestFlow:
         except TransferError:
             self._transfer_done(act, prefill_worker, rsv.decode, ok=False)
             raise
+        except WorkerDraining as e:  # it refused the pass (it drains): on another pair
+            log.info("%s: placed again: %s", act.request_id, e)
+            prefill_worker.draining = True
+            await self._release_pair(act, rsv.decode)
+            return None
         except DecodeWorkerSilent as e:
             log.warning("%s: placed again: %s", act.request_id, e)
             await quietly(
@@ -407,7 +439,7 @@ class RequestFlow:
                         return
                     decode_worker.mark_silent("its stream failed")
                     raise RequestFailed(
-                        grpc.StatusCode.UNAVAILABLE, f"decode worker {decode_worker.name} died: {e}"
+                        grpc.StatusCode.UNAVAILABLE, f"decode worker {decode_worker.name} lost: {e}"
                     ) from e
                 if batch.error and not act.aborted:
                     raise RequestFailed(grpc.StatusCode.UNAVAILABLE, batch.error)

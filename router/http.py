@@ -35,7 +35,7 @@ from starlette.types import Receive, Scope, Send
 
 from pool_api.version import package_version
 from protos.pdserve.v1 import generation_pb2 as gen
-from router import endpoints
+from router import admin_http, endpoints
 from router.active import ActiveRequest, RequestFailed
 from router.auth import bearer_ok
 from router.core import Router
@@ -285,6 +285,17 @@ class OpenAIApp:
     async def metrics_text(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    # ---- the pool admin (router/admin_http.py): the key first, whatever the body
+    async def pool_status(self, request: Request) -> Response:
+        self.authorize(request)
+        return admin_http.status(self.router.admin)
+
+    async def pool_change(self, request: Request, op: str) -> Response:
+        self.authorize(request)
+        body = await read_json(request, self.body_limits)
+        change = {"add": admin_http.add, "drain": admin_http.drain, "flip": admin_http.flip}
+        return await change[op](self.router.admin, body)
+
     # ---- generation
     async def generate(
         self,
@@ -511,6 +522,9 @@ def create_app(router: Router) -> FastAPI:
     app.add_api_route("/ping", endpoints.health, methods=["POST"], name="ping")
     app.add_api_route("/version", endpoints.version, methods=["GET"])
     app.add_api_route("/metrics", endpoints.metrics_text, methods=["GET"])
+    app.add_api_route("/v1/admin/pool", endpoints.pool_status, methods=["GET"])
+    for op in ("add", "drain", "flip"):
+        app.add_api_route(f"/v1/admin/pool/{op}", endpoints.pool_change(op), methods=post)
     return app
 
 

@@ -57,6 +57,16 @@ class WorkerLoad(Generic[C]):
     # next request (a restarted or idle worker is never starved by a fixed order)
     last_track: int = 0
     missed_refreshes: int = 0  # stats calls in a row that timed out while it was up
+    # takes no new request: this router's pool admin is draining it (`router.membership`)
+    retiring: bool = False
+    # takes no new request: its stats say it drains (another router's admin), or it
+    # refused one (`WorkerDraining`) since its last stats
+    draining: bool = False
+
+    @property
+    def routable(self) -> bool:
+        """Up, and taking new requests."""
+        return self.healthy and not self.retiring and not self.draining
 
     def mark_down(self, reason: object) -> None:
         """Out of rotation until a stats probe answers again (Ray restarts the actor)."""
@@ -173,6 +183,7 @@ class WorkerLoad(Generic[C]):
         self.stats_at_s = time.monotonic()
         self.pending_blocks = 0
         self.missed_refreshes = 0
+        self.draining = stats.draining
         self.mark_up()
 
     @property
@@ -277,15 +288,34 @@ class Pool(Generic[C]):
     def __len__(self) -> int:
         return len(self.workers)
 
-    def healthy(self) -> list[WorkerLoad[C]]:
-        return [w for w in self.workers if w.healthy]
+    def routable(self) -> list[WorkerLoad[C]]:
+        """The workers a new request may go to: up, and not draining."""
+        return [w for w in self.workers if w.routable]
+
+    def get(self, name: str) -> WorkerLoad[C] | None:
+        return next((w for w in self.workers if w.name == name), None)
+
+    def add(self, client: C) -> WorkerLoad[C]:
+        """A worker joins (`router.membership`): routable once its first stats arrive."""
+        if self.get(client.name) is not None:
+            raise ValueError(f"{client.name} is already in the {self.role.value} pool")
+        w = WorkerLoad(client, healthy=False)
+        self.workers.append(w)
+        return w
+
+    def remove(self, name: str) -> WorkerLoad[C]:
+        w = self.get(name)
+        if w is None:
+            raise KeyError(name)
+        self.workers.remove(w)
+        return w
 
     def pick_prefill(
         self, matches: dict[str, int], num_tokens: int, block_size: int
     ) -> WorkerLoad[C]:
         """Least prefill work (`WorkerLoad.prefill_work`), then fewest active requests,
         then the least recently used."""
-        candidates = self.healthy()
+        candidates = self.routable()
         if not candidates:
             raise LookupError(f"no healthy {self.role.value} worker")
         return min(
@@ -299,16 +329,16 @@ class Pool(Generic[C]):
 
     def best_match(self, matches: dict[str, int]) -> WorkerLoad[C] | None:
         """The healthy worker holding the longest prefix, if any holds one."""
-        held = [w for w in self.healthy() if matches.get(w.name, 0) > 0]
+        held = [w for w in self.routable() if matches.get(w.name, 0) > 0]
         return max(held, key=lambda w: (matches[w.name], w.free_blocks), default=None)
 
     def decode_order(self) -> list[WorkerLoad[C]]:
         """Decode workers by KV headroom (free minus pending reservations), then batch size."""
-        return sorted(self.healthy(), key=lambda w: (-w.free_blocks, len(w.active)))
+        return sorted(self.routable(), key=lambda w: (-w.free_blocks, len(w.active)))
 
     def serviceable(self) -> bool:
-        """At least one worker is up and has reported its stats."""
-        return any(w.healthy and w.stats is not None for w in self.workers)
+        """At least one worker takes requests and has reported its stats."""
+        return any(w.routable and w.stats is not None for w in self.workers)
 
     async def refresh(self, interval_s: float, timeout_s: float) -> None:
         """Pull every worker's stats. A worker that is gone, or whose stats take over

@@ -23,7 +23,7 @@ import grpc
 from pool_api.messages import ReserveResult
 from protos.pdserve.v1 import kv_transfer_pb2 as kvpb
 from router.active import ActiveRequest, RequestAborted, RequestFailed
-from router.clients import DecodeClient, PrefillClient, WorkerUnavailable, quietly
+from router.clients import DecodeClient, PrefillClient, WorkerDraining, WorkerUnavailable, quietly
 from router.config import PolicySettings
 from router.pools import PairCost, Pool, WorkerLoad, rank_pairs
 
@@ -125,8 +125,8 @@ class Reserver:
     def pair_order(self, act: ActiveRequest, matches: dict[str, int]) -> list[PairCost]:
         """The cheapest (prefill, decode) pair for each decode worker, cheapest first."""
         pairs = rank_pairs(
-            self.prefill.healthy(),
-            self.decode.healthy(),
+            self.prefill.routable(),
+            self.decode.routable(),
             matches,
             act.num_prompt_tokens,
             self.block_size,
@@ -151,6 +151,10 @@ class Reserver:
             decode_worker = pair.decode
             try:
                 reply = await self._reserve_on(decode_worker, act)
+            except WorkerDraining as e:  # well, but taking no new request: the next pair
+                decode_worker.draining = True
+                log.info("reserve on %s refused: %s", decode_worker.name, e)
+                continue
             except WorkerUnavailable as e:  # dead or restarting: try the next pair
                 decode_worker.mark_silent("its reservation failed")
                 log.warning("reserve on %s failed: %s", decode_worker.name, e)

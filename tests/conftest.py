@@ -51,6 +51,8 @@ _LONGEST_FIRST = (
     "test_choices_service.py",
     "test_multinode.py",
     "test_self_healing.py",
+    "test_pool_admin.py",
+    "test_membership.py",
     "test_bench.py",
     "test_prompt_logprobs.py",
     "test_prefix_routing.py",

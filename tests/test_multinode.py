@@ -366,7 +366,7 @@ def test_pools_land_on_their_nodes_and_a_request_completes(deployed: Env) -> Non
     assert len(nodes) == 2, state["nodes"]
     actors = {a["name"]: a for a in state["actors"] if a["state"] == "ALIVE"}
     prefill, decode = actors["pdserve-prefill-0"], actors["pdserve-decode-0"]
-    assert prefill["class_name"] == "PrefillActor" and decode["class_name"] == "DecodeActor"
+    assert prefill["class_name"] == decode["class_name"] == "WorkerActor"
     p_node, d_node = nodes[prefill["node_id"]], nodes[decode["node_id"]]
     assert p_node["node_id"] != d_node["node_id"]
     assert "pdserve_prefill" in p_node["resources_total"] and p_node["is_head_node"]

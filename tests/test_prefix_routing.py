@@ -356,7 +356,7 @@ class TestRedisIndex:
         assert r.hget(g0, P0) == old_epoch
 
         assert s.deployment is not None
-        ray.kill(s.deployment.prefill_actors[0], no_restart=False)
+        ray.kill(s.deployment.actors[P0], no_restart=False)
         deadline = time.monotonic() + 90
         while r.hget(KEY + "epochs", P0) in (old_epoch, None):
             assert time.monotonic() < deadline, "the restarted worker never registered"

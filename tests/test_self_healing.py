@@ -9,9 +9,9 @@ no request succeeded again (the chaos harness set 5, which is why it passed).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -32,25 +32,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
 
 
 def decode_worker_pids(server: ServeProcess) -> list[int]:
-    """The server's processes that Ray titled after the decode actor (`ray::DecodeActor...`):
-    descendants of its `pdserve serve` (its own local Ray), never another server's on the
-    host (`make test` runs two test workers side by side)."""
-    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
-    rows = [line.split(None, 2) for line in out.splitlines()]
-    parent = {int(r[0]): int(r[1]) for r in rows}
-
-    def under_server(pid: int) -> bool:
-        while pid > 1:
-            if pid == server.proc.pid:
-                return True
-            pid = parent.get(pid, 0)
-        return False
-
-    return [
-        int(r[0])
-        for r in rows
-        if len(r) == 3 and "ray::DecodeActor" in r[2] and under_server(int(r[0]))
-    ]
+    """The decode workers' processes, as the server's pool admin reports them (each
+    worker's stats carry its pid): never another server's on the host (`make test` runs
+    two test workers side by side)."""
+    status, _, body = server.request("GET", "/v1/admin/pool", timeout_s=5)
+    assert status == 200, body
+    workers = json.loads(body)["workers"]
+    return [w["pid"] for w in workers if w["role"] == "decode" and "pid" in w]
 
 
 def health(server: ServeProcess) -> int:

@@ -185,7 +185,7 @@ class Served:
         await self.server.server.stop(grace=0.5)
 
     def actors(self) -> list[Any]:
-        return self.deployment.prefill_actors + self.deployment.decode_actors
+        return list(self.deployment.actors.values())
 
     def used_blocks(self) -> list[int]:
         """check_integrity on every worker (raises if free + used + cached != total)."""
@@ -225,8 +225,7 @@ class Served:
             return sorted(held)
 
         refs = [a.__ray_call__.remote(held) for a in self.actors()]
-        names = [f"prefill-{i}" for i in range(len(self.deployment.prefill_actors))]
-        names += [f"decode-{i}" for i in range(len(self.deployment.decode_actors))]
+        names = [n.removeprefix("pdserve-") for n in self.deployment.actors]
         return dict(zip(names, ray.get(refs, timeout=30), strict=True))
 
     def server_info(self) -> gen.ServerInfo:

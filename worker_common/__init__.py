@@ -28,7 +28,14 @@ from kv_transfer.transports.base import Transport, get_transport
 from pool_api.config import WorkerConfig
 from pool_api.index_feed import IndexFeed
 from pool_api.logs import log_to_stderr
-from pool_api.messages import IndexUpdate, KernelTiming, Role, StatKey, WorkerStats
+from pool_api.messages import (
+    IndexUpdate,
+    KernelTiming,
+    NotServing,
+    Role,
+    StatKey,
+    WorkerStats,
+)
 from protos.pdserve.v1 import WIRE_VERSION
 
 # How long `stats` waits for fresh stats before answering with the last ones taken.
@@ -155,15 +162,29 @@ class WorkerBase(abc.ABC):
 
     default_role: ClassVar[Role]
 
-    def __init__(self, cfg: WorkerConfig, engine: LLMEngine | None) -> None:
+    def __init__(
+        self, cfg: WorkerConfig, engine: LLMEngine | None, previous: WorkerBase | None = None
+    ) -> None:
+        """`previous`: the drained worker of the other role whose engine loop, weights, KV
+        cache and index feed this one takes over (a role flip: `hand_over`), instead of
+        building its own."""
         self.cfg = cfg
         self.name = cfg.name
         self.role = cfg.role or self.default_role
+        self.draining = False  # `drain`: new requests are refused (`NotServing`)
         t0 = time.perf_counter()
-        # Built on the engine thread, which from then on is the only one running torch ops
-        # (engine.loop says why); the loop only steps once requests arrive.
-        build = engine or (lambda: LLMEngine.from_config(cfg.engine))
-        self.loop = EngineLoop(build, None, cfg.name)
+        self.feed: IndexFeed | None = None
+        self.loop: EngineLoop
+        self.num_requests_total: int
+        if previous is not None:
+            self.loop, self.feed = previous.loop, previous.feed
+            self.num_requests_total = previous.num_requests_total
+        else:
+            # Built on the engine thread, which from then on is the only one running torch
+            # ops (engine.loop says why); the loop only steps once requests arrive.
+            build = engine or (lambda: LLMEngine.from_config(cfg.engine))
+            self.loop = EngineLoop(build, None, cfg.name)
+            self.num_requests_total = 0
         self.engine = self.loop.engine
         if self.engine.grammars is not None:  # the first constrained request finds it warm
             # before ready, not beside the first requests: building the tokenizer info holds
@@ -179,14 +200,43 @@ class WorkerBase(abc.ABC):
             self.name, self.role.value, cfg.model_name, self.engine, time.perf_counter() - t0
         )
         self.transport = make_transport(cfg)
-        self.num_requests_total = 0
         self._last_stats: WorkerStats | None = None  # what `_stats` last returned
         self.fatal_hook: Callable[[BaseException], None] | None = None  # the actor exits
 
     def _start_loop(self) -> None:
         self.loop.on_outputs = self._on_outputs
         self.loop.on_fatal = self._on_fatal
-        self.feed = IndexFeed(self.name, self.cfg.index, self.cfg.model_name, self.loop)
+        if self.feed is None:  # a flipped worker keeps its feed: same blocks, same epoch
+            self.feed = IndexFeed(self.name, self.cfg.index, self.cfg.model_name, self.loop)
+
+    # ---- drain and hand-over (pool membership: docs/operations.md) -----------------------
+    async def drain(self) -> None:
+        """Take no new request from any router (each is refused with `NotServing` and placed
+        elsewhere); what this worker holds runs to its end. Stats report it."""
+        self.draining = True
+
+    def refuse_when_draining(self, request_id: str) -> None:
+        if self.draining:
+            raise NotServing(f"{self.name} is draining: {request_id} goes to another worker")
+
+    async def hand_over(self) -> int:
+        """End what is left here (aborted, its blocks freed: a drain whose bound ran out),
+        then close this role's own parts (transport, threads), leaving the engine loop, the
+        weights, the KV cache and the index feed for the worker of the other role that
+        takes them over (`previous`). Returns how many requests it ended."""
+        ended = await self.loop.run(self._end_all)
+        self.loop.on_outputs = None
+        self._close_role()
+        return ended
+
+    @abc.abstractmethod
+    def _end_all(self) -> int:
+        """Engine thread: abort every request here, free its blocks; how many there were."""
+
+    @abc.abstractmethod
+    def _close_role(self) -> None:
+        """Close what this role alone owns (its transport's endpoint or sender, threads);
+        the engine loop keeps running."""
 
     async def compile_grammar(self, params: SamplingParams) -> CompiledGrammar:
         """A constrained request's grammar, compiled off the engine thread and the actor's
@@ -227,10 +277,12 @@ class WorkerBase(abc.ABC):
 
     async def start_feed(self) -> None:
         """Start publishing block events (needs the caller's running event loop)."""
+        assert self.feed is not None, "_start_loop made it"
         self.feed.start()
 
     async def take_index_update(self, with_held: bool = False) -> IndexUpdate:
         """Block events since the last call (the router's in-memory index pulls these)."""
+        assert self.feed is not None, "_start_loop made it"
         return await self.feed.take(with_held)
 
     async def stats(self) -> WorkerStats:
@@ -268,6 +320,8 @@ class WorkerBase(abc.ABC):
                 **self._extra_stats(),
             },
             self._kernel_timings,
+            draining=self.draining,
+            pid=os.getpid(),
         )
         return self._last_stats
 
@@ -280,8 +334,10 @@ class WorkerBase(abc.ABC):
         return self.engine.blocks.num_used_blocks
 
     def shutdown(self) -> None:
-        self.feed.cancel()
+        if self.feed is not None:
+            self.feed.cancel()
         self.loop.stop()
+        self._close_role()
 
 
 W = TypeVar("W", bound=WorkerBase)
@@ -327,6 +383,10 @@ class ActorBase(Generic[W]):
 
     async def check_integrity(self) -> int:
         return await self.worker.check_integrity()
+
+    async def drain(self) -> None:
+        """Refuse new requests from every router; what is here runs to its end."""
+        await self.worker.drain()
 
     async def shutdown(self) -> None:
         self.worker.shutdown()

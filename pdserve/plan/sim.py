@@ -349,7 +349,7 @@ class Simulator:
             self.clock.at(self.clock.now + hop, partial(worker.add, live))
             return
         pairs = rank_pairs(
-            self.prefill_pool.healthy(), self.decode_pool.healthy(), matches,
+            self.prefill_pool.routable(), self.decode_pool.routable(), matches,
             len(req.prompt_token_ids), self.cfg.block_size, self.cfg.prefill_tokens_per_s,
             self.cfg.transfer_gbps * 1e9,
         )  # fmt: skip

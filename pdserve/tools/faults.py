@@ -348,10 +348,7 @@ class Rig:
 
     # ---- workers -------------------------------------------------------------------------
     def actors(self) -> dict[str, Any]:
-        d = self.deployment
-        named = {f"pdserve-prefill-{i}": a for i, a in enumerate(d.prefill_actors)}
-        named.update({f"pdserve-decode-{i}": a for i, a in enumerate(d.decode_actors)})
-        return named
+        return dict(self.deployment.actors)
 
     def _get(self, refs: Any, timeout_s: float) -> Any:
         import ray
