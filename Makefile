@@ -8,7 +8,7 @@ export PDSERVE_HOME ?= $(CURDIR)/.venv/pdserve-home
 TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint typecheck bench bench-determinism bench-engine bench-transfer bench-prefix bench-serving bench-structured bench-choices bench-pinning bench-kernels bench-peers bench-peers-api bench-plan redis chaos
+.PHONY: install demo test lint typecheck bench bench-determinism bench-pool bench-engine bench-transfer bench-prefix bench-serving bench-structured bench-choices bench-pinning bench-kernels bench-peers bench-peers-api bench-plan redis chaos
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -90,6 +90,12 @@ bench-kernels: $(STAMP)
 
 # Greedy tokens of 64 prompts cold, cached, batched, chunked, disaggregated and as choice 0
 # of n = 4: exit 1 unless all are identical (pdserve/tools/determinism.py).
+# Pool operations on the default model: a cold worker start against flips of a warm worker
+# (idle, both ways), then a flip and a drain under load that must lose nothing
+# (benchmarks/pool_ops.py, docs/operations.md); ~2 min.
+bench-pool: $(STAMP)
+	$(BIN)/python benchmarks/pool_ops.py
+
 bench-determinism: $(STAMP)
 	$(BIN)/python -m pdserve.tools.determinism
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from engine.config import ConfigError, GenerationDefaults, ModelConfig
 from engine.engine import EngineConfig, resolve_dtype
+from engine.loop import EngineFailed
 from engine.model import give_freed_memory_back
 from engine.structured import backend_name
 from engine.tokenizer import Tokenizer
@@ -326,7 +327,7 @@ class Deployment:
             opts["lifetime"] = "detached"
         return ray.remote(WorkerActor).options(**opts).remote(self._worker_cfg(name, role, i))
 
-    def _client(self, name: str, role: Role) -> PrefillClient | DecodeClient:
+    def client(self, name: str, role: Role) -> PrefillClient | DecodeClient:
         actor = self.actors[name]
         if role is Role.PREFILL:
             return PrefillClient.of_actor(name, actor)
@@ -361,7 +362,7 @@ class Deployment:
         self.actors[name] = actor
         self.summaries.append(summary)
         log.warning("added %s: %s", name, summary.line())
-        return self._client(name, role)
+        return self.client(name, role)
 
     async def flip(self, name: str, to: Role) -> tuple[PrefillClient | DecodeClient, float]:
         """Worker `name`, drained, switched to role `to` in place (weights and KV cache
@@ -369,7 +370,7 @@ class Deployment:
         summary: StartupSummary = await self.actors[name].flip.remote(to.value)
         self._check(summary)
         self.summaries = [s for s in self.summaries if s.name != name] + [summary]
-        return self._client(name, to), summary.load_s
+        return self.client(name, to), summary.load_s
 
     async def retire(self, name: str) -> None:
         """Stop worker `name` (drained) and forget it."""
@@ -410,6 +411,23 @@ def run_with_workers(cfg: Any, model_dir: Any, body: Any) -> None:
         give_freed_memory_back()
 
 
+class _Handle:
+    """Worker `name` of `workers`, looked up on every call (an in-process actor handle)."""
+
+    def __init__(self, workers: dict[str, WorkerBase], name: str) -> None:
+        self._workers, self._name = workers, name
+
+    def __getattr__(self, method: str) -> Any:
+        worker = self._workers.get(self._name)
+        if worker is not None:
+            return getattr(worker, method)
+
+        async def gone(*args: Any) -> Any:  # as a killed actor's calls fail
+            raise EngineFailed(f"{self._name} was stopped")
+
+        return gone
+
+
 class InProcessLauncher:
     """The router's `WorkerLauncher` for workers that live in this process (tests, the
     determinism census, benchmarks): the same workers and the same role switch
@@ -432,11 +450,13 @@ class InProcessLauncher:
         worker = self.workers[name] = make_worker(self._worker_cfg(name, role))
         return worker
 
-    def client(self, name: str) -> PrefillClient | DecodeClient:
-        w = self.workers[name]
-        if w.role is Role.PREFILL:
-            return PrefillClient(name, cast(Any, w))
-        return DecodeClient(name, cast(Any, w), role=w.role)
+    def client(self, name: str, role: Role | None = None) -> PrefillClient | DecodeClient:
+        """A client of worker `name` that, as a Ray actor handle does, reaches whichever
+        worker object serves under that name now (a flip replaces it)."""
+        handle = cast(Any, _Handle(self.workers, name))
+        if (role or self.workers[name].role) is Role.PREFILL:
+            return PrefillClient(name, handle)
+        return DecodeClient(name, handle, role=role or self.workers[name].role)
 
     async def launch(self, role: Role) -> PrefillClient | DecodeClient:
         names = (f"pdserve-{role.value}-{i}" for i in range(len(self.workers) + 1))

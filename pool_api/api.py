@@ -34,8 +34,9 @@ class WorkerApi(Protocol):
         """End the request wherever it is on this worker and free its blocks."""
         ...
 
-    async def drain(self) -> None:
-        """Take no new request from any router (`NotServing`); what is here runs on."""
+    async def drain(self, lease_s: float) -> None:
+        """Take no new request from any router (`NotServing`) for `lease_s`, renewed while
+        the drain lasts; what is here runs on."""
         ...
 
 

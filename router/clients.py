@@ -28,6 +28,7 @@ from pool_api.messages import (
     WorkerRequest,
     WorkerStats,
 )
+from router.race import Lost, first_of
 
 log = logging.getLogger(__name__)
 
@@ -128,27 +129,20 @@ class WorkerClient(Generic[A]):
             if inspect.iscoroutine(call):
                 call.close()  # never sent: no "never awaited" warning
             raise WorkerUnavailable(f"{self.name} {self.gone}")
-        silent = asyncio.ensure_future(self.until_silent())
-        answer = asyncio.ensure_future(call)
         limit = self.deadline_s if deadline_s is None else deadline_s
         try:
-            done, _ = await asyncio.wait(
-                {answer, silent}, timeout=limit, return_when=asyncio.FIRST_COMPLETED
-            )
-            if answer in done:
-                return answer.result()
-            why = self.silent_why if silent in done else f"did not answer in {limit:g} s"
-            raise WorkerUnavailable(f"{self.name} {why}")
+            got = await first_of(call, self.until_silent(), limit)
         except self._lost as e:  # died, or unavailable while Ray restarts it
             raise WorkerUnavailable(f"{self.name}: {e}") from e
         except NotServing as e:  # Ray re-raises the worker's own error as a subclass
             raise WorkerDraining(f"{self.name}: {_first_line(e)}") from e
         except EngineFailed as e:  # Ray re-raises the worker's own error as a subclass
             raise WorkerUnavailable(f"{self.name}: {e}") from e
-        finally:
-            silent.cancel()
-            if not answer.done():
-                answer.cancel()
+        if got is Lost.SIGNAL:
+            raise WorkerUnavailable(f"{self.name} {self.silent_why}")
+        if got is Lost.TIMEOUT:
+            raise WorkerUnavailable(f"{self.name} did not answer in {limit:g} s")
+        return got
 
     async def stats(self) -> WorkerStats:
         return await self._call(self._api.stats())
@@ -159,8 +153,8 @@ class WorkerClient(Generic[A]):
     async def abort(self, request_id: str) -> bool:
         return await self._call(self._api.abort(request_id))
 
-    async def drain(self) -> None:
-        await self._call(self._api.drain())
+    async def drain(self, lease_s: float) -> None:
+        await self._call(self._api.drain(lease_s))
 
 
 class PrefillClient(WorkerClient[PrefillApi]):

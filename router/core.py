@@ -9,7 +9,6 @@ deadline, worker death) releases the request's blocks on both pools. The gRPC se
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
@@ -35,6 +34,7 @@ from router.grammar_check import COMPILE_TIMEOUT_S, GrammarChecker, TokenizerSpe
 from router.index_sync import IndexSync
 from router.membership import PoolAdmin
 from router.pools import Pool
+from router.race import Lost, first_of
 from router.reservation import Reserver
 from router.stats_log import RequestLog, StatsLog
 from router.token_sink import TokenSinkServer
@@ -126,6 +126,7 @@ class Router:
             self.prefill.refresh(interval, timeout), self.decode.refresh(interval, timeout)
         )
         self._last_refresh_s = time.monotonic()
+        self.admin.reconcile()
         serving = self.serviceable()
         if serving != self._serving and self.on_serving_change is not None:
             why = "draining" if self.draining else "a pool is down"
@@ -268,26 +269,22 @@ class Router:
     async def _until_stopped(
         self, act: ActiveRequest, stream: AsyncIterator[gen.GenerateResponse]
     ) -> AsyncIterator[gen.GenerateResponse]:
-        stop = asyncio.ensure_future(self.stopping.wait())
-        step: asyncio.Future[gen.GenerateResponse] | None = None
+        stop = asyncio.ensure_future(self.stopping.wait())  # one for the whole stream
         try:
             while True:
-                step = asyncio.ensure_future(stream.__anext__())
-                done, _ = await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
-                if step not in done:
-                    act.failure = grpc.StatusCode.UNAVAILABLE
-                    raise RequestFailed(act.failure, "server shutting down")
                 try:
-                    resp = step.result()
+                    # a lost step is cancelled, and the flow's own cleanup (its `finally`)
+                    # has run as it unwound, before first_of returns
+                    resp = await first_of(stream.__anext__(), stop)
                 except StopAsyncIteration:
                     return
+                if resp is Lost.SIGNAL:
+                    act.failure = grpc.StatusCode.UNAVAILABLE
+                    raise RequestFailed(act.failure, "server shutting down")
+                assert not isinstance(resp, Lost), "no timeout was given"
                 yield resp
         finally:
             stop.cancel()
-            if step is not None and not step.done():
-                step.cancel()  # the flow's own cleanup (its `finally`) runs as it unwinds
-                with contextlib.suppress(BaseException):
-                    await step
             await stream.aclose()  # type: ignore[attr-defined]  # an async generator
 
     def _dequeue(self, act: ActiveRequest) -> None:

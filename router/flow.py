@@ -20,7 +20,6 @@ traceback and the request id, and no worker is blamed for it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -47,6 +46,7 @@ from router.clients import (
 )
 from router.config import RouterConfig
 from router.pools import Pool, WorkerLoad, overflow_worker
+from router.race import Lost, first_of
 from router.reservation import Reserver
 from router.token_sink import PushedStream, StreamLost, TokenSinkServer
 
@@ -363,25 +363,18 @@ class RequestFlow:
         does cannot land; the caller's cleanup aborts it there), nor past the decode worker
         being found silent (its KV would land in a frozen process)."""
         lease = kvpb.TransferTicket.FromString(ticket).deadline_unix_ms / 1e3 - time.time()
-        call = asyncio.ensure_future(
-            prefill_worker.client.prefill(PrefillTask(act.request, ticket))
+        got = await first_of(
+            prefill_worker.client.prefill(PrefillTask(act.request, ticket)),
+            decode_worker.client.until_silent(),
+            max(lease, 0.0) + _LEASE_GRACE_S,
         )
-        silent = asyncio.ensure_future(decode_worker.client.until_silent())
-        try:
-            done, _ = await asyncio.wait(
-                {call, silent},
-                timeout=max(lease, 0.0) + _LEASE_GRACE_S,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            if call in done:
-                return call.result()
-        finally:
-            silent.cancel()
-            if not call.done():
-                call.cancel()
-        if silent in done:
+        if got is Lost.SIGNAL:
             raise DecodeWorkerSilent(f"{decode_worker.name} was found silent during the transfer")
-        raise PrefillTimedOut(f"{prefill_worker.name} did not finish the transfer within its lease")
+        if got is Lost.TIMEOUT:
+            raise PrefillTimedOut(
+                f"{prefill_worker.name} did not finish the transfer within its lease"
+            )
+        return got
 
     async def _prefill_failed(
         self,

@@ -46,6 +46,10 @@ DEFAULT_DRAIN_BOUND_S = 60.0
 case is its whole decode, which at the default model's speed on a CPU is under a minute)."""
 _POLL_S = 0.05  # how often a drain looks again (the stats refresh is 0.2 s)
 _JOIN_WAIT_S = 30.0  # how long an added or flipped worker may take to send its first stats
+# A drain's hold on its worker (`WorkerBase.drain`): renewed every _RENEW_S while the drain
+# waits, so a worker whose draining router died serves again within DRAIN_LEASE_S.
+DRAIN_LEASE_S = 10.0
+_RENEW_S = 2.0
 
 
 class WorkerLauncher(Protocol):
@@ -62,6 +66,11 @@ class WorkerLauncher(Protocol):
 
     async def retire(self, name: str) -> None:
         """Stop worker `name` (drained) and forget it."""
+        ...
+
+    def client(self, name: str, role: Role) -> PrefillClient | DecodeClient:
+        """A client of role `role` for worker `name` (one found serving another role than
+        its pool's: `PoolAdmin.reconcile`)."""
         ...
 
 
@@ -140,6 +149,33 @@ class PoolAdmin:
 
     def _count(self, op: str, outcome: str) -> None:
         self.num_ops[(op, outcome)] = self.num_ops.get((op, outcome), 0) + 1
+
+    def reconcile(self) -> list[str]:
+        """Move each worker whose stats say it serves another role than its pool's into the
+        pool of that role (another router flipped it, or Ray restarted a flipped worker in
+        the role it started with); until then it takes no new request (not routable).
+        Returns the workers moved."""
+        moved = []
+        pools: tuple[Pool[Any], ...] = (self.prefill, self.decode)
+        for pool in pools:
+            for w in list(pool.workers):
+                if not w.misplaced or w.name in self.busy or self.launcher is None:
+                    continue
+                assert w.stats is not None
+                role = w.stats.role
+                w.client.retire(f"serves {role.value} now")
+                pool.remove(w.name)
+                joined = self._join(self.launcher.client(w.name, role))
+                joined.stats, joined.stats_at_s, joined.healthy = w.stats, w.stats_at_s, True
+                moved.append(w.name)
+                log.warning(
+                    "pool: %s serves %s now (flipped elsewhere, or restarted in its first role)"
+                    ": moved to the %s pool",
+                    w.name,
+                    role.value,
+                    role.value,
+                )
+        return moved
 
     # ---- add -----------------------------------------------------------------------------
     async def add(self, role: Role) -> dict[str, Any]:
@@ -225,12 +261,12 @@ class PoolAdmin:
         end this router's calls to it and have the worker end the rest."""
         t0 = time.monotonic()
         w.retiring = True
-        try:
-            await w.client.drain()
-        except Exception as e:  # a dead worker is drained already: nothing runs there
-            log.warning("drain of %s: the worker did not answer (%s)", w.name, e)
-        deadline = t0 + bound_s
+        await self._hold(w)
+        deadline, renew = t0 + bound_s, t0 + _RENEW_S
         while not self._idle(w):
+            if time.monotonic() >= renew:
+                renew = time.monotonic() + _RENEW_S
+                await self._hold(w)
             if time.monotonic() >= deadline:
                 left = self.in_flight(w.name)
                 log.warning(
@@ -244,6 +280,13 @@ class PoolAdmin:
                 return DrainResult(w.name, time.monotonic() - t0, left)
             await asyncio.sleep(_POLL_S)
         return DrainResult(w.name, time.monotonic() - t0, 0)
+
+    async def _hold(self, w: WorkerLoad[Any]) -> None:
+        """Tell the worker to refuse new requests (again: the lease is renewed)."""
+        try:
+            await w.client.drain(DRAIN_LEASE_S)
+        except Exception as e:  # a dead worker is drained already: nothing runs there
+            log.warning("drain of %s: the worker did not answer (%s)", w.name, e)
 
     def _idle(self, w: WorkerLoad[Any]) -> bool:
         """Nothing of this router's on it, and its own stats, taken since the drain began
@@ -260,6 +303,17 @@ class PoolAdmin:
             and s.num_waiting == 0
             and s.num_reserved == 0
         )
+
+    def _keep(self, name: str, role: Role, launcher: WorkerLauncher) -> None:
+        """A flip failed part way (the worker died during it, or never answered): the
+        worker stays in exactly one pool, its first role's, marked down, so the refresh
+        probes it until it answers (Ray restarts a dead actor in the role it started
+        with; one that did switch is moved by `reconcile` once its stats say so)."""
+        for pool in (self.prefill, self.decode):
+            if pool.get(name) is not None:
+                pool.remove(name)
+        w = self._join(launcher.client(name, role))
+        w.mark_down("its flip failed")
 
     # ---- flip ----------------------------------------------------------------------------
     async def flip(
@@ -282,11 +336,11 @@ class PoolAdmin:
             client, switch_s = await launcher.flip(name, to)
             joined = self._join(client)
             await self._until_stats(joined)
-        except PoolError:
+        except BaseException as e:
             self._count("flip", "failed")
-            raise
-        except Exception as e:
-            self._count("flip", "failed")
+            self._keep(name, w.client.role, launcher)
+            if isinstance(e, PoolError) or not isinstance(e, Exception):
+                raise
             log.warning("flip of %s failed: %s", name, e)
             raise PoolError(409, f"flip of {name} failed: {e}") from e
         finally:

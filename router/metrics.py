@@ -16,6 +16,7 @@ several routers in one process (tests) never collide.
 
 from __future__ import annotations
 
+from collections import Counter as Tally
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ from router.stats_log import StatsLog
 
 if TYPE_CHECKING:
     from router.core import Router
+    from router.membership import PoolAdmin
 
 PREFIX = "pdserve:"
 ROUTER_ROLE = "router"
@@ -486,3 +488,25 @@ class WorkerCollector(Collector):
                 f.ws_bytes.add_metric(lv, x[k.DECODE_WORKSPACE_BYTES.value])
                 f.ws_fallbacks.add_metric(lv, x.get(k.DECODE_WORKSPACE_FALLBACKS_TOTAL.value, 0.0))
         yield from f.all()
+        yield from _pool_families(self.model_name, r.admin)
+
+
+def _pool_families(model: str, admin: PoolAdmin) -> tuple[Metric, ...]:
+    """The pools' shape (workers by role and state) and the operations on them
+    (docs/operations.md), as an operator's dashboard or a planner reads them."""
+    workers = GaugeMetricFamily(
+        PREFIX + "pool_workers",
+        "Workers in the router's pools, by role and state (serving, joining, draining, down).",
+        labels=["model_name", "role", "state"],
+    )
+    counts = Tally((w["role"], w["state"]) for w in admin.status()["workers"])
+    for (role, state), n in sorted(counts.items()):
+        workers.add_metric([model, role, state], n)
+    ops = CounterMetricFamily(
+        PREFIX + "pool_operations",
+        "Pool operations (add, drain, flip) by outcome.",
+        labels=["model_name", "operation", "outcome"],
+    )
+    for (op, outcome), n in sorted(admin.num_ops.items()):
+        ops.add_metric([model, op, outcome], n)
+    return workers, ops

@@ -65,8 +65,15 @@ class WorkerLoad(Generic[C]):
 
     @property
     def routable(self) -> bool:
-        """Up, and taking new requests."""
-        return self.healthy and not self.retiring and not self.draining
+        """Up, taking new requests, and serving the role of its pool (a worker another
+        router flipped, or one Ray restarted in the role it started with, is moved to its
+        pool first: `PoolAdmin.reconcile`)."""
+        return self.healthy and not self.retiring and not self.draining and not self.misplaced
+
+    @property
+    def misplaced(self) -> bool:
+        """Its stats say it serves another role than its pool's."""
+        return self.stats is not None and self.stats.role is not self.client.role
 
     def mark_down(self, reason: object) -> None:
         """Out of rotation until a stats probe answers again (Ray restarts the actor)."""

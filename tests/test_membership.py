@@ -57,6 +57,10 @@ async def _drive(router: Any, rid: str, i: int, max_tokens: int = MAX_TOKENS) ->
     return toks
 
 
+def _idle(stats: Any) -> bool:
+    return stats.num_running == stats.num_waiting == stats.num_reserved == 0
+
+
 def _same(router: Any, got: list[list[int]], want: list[list[int]]) -> bool:
     """Every answer whole, and the same greedy tokens where the kernels are batch-invariant
     (the default: a request's tokens do not depend on its batch or its worker)."""
@@ -157,14 +161,17 @@ def test_a_drain_past_its_bound_ends_the_rest_clearly_and_a_drained_worker_refus
         # A worker drained by another router (its own drain call) refuses new requests:
         # this router places them on the other worker, and counts the first as draining.
         worker = router.admin.launcher.workers["pdserve-decode-1"]
-        await worker.drain()
+        await worker.drain(30.0)
         with pytest.raises(NotServing):
             await worker.reserve(await router._prepare(make_request(_ids(0), "x", max_tokens=4)))
         await _until(lambda: new.draining)
         assert new.routable is False
         assert len(await _drive(router, "elsewhere", 1)) == MAX_TOKENS
         assert not new.active and router.admin.status()["workers"][2]["state"] == "draining"
-        worker.draining = new.draining = False  # undrained, for the rest of the test
+        worker.undrain()  # serving again (as when the lease of a dead router's drain ends)
+        await worker.drain(0.05)  # a drain's lease that no router renews runs out
+        await asyncio.sleep(0.1)
+        assert not worker.draining
         await _until(lambda: new.routable)
 
         long = [asyncio.ensure_future(_drive(router, f"long-{i}", i, LONG)) for i in range(6)]
@@ -181,6 +188,30 @@ def test_a_drain_past_its_bound_ends_the_rest_clearly_and_a_drained_worker_refus
             assert out.code == grpc.StatusCode.UNAVAILABLE and "drained" in out.details, out
         assert all(len(out) == LONG for out in outcomes if isinstance(out, list))
         assert await _no_block_used(router) == {"pdserve-prefill-0": 0, "pdserve-decode-0": 0}
+
+    run_with_workers(local_config(tiny_dir), tiny_dir, body)
+
+
+def test_a_worker_flipped_by_another_router_moves_to_its_new_pool(tiny_dir: Path) -> None:
+    """Another router's admin (here: the launcher alone, as that router would call it)
+    flips a worker this router holds: its stats say so, and this router moves it to the
+    pool of its new role (as it does a flipped worker that Ray restarted in its first
+    role); requests meanwhile are placed elsewhere and end whole."""
+
+    async def body(router: Any, prefill: Any, decode: Any) -> None:
+        await router.admin.add(Role.PREFILL)
+        calls = [asyncio.ensure_future(_drive(router, f"a-{i}", i)) for i in range(6)]
+        # the other router's drain: the worker refuses new requests, and what it holds
+        # from any router ends before the switch (its stats say when)
+        await router.admin.launcher.workers["pdserve-prefill-1"].drain(30.0)
+        held = router.prefill.get("pdserve-prefill-1")
+        await _until(lambda: held.stats.draining and not held.active and _idle(held.stats))
+        await router.admin.launcher.flip("pdserve-prefill-1", Role.DECODE)
+        await _until(lambda: (w := router.decode.get("pdserve-prefill-1")) and w.routable)
+        assert router.prefill.get("pdserve-prefill-1") is None
+        calls += [asyncio.ensure_future(_drive(router, f"b-{i}", i)) for i in range(6)]
+        assert [len(toks) for toks in await asyncio.gather(*calls)] == [MAX_TOKENS] * 12
+        assert not any((await _no_block_used(router)).values())
 
     run_with_workers(local_config(tiny_dir), tiny_dir, body)
 
@@ -223,6 +254,11 @@ def test_refusals_are_clear_and_change_nothing(tiny_dir: Path) -> None:
         assert status == 409 and b"last decode worker" in raw
         status, _, raw = await asgi_request(app, "GET", "/v1/admin/pool")
         assert status == 200 and b'"decode":1' in raw
+        status, _, raw = await asgi_request(app, "GET", "/metrics")
+        text = raw.decode()
+        assert 'pdserve:pool_workers{model_name="tiny",role="decode",state="serving"} 1.0' in text
+        ops = 'pdserve:pool_operations_total{model_name="tiny",operation="%s",outcome="%s"} 1.0'
+        assert ops % ("drain", "ok") in text and ops % ("add", "ok") in text, text
 
     run_with_workers(local_config(tiny_dir), tiny_dir, body)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import math
 import os
 import threading
 import time
@@ -171,7 +172,8 @@ class WorkerBase(abc.ABC):
         self.cfg = cfg
         self.name = cfg.name
         self.role = cfg.role or self.default_role
-        self.draining = False  # `drain`: new requests are refused (`NotServing`)
+        # `drain`: new requests are refused (`NotServing`) until this monotonic time
+        self._drain_until = 0.0
         t0 = time.perf_counter()
         self.feed: IndexFeed | None = None
         self.loop: EngineLoop
@@ -210,10 +212,20 @@ class WorkerBase(abc.ABC):
             self.feed = IndexFeed(self.name, self.cfg.index, self.cfg.model_name, self.loop)
 
     # ---- drain and hand-over (pool membership: docs/operations.md) -----------------------
-    async def drain(self) -> None:
+    async def drain(self, lease_s: float = math.inf) -> None:
         """Take no new request from any router (each is refused with `NotServing` and placed
-        elsewhere); what this worker holds runs to its end. Stats report it."""
-        self.draining = True
+        elsewhere) for `lease_s`; what this worker holds runs to its end. Stats report it.
+        The router draining it renews the lease while it waits (`router.membership`): if
+        that router dies mid-drain, the worker serves again once the lease runs out,
+        instead of staying out of every pool with no one to finish the drain."""
+        self._drain_until = max(self._drain_until, time.monotonic() + lease_s)
+
+    def undrain(self) -> None:
+        self._drain_until = 0.0
+
+    @property
+    def draining(self) -> bool:
+        return time.monotonic() < self._drain_until
 
     def refuse_when_draining(self, request_id: str) -> None:
         if self.draining:
@@ -384,9 +396,10 @@ class ActorBase(Generic[W]):
     async def check_integrity(self) -> int:
         return await self.worker.check_integrity()
 
-    async def drain(self) -> None:
-        """Refuse new requests from every router; what is here runs to its end."""
-        await self.worker.drain()
+    async def drain(self, lease_s: float) -> None:
+        """Refuse new requests from every router for `lease_s` (renewed by the draining
+        router); what is here runs to its end."""
+        await self.worker.drain(lease_s)
 
     async def shutdown(self) -> None:
         self.worker.shutdown()

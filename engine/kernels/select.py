@@ -68,7 +68,7 @@ DECIDE_ROUNDS, DECISIVE = 3, 1.5
 """After `DECIDE_ROUNDS` rounds, a candidate whose fastest round is `DECISIVE` times another's
 slowest is dropped from the timing (`_beaten`)."""
 WARMUP = 3
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 @dataclass

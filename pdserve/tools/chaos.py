@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import logging
 import math
@@ -120,6 +122,10 @@ class ChaosConfig:
         "drain-overrun",
         "router-restart-mismatch",
         "abusive-client",
+        "pool-drain",
+        "pool-flip",
+        "pool-kill-flip",
+        "pool-router-killed",
     )
     seed: int = 0
     transport: str = "torch_dist"
@@ -1516,6 +1522,188 @@ def _r(v: float | None) -> float | None:
     return None if v is None else round(v, 2)
 
 
+def _admin(ch: Chaos, make: Callable[[], Any], timeout_s: float = 300.0) -> Any:
+    """A pool operation (`router.membership`) on the rig's router loop, from any thread:
+    its answer, or the PoolError it raised."""
+    from router.membership import PoolError
+
+    try:
+        return ch.rig.call(make(), timeout_s)
+    except PoolError as e:
+        return e
+
+
+def scenario_pool(ch: Chaos, op: str) -> ScenarioResult:
+    """Pool membership under load (docs/operations.md), on the worker the router has the
+    most requests on (waiting for one to have any) once `kill_after` requests ended:
+    - `drain`: a decode worker drained and stopped, then a decode worker added back;
+    - `flip`: a prefill worker flipped to decode, then back;
+    - `kill-flip`: a decode worker's flip to prefill, with kill -9 of its process while the
+      flip drains it: the flip answers an error, the worker stays in its first pool (down
+      until Ray restarts it in its first role) and serves again.
+    Nothing is lost: the drain and flips end every request whole (kill-flip: whole or
+    UNAVAILABLE, as a kill does), and the pools end as they began."""
+    from pool_api.messages import Role
+    from router.membership import PoolError
+
+    cfg, rig = ch.cfg, ch.rig
+    router = rig.router
+    assert router is not None
+    role = "prefill" if op == "flip" else "decode"
+    names = [w for w in rig.actors() if f"-{role}-" in w]
+    shape = router.admin.status()["workers"]
+    d = ch.driver()
+    row = f"pool-{op}"
+    shots = ch.shots(row, cfg.num_kill)
+    info: dict[str, Any] = {}
+
+    async def body() -> list[Outcome]:
+        async def inject() -> None:
+            await d.wait_ended(cfg.kill_after)
+            name, on = await aim(rig, names, cfg.aim_timeout_s)
+            info.update(name=name, on=on, at=d.now())
+            if op == "drain":
+                info["drain"] = await asyncio.to_thread(
+                    _admin, ch, lambda: router.admin.drain(name)
+                )
+                info["add"] = await asyncio.to_thread(
+                    _admin, ch, lambda: router.admin.add(Role.DECODE)
+                )
+            elif op == "flip":
+                for to in (Role.DECODE, Role.PREFILL):
+                    info[f"to {to.value}"] = await asyncio.to_thread(
+                        _admin, ch, functools.partial(router.admin.flip, name, to)
+                    )
+            else:
+                pid = rig.pid(name)
+                flip = asyncio.ensure_future(
+                    asyncio.to_thread(_admin, ch, lambda: router.admin.flip(name, Role.PREFILL))
+                )
+                while router.admin.busy.get(name) != "flip" and not flip.done():
+                    await asyncio.sleep(0.002)
+                os.kill(pid, signal.SIGKILL)
+                info["killed_at"] = d.now()
+                info["flip"] = await flip
+                rec = await ch.recover(d.t0 + info["killed_at"], served_by=name)
+                info["recover"] = rec
+                if router.prefill.get(name) is not None:  # the flip ran on the restarted actor
+                    info["restore"] = await asyncio.to_thread(
+                        _admin, ch, lambda: router.admin.flip(name, Role.DECODE)
+                    )
+        outs, _ = await asyncio.gather(d.run(shots, cfg.kill_concurrency, row), inject())
+        return outs
+
+    outs = asyncio.run(body())
+    name = info["name"]
+    res = ScenarioResult(row, f"{op} of {name} under load", outs, fault_s=[info["at"]])
+    res.quiescence = ch.quiesce()
+    answers = {k: v for k, v in info.items() if isinstance(v, dict | PoolError)}
+    res.figures = {
+        k: (v if isinstance(v, dict) else f"HTTP {v.status}: {v.message}")
+        for k, v in answers.items()
+    }
+    after = router.admin.status()["workers"]
+    res.figures["pools_before"] = sorted((w["name"], w["role"]) for w in shape)
+    res.figures["pools_after"] = sorted((w["name"], w["role"]) for w in after)
+    res.base_checks()
+    res.fault_hit(f"{len(info['on'])} requests on {name} when it began", len(info["on"]) >= 1)
+    res.checks["the pools end as they began"] = (
+        res.figures["pools_before"] == res.figures["pools_after"]
+    )
+    if op == "kill-flip":
+        res.recover_s = info.get("recover")
+        # Ray restarts the killed actor in its first role; the flip either failed (the
+        # worker kept in its pool, down until then) or ran on the restarted actor
+        res.checks["the flip answered (an error, or done on the restarted worker)"] = (
+            isinstance(info["flip"], PoolError | dict)
+        )
+        res.checks["each completes or ends UNAVAILABLE"] = set(o.status for o in outs) <= {
+            OK,
+            grpc.StatusCode.UNAVAILABLE.name,
+        }
+        res.checks[f"serves again within {cfg.recover_bound_s:g} s"] = (
+            res.recover_s is not None and res.recover_s <= cfg.recover_bound_s
+        )
+    else:
+        ok = [v for v in answers.values() if isinstance(v, dict)]
+        res.checks["every operation succeeded"] = len(ok) == len(answers) == 2
+        res.checks["no request ended by a drain's bound"] = all(
+            v.get("ended", 0) == 0 for v in ok
+        )
+        res.checks["every request completes"] = all(o.status == OK for o in outs)
+    return res
+
+
+def scenario_pool_router_killed(ch: Chaos) -> ScenarioResult:
+    """kill -9 of a second router while it drains a decode worker (`POST
+    /v1/admin/pool/drain` with a long bound), under load through the first router: the
+    worker refuses new requests while the drain holds it (the first router places them
+    elsewhere, and sees it draining), then, its drain's lease no longer renewed, serves again
+    within `DRAIN_LEASE_S` (plus a stats refresh), instead of staying out of every pool
+    with no router left to finish the drain. Nothing is lost."""
+    from pdserve.pool_cli import call
+    from pdserve.tools.faults import RouterProcess
+    from router.membership import DRAIN_LEASE_S
+
+    cfg, rig = ch.cfg, ch.rig
+    router = rig.router
+    assert router is not None
+    d = ch.driver()
+    row = "pool-router-killed"
+    shots = ch.shots(row, cfg.num_kill)
+    info: dict[str, Any] = {}
+    proc = RouterProcess(rig.cfg, rig.gcs_address(), http=True)
+    try:
+        proc.start()
+        url = proc.http_url
+        assert url is not None
+
+        async def body() -> list[Outcome]:
+            async def inject() -> None:
+                await d.wait_ended(cfg.kill_after)
+                names = [w.name for w in router.decode.workers]
+                name, on = await aim(rig, names, cfg.aim_timeout_s)
+                info.update(name=name, on=on, at=d.now())
+                drain = {"worker": name, "bound_s": 3600}
+                drain_call = asyncio.ensure_future(  # ends only once that router is gone
+                    asyncio.to_thread(call, url, "POST", "/v1/admin/pool/drain", drain, None, 60)
+                )
+                w = router.decode.get(name)
+                assert w is not None
+                t0 = time.monotonic()
+                while not w.draining and time.monotonic() - t0 < 30:
+                    await asyncio.sleep(0.01)
+                info["seen_draining_s"] = round(time.monotonic() - t0, 3)
+                info["killed_pid"] = await asyncio.to_thread(proc.kill9)
+                with contextlib.suppress(Exception):  # its connection broke with it
+                    await asyncio.wait_for(drain_call, 30)
+                t1 = time.monotonic()
+                while not w.routable and time.monotonic() - t1 < 3 * DRAIN_LEASE_S:
+                    await asyncio.sleep(0.01)
+                info["serves_again_s"] = round(time.monotonic() - t1, 3) if w.routable else None
+
+            outs, _ = await asyncio.gather(d.run(shots, cfg.kill_concurrency, row), inject())
+            return outs
+
+        outs = asyncio.run(body())
+    finally:
+        proc.close()
+    name = info["name"]
+    res = ScenarioResult(row, f"kill -9 of a second router draining {name}", outs)
+    res.fault_s = [info["at"]]
+    res.quiescence = ch.quiesce()
+    res.figures = {k: v for k, v in info.items() if k not in ("on", "at")}
+    res.base_checks()
+    res.fault_hit(f"{len(info['on'])} requests on {name} when the drain began", bool(info["on"]))
+    res.checks["the first router saw the worker draining"] = info["seen_draining_s"] < 30
+    again = info["serves_again_s"]
+    res.checks[f"it serves again within {DRAIN_LEASE_S + 5:g} s of the kill"] = (
+        again is not None and again <= DRAIN_LEASE_S + 5
+    )
+    res.checks["every request completes"] = all(o.status == OK for o in outs)
+    return res
+
+
 SCENARIOS: dict[str, Callable[[Chaos], ScenarioResult]] = {
     "cancel": scenario_cancel,
     "kill-prefill": lambda ch: scenario_kill(ch, "prefill"),
@@ -1530,6 +1718,10 @@ SCENARIOS: dict[str, Callable[[Chaos], ScenarioResult]] = {
     "drain-overrun": scenario_drain_overrun,
     "router-restart-mismatch": scenario_router_mismatch,
     "abusive-client": scenario_abusive_client,
+    "pool-drain": lambda ch: scenario_pool(ch, "drain"),
+    "pool-flip": lambda ch: scenario_pool(ch, "flip"),
+    "pool-kill-flip": lambda ch: scenario_pool(ch, "kill-flip"),
+    "pool-router-killed": scenario_pool_router_killed,
 }
 
 
