@@ -113,7 +113,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/pool-latest.json"))
     args = p.parse_args()
-    log = Path(args.out).with_suffix(".serve.log")
+    log = ROOT / "build" / "pool-serve.log"  # the server's own log (git-ignored)
+    log.parent.mkdir(exist_ok=True)
     proc, target, url = start_server(args.model, log)
     result: dict[str, Any] = {"cpu": cpu_name(), "model": args.model or "default"}
     try:
