@@ -20,7 +20,7 @@ from engine.settings import Bounds, check_settings, doc_of, setting
 from kv_transfer.config import TransferConfig
 from pdserve.models import DEFAULT_MODEL
 from pool_api.config import REDACTED, IndexConfig, redact_url
-from router.config import RouterConfig
+from router.config import PlannerSettings, RouterConfig
 
 T = TypeVar("T")
 
@@ -156,6 +156,7 @@ class ServeConfig:
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    planner: PlannerSettings = field(default_factory=PlannerSettings)
     ray: RayConfig = field(default_factory=RayConfig)
     colocated: bool = setting(
         False, "decode workers run both phases, no prefill pool (the comparison baseline)"

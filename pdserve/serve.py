@@ -48,6 +48,8 @@ async def serve(
         RouterMetrics.install(router)
         server = await start_server(router, cfg.router.host, cfg.router.grpc.port)
         await router.start()
+        if cfg.planner.enabled:
+            router.start_planner(cfg.planner)
         freeze_startup_heap()
         await server.set_serving(router.serviceable())
         router.on_serving_change = server.set_serving  # NOT_SERVING while a pool is down

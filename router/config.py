@@ -172,6 +172,48 @@ class TlsSettings:
             raise ValueError("router.tls.client_ca (mTLS) needs router.tls.cert and key")
 
 
+PlannerMode = Literal["advisory", "act"]
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """Pool sizes that follow the load (router.planner; docs/operations.md)."""
+
+    enabled: bool = setting(
+        False, "watch the load and the SLO, and decide pool changes (off: pools change by hand)"
+    )
+    mode: PlannerMode = setting(
+        "advisory",
+        "advisory: log and export each decision; act: also carry it out through the pool "
+        "admin (flip before adding)",
+        choices=("advisory", "act"),
+    )
+    interval_s: float = setting(5.0, "seconds between the planner's ticks", gt=0)
+    ttft_ms: float = setting(2000.0, "the SLO's TTFT bound, per request", gt=0)
+    tpot_ms: float = setting(200.0, "the SLO's TPOT bound, per request", gt=0)
+    target_attainment: float = setting(
+        0.9, "the share of requests within both bounds the planner keeps", gt=0, le=1
+    )
+    window_s: float = setting(
+        60.0, "the rolling window of finished requests the signals are read from", gt=0
+    )
+    patience: int = setting(
+        2,
+        "ticks in a row a change's condition must hold before it is made, and ticks held "
+        "after one (hysteresis)",
+        ge=1,
+    )
+    min_prefill: int = setting(1, "the planner keeps at least this many prefill workers", ge=0)
+    max_prefill: int = setting(4, "and at most this many", ge=0)
+    min_decode: int = setting(1, "the planner keeps at least this many decode workers", ge=1)
+    max_decode: int = setting(4, "and at most this many", ge=1)
+
+    def __post_init__(self) -> None:
+        check_settings(self, "planner.")
+        if self.min_prefill > self.max_prefill or self.min_decode > self.max_decode:
+            raise ValueError("planner: each role's min must not exceed its max")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     host: str = setting("127.0.0.1", "bind address of both ports")

@@ -28,11 +28,12 @@ from router import responses
 from router.active import ActiveRequest, Observers, RequestFailed
 from router.choices import best_of
 from router.clients import DecodeClient, PrefillClient, quietly
-from router.config import RouterConfig
+from router.config import PlannerSettings, RouterConfig
 from router.flow import RequestFlow
 from router.grammar_check import COMPILE_TIMEOUT_S, GrammarChecker, TokenizerSpec
 from router.index_sync import IndexSync
 from router.membership import PoolAdmin
+from router.planner import Planner
 from router.pools import Pool
 from router.race import Lost, first_of
 from router.reservation import Reserver
@@ -100,6 +101,7 @@ class Router:
         # workers added, drained and flipped at run time (/v1/admin/pool; router.membership)
         admin = (prefill, decode, self.index, self.in_flight_on, colocated)
         self.admin = PoolAdmin(*admin, cfg.worker_call_timeout_s)
+        self.planner: Planner | None = None  # `start_planner` (planner.enabled)
         # Decode workers push tokens here (router.token_sink).
         host = "127.0.0.1" if cfg.token_stream_host == "auto" else cfg.token_stream_host
         self.sinks = TokenSinkServer(host)
@@ -117,6 +119,21 @@ class Router:
         self._refresher = asyncio.create_task(self._refresh_loop())
         if self.stats_log is not None:
             self._stats_logger = asyncio.create_task(self.stats_log.run())
+
+    def start_planner(self, settings: PlannerSettings) -> Planner:
+        """Pool sizes that follow the load (router.planner); in the running loop."""
+        self.planner = Planner(settings, self.admin, self.prefill, self.decode, self.colocated)
+        self.metrics.add(self.planner.window)
+        self.planner.start()
+        log.warning(
+            "planner on (%s): SLO TTFT %g ms, TPOT %g ms at %g%%, every %g s",
+            settings.mode,
+            settings.ttft_ms,
+            settings.tpot_ms,
+            settings.target_attainment * 100,
+            settings.interval_s,
+        )
+        return self.planner
 
     async def refresh(self) -> None:
         """Worker stats (load, health), serving state, and the in-memory index."""
@@ -190,6 +207,8 @@ class Router:
         for task in (self._refresher, self._stats_logger):
             if task is not None:
                 task.cancel()
+        if self.planner is not None:
+            self.planner.stop()
         self._index_sync.cancel()
         if self.grammar_check is not None:
             self.grammar_check.close()

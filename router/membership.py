@@ -229,6 +229,8 @@ class PoolAdmin:
                 await launcher.retire(name)
         except BaseException:
             self._count("drain", "failed")
+            if pool.get(name) is w:  # it stays: taking requests again (its lease runs out)
+                w.retiring = False
             raise
         finally:
             self.busy.pop(name, None)
@@ -338,7 +340,10 @@ class PoolAdmin:
             await self._until_stats(joined)
         except BaseException as e:
             self._count("flip", "failed")
-            self._keep(name, w.client.role, launcher)
+            if pool.get(name) is w:  # it failed while draining: the worker stays as it was
+                w.retiring = False
+            else:
+                self._keep(name, w.client.role, launcher)
             if isinstance(e, PoolError) or not isinstance(e, Exception):
                 raise
             log.warning("flip of %s failed: %s", name, e)

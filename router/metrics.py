@@ -33,6 +33,7 @@ from router.stats_log import StatsLog
 if TYPE_CHECKING:
     from router.core import Router
     from router.membership import PoolAdmin
+    from router.planner import Planner
 
 PREFIX = "pdserve:"
 ROUTER_ROLE = "router"
@@ -489,6 +490,40 @@ class WorkerCollector(Collector):
                 f.ws_fallbacks.add_metric(lv, x.get(k.DECODE_WORKSPACE_FALLBACKS_TOTAL.value, 0.0))
         yield from f.all()
         yield from _pool_families(self.model_name, r.admin)
+        if r.planner is not None:
+            yield from _planner_families(self.model_name, r.planner)
+
+
+def _planner_families(model: str, planner: Planner) -> tuple[Metric, ...]:
+    """The planner's decisions, its last signals and what it could not read."""
+    decisions = CounterMetricFamily(
+        PREFIX + "planner_decisions",
+        "Planner decisions (hold, flip, add, drain) by mode (advisory: not carried out).",
+        labels=["model_name", "action", "mode"],
+    )
+    for (action, mode), n in sorted(planner.decisions.items()):
+        decisions.add_metric([model, action, mode], n)
+    signal = GaugeMetricFamily(
+        PREFIX + "planner_signal",
+        "The planner's last signals (attainment shares, queued prompt tokens, decode KV "
+        "free share, decode step ms, transfer backlog, length percentiles).",
+        labels=["model_name", "signal"],
+    )
+    missing = GaugeMetricFamily(
+        PREFIX + "planner_signal_missing",
+        "1 for each signal the planner's last tick could not read (it held).",
+        labels=["model_name", "signal"],
+    )
+    s = planner.last_signals
+    if s is not None:
+        for name, value in sorted(s.gauges().items()):
+            signal.add_metric([model, name], value)
+        for name in s.missing:
+            missing.add_metric([model, name], 1.0)
+    tick = GaugeMetricFamily(PREFIX + "planner_tick_seconds", "The last tick's time.",
+                             labels=["model_name"])  # fmt: skip
+    tick.add_metric([model], planner.tick_s)
+    return decisions, signal, missing, tick
 
 
 def _pool_families(model: str, admin: PoolAdmin) -> tuple[Metric, ...]:

@@ -1,0 +1,362 @@
+"""The planner: pool sizes that follow the load (`planner.enabled`; docs/operations.md).
+
+Every `interval_s` it reads its signals from the router (`Signals.read`): the attainment of
+the SLO over a rolling window of finished requests, the uncached prompt tokens queued on the
+prefill pool, the decode pool's free KV, the decode step time against the TPOT bound, the
+KV transfers not yet acknowledged, and the length distributions of the window's requests
+(p50 and p90, not means). `decide` turns them into one decision: hold, flip a worker to the
+role that needs one, add a worker to it, or drain one the load no longer needs. It is a
+reactive +-1 correction with hysteresis: a change needs its condition to hold `patience`
+ticks in a row, and after a change the planner holds for `patience` ticks while the pools
+settle. It flips before it adds (a flip costs milliseconds, a new worker loads its model)
+and keeps each role within its bounds.
+
+A missing signal is a state of its own, never a silent skip: the planner holds, says which
+signal is missing, and exports it (`pdserve:planner_signal_missing`). Every decision is
+logged with its reason and counted (`pdserve:planner_decisions_total`). In `advisory` mode
+that is all it does; in `act` mode it carries the decision out through the pool admin
+(`router.membership`), one operation at a time.
+
+Not built yet: the forecast floor from `pdserve plan`'s model (the issue's second loop),
+and asking a cluster autoscaler for nodes (Ray places the workers it starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+
+from engine.request import FinishReason
+from pool_api.messages import Role, StatKey
+from router.active import ActiveRequest, RequestObserver
+from router.config import PlannerSettings
+
+if TYPE_CHECKING:
+    from router.membership import PoolAdmin
+    from router.pools import Pool
+
+log = logging.getLogger(__name__)
+
+# A prefill pool with more uncached prompt tokens queued per worker than this is behind:
+# about one default step budget of work waiting on each worker.
+QUEUED_TOKENS_PER_WORKER = 2048
+# Below these a role has room to give a worker away (or to lose one, in a scale-down).
+DONOR_KV_FREE, IDLE_KV_FREE = 0.5, 0.8
+
+
+@dataclass(frozen=True)
+class Finished:
+    """One request the window holds: when it ended and what it met."""
+
+    at_s: float
+    ttft_s: float | None  # None: no token was sent (it failed)
+    tpot_s: float | None  # None: fewer than two tokens
+    prompt_tokens: int
+    output_tokens: int
+
+
+class Window(RequestObserver):
+    """The finished requests of the last `window_s` (a router observer)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.items: deque[Finished] = deque()
+
+    def on_complete(self, act: ActiveRequest, reason: FinishReason, now: float) -> None:
+        if reason is FinishReason.ABORT:
+            return  # its client left: no verdict on the service
+        ttft = act.first_sent_s - act.arrival_s if act.first_sent_s is not None else None
+        tpot = None
+        if act.first_sent_s is not None and act.last_sent_s is not None and act.num_sent > 1:
+            tpot = (act.last_sent_s - act.first_sent_s) / (act.num_sent - 1)
+        self.items.append(Finished(now, ttft, tpot, act.num_prompt_tokens, act.num_sent))
+
+    def on_fail(self, act: ActiveRequest, code: grpc.StatusCode, now: float) -> None:
+        self.items.append(Finished(now, None, None, act.num_prompt_tokens, act.num_sent))
+
+    def recent(self, now: float) -> list[Finished]:
+        while self.items and self.items[0].at_s < now - self.window_s:
+            self.items.popleft()
+        return list(self.items)
+
+
+@dataclass(frozen=True)
+class Signals:
+    """What one tick sees. None: that signal is missing (named in `missing`)."""
+
+    prefill_workers: int  # routable
+    decode_workers: int
+    finished: int  # requests in the window
+    ttft_attainment: float | None
+    tpot_attainment: float | None
+    attainment: float | None  # within both bounds
+    queued_prefill_tokens: int | None
+    decode_kv_free: float | None  # free share of the decode pool's KV (reservations counted)
+    decode_step_ms: float | None  # mean decode step since the last tick
+    transfer_backlog: int | None  # KV transfers not yet acknowledged
+    prompt_p50: float | None = None
+    prompt_p90: float | None = None
+    output_p50: float | None = None
+    output_p90: float | None = None
+    missing: tuple[str, ...] = ()
+
+    def gauges(self) -> dict[str, float]:
+        """The signals present, as `pdserve:planner_signal{signal=...}` reports them."""
+        names = (
+            "finished", "ttft_attainment", "tpot_attainment", "attainment",
+            "queued_prefill_tokens", "decode_kv_free", "decode_step_ms", "transfer_backlog",
+            "prompt_p50", "prompt_p90", "output_p50", "output_p90",
+        )  # fmt: skip
+        out = {n: getattr(self, n) for n in names}
+        return {n: float(v) for n, v in out.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # hold | flip | add | drain
+    reason: str
+    role: Role | None = None  # flip/add: the role that gains a worker; drain: loses one
+    worker: str | None = None  # flip/drain: which
+
+    def line(self) -> str:
+        what = self.action
+        if self.action == "flip":
+            what = f"flip {self.worker} to {self.role.value if self.role else '?'}"
+        elif self.action == "add" and self.role is not None:
+            what = f"add a {self.role.value} worker"
+        elif self.action == "drain":
+            what = f"drain {self.worker}"
+        return f"{what}: {self.reason}"
+
+
+def _share(values: Sequence[float | None], bound_s: float) -> float:
+    return sum(v is not None and v <= bound_s for v in values) / len(values)
+
+
+def _pct(values: Sequence[int], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+class Planner:
+    def __init__(
+        self,
+        cfg: PlannerSettings,
+        admin: PoolAdmin,
+        prefill: Pool[Any],
+        decode: Pool[Any],
+        colocated: bool,
+    ) -> None:
+        self.cfg = cfg
+        self.admin = admin
+        self.prefill = prefill
+        self.decode = decode
+        self.colocated = colocated
+        self.window = Window(cfg.window_s)
+        self.streak: Counter[str] = Counter()  # decision key -> ticks in a row
+        self.cooldown = 0  # ticks to hold after a change
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (action, mode) -> count
+        self.last: Decision | None = None
+        self.last_signals: Signals | None = None
+        self.tick_s = 0.0
+        self._steps: dict[str, tuple[float, float]] = {}  # worker -> (steps, step seconds)
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- signals -------------------------------------------------------------------------
+    def read(self, now: float) -> Signals:
+        recent = self.window.recent(now)
+        missing: list[str] = []
+        prefill_up = [w for w in self.prefill.routable() if w.stats is not None]
+        decode_up = [w for w in self.decode.routable() if w.stats is not None]
+        if not decode_up:
+            missing.append("decode stats")
+        if not self.colocated and not prefill_up:
+            missing.append("prefill stats")
+        if not recent:
+            missing.append("finished requests")
+        ttft_b, tpot_b = self.cfg.ttft_ms / 1e3, self.cfg.tpot_ms / 1e3
+        ttfts = [f.ttft_s for f in recent]
+        tpots = [f.tpot_s if f.ttft_s is not None else None for f in recent]
+        with_tpot = [f for f in recent if f.tpot_s is not None or f.ttft_s is None]
+        both = [
+            f.ttft_s is not None and f.ttft_s <= ttft_b and (f.tpot_s or 0.0) <= tpot_b
+            for f in recent
+        ]
+        queued = None
+        if prefill_up or self.colocated:
+            queued = sum(
+                w.outstanding_tokens + (w.stats.queued_prefill_tokens if w.stats else 0)
+                for w in (prefill_up if not self.colocated else decode_up)
+            )
+        kv_free = backlog = step_ms = None
+        if decode_up:
+            total = sum(w.stats.num_total_blocks for w in decode_up if w.stats)
+            kv_free = sum(max(w.free_blocks, 0) for w in decode_up) / total if total else None
+            step_ms = self._step_ms(decode_up)
+        if prefill_up:
+            backlog = sum(w.stats.num_reserved for w in prefill_up if w.stats)
+        prompts = [f.prompt_tokens for f in recent]
+        outputs = [f.output_tokens for f in recent]
+        return Signals(
+            prefill_workers=len(self.prefill.routable()),
+            decode_workers=len(self.decode.routable()),
+            finished=len(recent),
+            ttft_attainment=_share(ttfts, ttft_b) if recent else None,
+            tpot_attainment=_share(tpots, tpot_b) if with_tpot else None,
+            attainment=sum(both) / len(both) if recent else None,
+            queued_prefill_tokens=queued,
+            decode_kv_free=kv_free,
+            decode_step_ms=step_ms,
+            transfer_backlog=backlog,
+            prompt_p50=_pct(prompts, 50),
+            prompt_p90=_pct(prompts, 90),
+            output_p50=_pct(outputs, 50),
+            output_p90=_pct(outputs, 90),
+            missing=tuple(missing),
+        )
+
+    def _step_ms(self, workers: Sequence[Any]) -> float | None:
+        """The decode pool's mean step since the last tick, from the workers' counters."""
+        steps = secs = 0.0
+        for w in workers:
+            x = w.stats.extra
+            now = (x.get(StatKey.ENGINE_STEPS_TOTAL.value, 0.0),
+                   x.get(StatKey.ENGINE_STEP_SECONDS_TOTAL.value, 0.0))  # fmt: skip
+            before = self._steps.get(w.name, now)
+            steps, secs = steps + now[0] - before[0], secs + now[1] - before[1]
+            self._steps[w.name] = now
+        return secs / steps * 1e3 if steps > 0 else None
+
+    # ---- the decision --------------------------------------------------------------------
+    def decide(self, s: Signals) -> Decision:
+        """One tick's decision (module docstring); counts the streaks it needs."""
+        if s.missing:
+            self.streak.clear()
+            return Decision("hold", f"signal missing: {', '.join(s.missing)}")
+        if self.cooldown > 0:
+            self.cooldown -= 1
+            return Decision("hold", f"settling after a change ({self.cooldown + 1} ticks left)")
+        want = self._want(s)
+        if want.action == "hold":
+            self.streak.clear()
+            return want
+        key = f"{want.action}:{want.role}:{want.worker}"
+        self.streak = Counter({key: self.streak[key] + 1})
+        if self.streak[key] < self.cfg.patience:
+            return Decision(
+                "hold", f"{want.line()} (held {self.streak[key]} of {self.cfg.patience} ticks)"
+            )
+        self.streak.clear()
+        self.cooldown = self.cfg.patience
+        return want
+
+    def _want(self, s: Signals) -> Decision:
+        target = self.cfg.target_attainment
+        assert s.ttft_attainment is not None and s.attainment is not None
+        ttft_ok = s.ttft_attainment >= target
+        tpot_ok = s.tpot_attainment is None or s.tpot_attainment >= target
+        behind = (s.queued_prefill_tokens or 0) > QUEUED_TOKENS_PER_WORKER * max(
+            s.prefill_workers, 1
+        )
+        figures = (
+            f"attainment {s.attainment:.2f} (TTFT {s.ttft_attainment:.2f}, TPOT "
+            f"{'-' if s.tpot_attainment is None else f'{s.tpot_attainment:.2f}'}) of "
+            f"{s.finished} requests"
+        )
+        if self.colocated:
+            if not (ttft_ok and tpot_ok):
+                return self._grow(Role.DECODE, s, figures, donor_ok=False)
+            return self._shrink_idle(s, figures)
+        if not ttft_ok and (tpot_ok or behind):
+            donor_ok = tpot_ok and (s.decode_kv_free or 0.0) > DONOR_KV_FREE
+            return self._grow(Role.PREFILL, s, figures + ", prompts wait", donor_ok)
+        if not tpot_ok:
+            donor_ok = ttft_ok and not behind
+            return self._grow(Role.DECODE, s, figures + ", decode steps too slow", donor_ok)
+        if s.attainment < target:  # each bound alone holds, both at once do not
+            return Decision("hold", f"{figures}: no single role to blame")
+        return self._shrink_idle(s, figures)
+
+    def _grow(self, role: Role, s: Signals, why: str, donor_ok: bool) -> Decision:
+        c = self.cfg
+        have = s.prefill_workers if role is Role.PREFILL else s.decode_workers
+        donor_pool = self.decode if role is Role.PREFILL else self.prefill
+        donor_have = s.decode_workers if role is Role.PREFILL else s.prefill_workers
+        donor_min = c.min_decode if role is Role.PREFILL else c.min_prefill
+        if have >= (c.max_prefill if role is Role.PREFILL else c.max_decode):
+            return Decision("hold", f"{why}; {role.value} is at its bound ({have})")
+        if donor_ok and donor_have > donor_min and not self.colocated:
+            donor = min(donor_pool.routable(), key=lambda w: len(w.active))
+            return Decision("flip", why, role, donor.name)
+        return Decision("add", why, role)
+
+    def _shrink_idle(self, s: Signals, why: str) -> Decision:
+        c = self.cfg
+        idle_decode = (s.decode_kv_free or 0.0) > IDLE_KV_FREE and (
+            s.decode_step_ms is None or s.decode_step_ms < 0.5 * c.tpot_ms
+        )
+        if s.decode_workers > c.min_decode and idle_decode and s.attainment == 1.0:
+            w = min(self.decode.routable(), key=lambda w: len(w.active))
+            return Decision("drain", f"{why}; the decode pool is idle", Role.DECODE, w.name)
+        if (
+            not self.colocated
+            and s.prefill_workers > c.min_prefill
+            and not s.queued_prefill_tokens
+            and s.attainment == 1.0
+        ):
+            w = min(self.prefill.routable(), key=lambda w: len(w.active))
+            return Decision("drain", f"{why}; no prompt waits", Role.PREFILL, w.name)
+        return Decision("hold", f"{why}: within the SLO")
+
+    # ---- the loop ------------------------------------------------------------------------
+    async def tick(self) -> Decision:
+        t0 = time.perf_counter()
+        s = self.read(time.perf_counter())
+        d = self.decide(s)
+        self.last, self.last_signals = d, s
+        self.decisions[(d.action, self.cfg.mode)] += 1
+        self.tick_s = time.perf_counter() - t0
+        if d.action == "hold":
+            log.info("planner (%s): %s", self.cfg.mode, d.line())
+            return d
+        log.warning("planner (%s): %s", self.cfg.mode, d.line())
+        if self.cfg.mode == "act":
+            await self._act(d)
+        return d
+
+    async def _act(self, d: Decision) -> None:
+        from router.membership import PoolError
+
+        try:
+            if d.action == "flip" and d.worker and d.role:
+                await self.admin.flip(d.worker, d.role)
+            elif d.action == "add" and d.role:
+                await self.admin.add(d.role)
+            elif d.action == "drain" and d.worker:
+                await self.admin.drain(d.worker)
+        except PoolError as e:
+            log.warning("planner: %s did not happen: %s", d.line(), e.message)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.interval_s)
+            try:
+                await self.tick()
+            except Exception:
+                # Boundary of the planner loop: a bug here must not stop it, nor serving.
+                log.exception("planner tick failed")
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+

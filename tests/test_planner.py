@@ -1,0 +1,137 @@
+"""The planner (`router.planner`): its decisions from its signals, and, in act mode on real
+in-process workers, a decision carried out through the pool admin.
+
+The decision tests feed `Planner.decide` signals built by hand (the unit under test is the
+decision; the pools they name hold clients that are never called). The act test runs a
+real deployment in process whose SLO no request can meet, and checks the planner grows the
+prefill pool (by the rule: the decode pool cannot give a worker away, so it adds one)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdserve.checkpoint import write_checkpoint
+from pdserve.client import make_request
+from pool_api.messages import Role, WorkerStats
+from router.clients import DecodeClient, PrefillClient
+from router.config import PlannerSettings
+from router.membership import PoolAdmin
+from router.planner import Planner, Signals
+from router.pools import Pool
+from tests.in_process import local_config, run_with_workers
+
+
+def _pool(role: Role, n: int) -> Pool[Any]:
+    never_called: Any = None
+    cls = PrefillClient if role is Role.PREFILL else DecodeClient
+    pool: Pool[Any] = Pool(role, [cls(f"pdserve-{role.value}-{i}", never_called) for i in range(n)])
+    for w in pool.workers:
+        w.stats = WorkerStats(w.name, role, 100, 100, 0, 0, 0, 0, 0, 0)
+    return pool
+
+
+def _planner(num_prefill: int = 1, num_decode: int = 2, **cfg: Any) -> Planner:
+    prefill, decode = _pool(Role.PREFILL, num_prefill), _pool(Role.DECODE, num_decode)
+    admin = PoolAdmin(prefill, decode, None, lambda name: 0, False, 60.0)  # type: ignore[arg-type]
+    settings = PlannerSettings(enabled=True, **{"patience": 2, **cfg})
+    return Planner(settings, admin, prefill, decode, colocated=False)
+
+
+def _signals(p: Planner, **kw: Any) -> Signals:
+    base: dict[str, Any] = dict(
+        prefill_workers=len(p.prefill.workers),
+        decode_workers=len(p.decode.workers),
+        finished=50,
+        ttft_attainment=1.0,
+        tpot_attainment=1.0,
+        attainment=1.0,
+        queued_prefill_tokens=100,
+        decode_kv_free=0.6,
+        decode_step_ms=30.0,
+        transfer_backlog=0,
+    )
+    return Signals(**{**base, **kw})
+
+
+def test_a_missing_signal_holds_and_says_which() -> None:
+    p = _planner()
+    d = p.decide(_signals(p, missing=("finished requests",)))
+    assert d.action == "hold" and "signal missing: finished requests" in d.reason
+
+
+def test_slow_first_tokens_flip_a_decode_worker_with_room_after_patience() -> None:
+    p = _planner()
+    slow = _signals(p, ttft_attainment=0.5, attainment=0.5)
+    first = p.decide(slow)
+    assert first.action == "hold" and "held 1 of 2 ticks" in first.reason
+    second = p.decide(slow)
+    assert (second.action, second.role, second.worker) == (
+        "flip",
+        Role.PREFILL,
+        "pdserve-decode-0",
+    )
+    # then it holds while the pools settle, whatever the signals say
+    settling = [p.decide(slow) for _ in range(2)]
+    assert all(d.action == "hold" and "settling" in d.reason for d in settling)
+
+
+def test_it_adds_where_no_role_can_give_a_worker_and_holds_at_the_bound() -> None:
+    p = _planner(num_decode=1, patience=1)
+    slow_decode = _signals(p, tpot_attainment=0.4, attainment=0.4, ttft_attainment=0.5)
+    d = p.decide(slow_decode)
+    assert (d.action, d.role) == ("add", Role.DECODE), d  # no donor: prefill is behind too
+    q = _planner(num_decode=4, patience=1, max_decode=4)
+    d = q.decide(_signals(q, tpot_attainment=0.4, attainment=0.4))
+    assert d.action == "hold" and "at its bound" in d.reason
+
+
+def test_an_idle_pool_gives_back_a_worker_but_never_below_its_floor() -> None:
+    p = _planner(num_decode=2, patience=1)
+    idle = _signals(p, decode_kv_free=0.95, decode_step_ms=10.0, queued_prefill_tokens=0)
+    d = p.decide(idle)
+    assert (d.action, d.role) == ("drain", Role.DECODE)
+    q = _planner(num_prefill=1, num_decode=1, patience=1)
+    assert q.decide(_signals(q, decode_kv_free=0.95, queued_prefill_tokens=0)).action == "hold"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+@pytest.mark.parametrize("mode", ["advisory", "act"])
+def test_an_unmet_slo_grows_the_prefill_pool_in_act_mode_only(tiny_dir: Path, mode: str) -> None:
+    """A TTFT bound no request meets (0.001 ms), one decode worker (it cannot give one
+    away): the planner decides to add a prefill worker; act mode adds it, advisory only
+    counts the decision. Requests meanwhile all end whole."""
+
+    async def body(router: Any, prefill: Any, decode: Any) -> None:
+        settings = PlannerSettings(
+            enabled=True, mode=mode, interval_s=0.05, ttft_ms=0.001, patience=1, max_prefill=2
+        )  # type: ignore[arg-type]
+        planner = router.start_planner(settings)
+        ids = [4 + j * 7 % 400 for j in range(40)]
+        for i in range(3):
+            req = make_request(ids, f"r{i}", cache_salt=f"r{i}", max_tokens=8, temperature=0.0)
+            act = await router.admit(req)
+            async for _ in router.run(act):
+                pass
+            router.finish(act, True)
+        deadline = asyncio.get_running_loop().time() + 30
+        while not planner.decisions.get(("add", mode)):
+            assert asyncio.get_running_loop().time() < deadline, planner.last
+            await asyncio.sleep(0.05)
+        if mode == "act":  # added once, then held at the bound (max_prefill=2)
+            while len(router.prefill.workers) < 2 or planner.last.action != "hold":
+                assert asyncio.get_running_loop().time() < deadline, planner.last
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)  # several more ticks
+            assert "at its bound" in planner.last.reason, planner.last
+        assert len(router.prefill.workers) == (2 if mode == "act" else 1)
+        assert planner.last_signals is not None and planner.last_signals.ttft_attainment == 0.0
+
+    run_with_workers(local_config(tiny_dir), tiny_dir, body)
