@@ -72,8 +72,11 @@ class WorkerLoad(Generic[C]):
 
     @property
     def misplaced(self) -> bool:
-        """Its stats say it serves another role than its pool's."""
-        return self.stats is not None and self.stats.role is not self.client.role
+        """Its stats say it serves the other side of the split than its pool's (prefill, or
+        decode; a colocated worker is a decode worker that prefills too)."""
+        if self.stats is None:
+            return False
+        return (self.stats.role is Role.PREFILL) != (self.client.role is Role.PREFILL)
 
     def mark_down(self, reason: object) -> None:
         """Out of rotation until a stats probe answers again (Ray restarts the actor)."""

@@ -396,8 +396,8 @@ def test_a_worker_warning_reaches_the_serve_terminal(tmp_path: Path) -> None:
     proc = ServeProcess(tmp_path / "home", model=str(ckpt))
     try:
         pattern = re.compile(
-            r"\((?:Prefill|Decode)Actor pid=\d+\).*WARNING engine\.engine: dtype auto: the "
-            r"float16 checkpoint computes in (?:bfloat16|float32)"
+            r"\((?:WorkerActor|pdserve-\S+ \w+) pid=\d+\).*WARNING engine\.engine: dtype auto: "
+            r"the float16 checkpoint computes in (?:bfloat16|float32)"
         )
         found = proc.wait_for(lambda: pattern.search(proc.log_tail(400)), timeout_s=60)
         assert found, proc.log_tail()

@@ -150,9 +150,10 @@ class Outcome:
 
 @dataclass
 class _Client:
-    """What `router.pools` reads of a worker's client: its name."""
+    """What `router.pools` reads of a worker's client: its name and role."""
 
     name: str
+    role: Role
 
 
 class _Clock:
@@ -200,7 +201,7 @@ class SimWorker:
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(sched, self.blocks)
         self.kv_bytes_per_block = kv_bytes_per_block
-        self.load: WorkerLoad[Any] = WorkerLoad(_Client(name))
+        self.load: WorkerLoad[Any] = WorkerLoad(_Client(name, role))
         self.live: dict[str, _Live] = {}
         self.busy = False
         self.max_len = sched.max_model_len or 1 << 30
