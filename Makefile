@@ -92,9 +92,11 @@ bench-kernels: $(STAMP)
 # of n = 4: exit 1 unless all are identical (pdserve/tools/determinism.py).
 # Pool operations on the default model: a cold worker start against flips of a warm worker
 # (idle, both ways), then a flip and a drain under load that must lose nothing
-# (benchmarks/pool_ops.py, docs/operations.md); ~2 min.
+# (benchmarks/pool_ops.py, docs/operations.md); then the router's placement and planner
+# tick at 20-200 workers (benchmarks/pool_scale.py); ~2 min.
 bench-pool: $(STAMP)
 	$(BIN)/python benchmarks/pool_ops.py
+	$(BIN)/python benchmarks/pool_scale.py
 
 bench-determinism: $(STAMP)
 	$(BIN)/python -m pdserve.tools.determinism

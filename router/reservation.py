@@ -123,9 +123,21 @@ class Reserver:
                     return got
 
     def pair_order(self, act: ActiveRequest, matches: dict[str, int]) -> list[PairCost]:
-        """The cheapest (prefill, decode) pair for each decode worker, cheapest first."""
+        """The cheapest (prefill, decode) pair for each decode worker, cheapest first.
+
+        A pair's cost is the prefill worker's part plus the decode worker's, and its ties
+        break on the prefill worker's active requests and last use after the decode
+        worker's own terms, so every decode worker's cheapest partner is the same prefill
+        worker: the one `Pool.pick_prefill` picks. Ranking that one against each decode
+        worker is O(P + D log D) per request, where ranking all P x D pairs took 8 ms at
+        100 + 100 workers (docs/benchmarks.md, "The control plane at 200 workers")."""
+        prefill = self.prefill.routable()
+        n = act.num_prompt_tokens
+        partner = (
+            [self.prefill.pick_prefill(matches, n, self.block_size)] if prefill else []
+        )
         pairs = rank_pairs(
-            self.prefill.routable(),
+            partner,
             self.decode.routable(),
             matches,
             act.num_prompt_tokens,
