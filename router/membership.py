@@ -46,6 +46,9 @@ DEFAULT_DRAIN_BOUND_S = 60.0
 case is its whole decode, which at the default model's speed on a CPU is under a minute)."""
 _POLL_S = 0.05  # how often a drain looks again (the stats refresh is 0.2 s)
 _JOIN_WAIT_S = 30.0  # how long an added or flipped worker may take to send its first stats
+# How long a new worker may take to start: Ray may have no node with the pool's resources
+# (then the actor would wait forever); past this the launcher stops it and the add fails.
+LAUNCH_WAIT_S = 300.0
 # A drain's hold on its worker (`WorkerBase.drain`): renewed every _RENEW_S while the drain
 # waits, so a worker whose draining router died serves again within DRAIN_LEASE_S.
 DRAIN_LEASE_S = 10.0
@@ -184,7 +187,14 @@ class PoolAdmin:
             raise PoolError(400, "a colocated deployment has no prefill pool", "role")
         t0 = time.monotonic()
         try:
-            client = await launcher.launch(role)
+            try:
+                client = await asyncio.wait_for(launcher.launch(role), LAUNCH_WAIT_S)
+            except asyncio.TimeoutError as e:
+                raise PoolError(
+                    409,
+                    f"the new {role.value} worker did not start within {LAUNCH_WAIT_S:g} s "
+                    "(no node with the pool's resources free?); it was stopped",
+                ) from e
             w = self._join(client)
             await self._until_stats(w)
         except PoolError:

@@ -7,8 +7,9 @@ KV transfers not yet acknowledged, and the length distributions of the window's 
 (p50 and p90, not means). `decide` turns them into one decision: hold, flip a worker to the
 role that needs one, add a worker to it, or drain one the load no longer needs. It is a
 reactive +-1 correction with hysteresis: a change needs its condition to hold `patience`
-ticks in a row, and after a change the planner holds for `patience` ticks while the pools
-settle. It flips before it adds (a flip costs milliseconds, a new worker loads its model)
+ticks in a row (a drain `DOWN_PATIENCE` times as long), and after a change the planner holds
+for `patience` ticks while the pools settle; while an operation it started runs, it keeps
+reading and holds. It flips before it adds (a flip costs milliseconds, a new worker loads its model)
 and keeps each role within its bounds.
 
 A missing signal is a state of its own, never a silent skip: the planner holds, says which
@@ -50,6 +51,9 @@ log = logging.getLogger(__name__)
 QUEUED_TOKENS_PER_WORKER = 2048
 # Below these a role has room to give a worker away (or to lose one, in a scale-down).
 DONOR_KV_FREE, IDLE_KV_FREE = 0.5, 0.8
+# A drain's condition must hold this many times `patience` ticks: a quiet window right
+# after a load step (its requests not finished yet) must not take a worker away.
+DOWN_PATIENCE = 3
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,7 @@ class Planner:
         self.tick_s = 0.0
         self._steps: dict[str, tuple[float, float]] = {}  # worker -> (steps, step seconds)
         self._task: asyncio.Task[None] | None = None
+        self._op: asyncio.Task[None] | None = None  # the operation `act` mode started
 
     # ---- signals -------------------------------------------------------------------------
     def read(self, now: float) -> Signals:
@@ -249,10 +254,10 @@ class Planner:
             return want
         key = f"{want.action}:{want.role}:{want.worker}"
         self.streak = Counter({key: self.streak[key] + 1})
-        if self.streak[key] < self.cfg.patience:
-            return Decision(
-                "hold", f"{want.line()} (held {self.streak[key]} of {self.cfg.patience} ticks)"
-            )
+        # slower down than up: a drain needs its quiet to last DOWN_PATIENCE x as long
+        needed = self.cfg.patience * (DOWN_PATIENCE if want.action == "drain" else 1)
+        if self.streak[key] < needed:
+            return Decision("hold", f"{want.line()} (held {self.streak[key]} of {needed} ticks)")
         self.streak.clear()
         self.cooldown = self.cfg.patience
         return want
@@ -317,9 +322,14 @@ class Planner:
 
     # ---- the loop ------------------------------------------------------------------------
     async def tick(self) -> Decision:
+        """Read the signals and decide, every tick: while an operation it started runs (a
+        new worker loads for seconds), the signals stay fresh and it holds."""
         t0 = time.perf_counter()
         s = self.read(time.perf_counter())
-        d = self.decide(s)
+        if self._op is not None and not self._op.done():
+            d = Decision("hold", "an operation is under way")
+        else:
+            d = self.decide(s)
         self.last, self.last_signals = d, s
         self.decisions[(d.action, self.cfg.mode)] += 1
         self.tick_s = time.perf_counter() - t0
@@ -328,7 +338,7 @@ class Planner:
             return d
         log.warning("planner (%s): %s", self.cfg.mode, d.line())
         if self.cfg.mode == "act":
-            await self._act(d)
+            self._op = asyncio.create_task(self._act(d))
         return d
 
     async def _act(self, d: Decision) -> None:
@@ -357,6 +367,7 @@ class Planner:
                 log.exception("planner tick failed")
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._op):
+            if task is not None:
+                task.cancel()
 

@@ -92,6 +92,8 @@ def test_it_adds_where_no_role_can_give_a_worker_and_holds_at_the_bound() -> Non
 def test_an_idle_pool_gives_back_a_worker_but_never_below_its_floor() -> None:
     p = _planner(num_decode=2, patience=1)
     idle = _signals(p, decode_kv_free=0.95, decode_step_ms=10.0, queued_prefill_tokens=0)
+    waits = [p.decide(idle) for _ in range(2)]  # slower down than up: 3 x patience
+    assert all(d.action == "hold" and "of 3 ticks" in d.reason for d in waits), waits
     d = p.decide(idle)
     assert (d.action, d.role) == ("drain", Role.DECODE)
     q = _planner(num_prefill=1, num_decode=1, patience=1)
