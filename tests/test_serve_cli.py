@@ -298,7 +298,9 @@ def test_sigterm_drains_in_flight_requests(
     env = serve_env(tmp_path, ray_head.home, RAY_AUTH_MODE="token")
     log = tmp_path / "serve.log"
     server = Server(model_dir, env, log, "--ray-address", ray_head.address)
-    n, max_tokens = 8, 200
+    # long enough that the drain outlasts the checks below on a fast CPU (with 200 tokens,
+    # an AMD EPYC once finished every stream and stopped before the first health check)
+    n, max_tokens = 8, 1500
     started = threading.Barrier(n + 1, timeout=120)
 
     def one(i: int) -> tuple[list[int], gen.GenerateComplete]:
