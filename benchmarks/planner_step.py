@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import subprocess
@@ -25,6 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.pool_ops import start_server  # noqa: E402
 from engine.cpu import identity  # noqa: E402
 from pdserve.client import Client  # noqa: E402
 from pdserve.pool_cli import call  # noqa: E402
@@ -53,25 +53,7 @@ def start(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[str], s
             }
         )
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PDSERVE_API_KEY")}
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", args.model, "--config",
-           str(config), "--grpc-port", "0", "--http-port", "0"]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-        stderr=open(log, "w"), text=True, start_new_session=True,  # noqa: SIM115
-    )  # fmt: skip
-    ports: dict[str, str] = {}
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        m = _LISTENING.match(line.strip())
-        if m:
-            ports[m.group(1)] = f"{m.group(2)}:{m.group(3)}"
-        if len(ports) == 2:
-            break
-    if len(ports) < 2:
-        raise RuntimeError(f"pdserve serve did not start; see {log}")
-    threading.Thread(target=lambda: [None for _ in proc.stdout or ()], daemon=True).start()
-    return proc, ports["gRPC"], f"http://{ports['HTTP']}"
+    return start_server(args.model, log, ("--config", str(config)))
 
 
 class Load:

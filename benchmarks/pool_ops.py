@@ -37,11 +37,14 @@ from pdserve.tools.procs import stop_process_group  # noqa: E402
 _LISTENING = re.compile(r"^pdserve: (gRPC|HTTP) listening on (.+):(\d+)$")
 
 
-def start_server(model: str | None, log: Path) -> tuple[subprocess.Popen[str], str, str]:
-    """`pdserve serve` on free ports: (process, gRPC target, HTTP base URL)."""
+def start_server(
+    model: str | None, log: Path, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen[str], str, str]:
+    """`pdserve serve` (with `extra` flags) on free ports: (process, gRPC target, HTTP base
+    URL). `benchmarks/planner_step.py` starts its server with it too."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PDSERVE_API_KEY")}
     cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--grpc-port", "0", "--http-port", "0"]
-    cmd += ["--model", model] if model else []
+    cmd += (["--model", model] if model else []) + list(extra)
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
         stderr=open(log, "w"), text=True, start_new_session=True,  # noqa: SIM115
