@@ -30,7 +30,6 @@ from pdserve.client import Client  # noqa: E402
 from pdserve.pool_cli import call  # noqa: E402
 from pdserve.tools.procs import stop_process_group  # noqa: E402
 
-_LISTENING = re.compile(r"^pdserve: (gRPC|HTTP) listening on (.+):(\d+)$")
 _SIGNAL = re.compile(r'^pdserve:planner_signal\{[^}]*signal="(\w+)"\} (\S+)$')
 
 
