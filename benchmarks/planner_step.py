@@ -23,8 +23,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # its sibling, as the other benchmarks import theirs
 
-from benchmarks.pool_ops import start_server  # noqa: E402
+from pool_ops import start_server  # noqa: E402
+
 from engine.cpu import identity  # noqa: E402
 from pdserve.client import Client  # noqa: E402
 from pdserve.pool_cli import call  # noqa: E402
