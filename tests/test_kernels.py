@@ -331,7 +331,7 @@ def test_paged_decode_matches_float64_and_ignores_the_batch(
 ) -> None:
     """Each row against eager float64 attention over its own keys (GQA, windows, lengths at
     and around the 256-key partitions and the 16-token pages, scattered pages); then bit for
-    bit the same alone, in the batch and on one thread."""
+    bit the same alone, in the batch, on one thread and from pages with loose rows."""
     from engine.attention import paged_decode_attention
     from engine.kernels.workloads import as_pages
 
@@ -364,6 +364,12 @@ def test_paged_decode_matches_float64_and_ignores_the_batch(
         assert torch.equal(paged_decode_attention(q, kp, vp, tables, lens, window, 0.125), out)
     finally:
         torch.set_num_threads(threads)
+    # pages whose token rows are not packed (a row stride beyond the heads) are copied row
+    # by row: the same bits
+    kpad, vpad = (torch.zeros(*p.shape[:2], 4, 64, dtype=dtype) for p in (kp, vp))
+    kpad[:, :, :3], vpad[:, :, :3] = kp, vp
+    loose = paged_decode_attention(q, kpad[:, :, :3], vpad[:, :, :3], tables, lens, window, 0.125)
+    assert torch.equal(loose, out)
 
 
 # ---- prefill attention on the pages (flash) ---------------------------------------------------

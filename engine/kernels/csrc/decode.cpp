@@ -3,13 +3,24 @@
 //
 // One query row per request attends to its keys [lo, n) (lo > 0 only under a sliding window).
 // The keys are cut into partitions of PART keys counted from position 0, whatever the batch
-// or the thread count; each (request, KV head, partition) is one task on one thread, which
-// reads each K and V row once for all the query heads of its group (GQA). A second pass merges
-// a row's partitions in partition order (log-sum-exp). So every reduction of a row runs in one
-// order fixed by its own length: alone, in any batch, on any thread count, the same bits.
+// or the thread count. Each (request, KV head, partition) is reduced in one fixed order on one
+// thread, reading each K and V row once for all the query heads of its group (GQA); a second
+// pass merges a row's partitions in partition order (log-sum-exp). So every reduction of a row
+// runs in one order fixed by its own length: alone, in any batch, on any thread count, the
+// same bits.
+//
+// The memory traffic: one task per (request, partition) first copies the partition's page
+// runs (every KV head: whole contiguous rows) into a thread-local buffer, then reduces each
+// head from it. A page's rows interleave the KV heads, so reading one head's rows in place
+// touched short pieces at scattered addresses with a dependent chain of arithmetic between
+// the loads, while the K/V of the step is DRAM-resident (the layer's weights streamed through
+// the caches in between); the copy streams whole page runs with many loads in flight. The
+// copy changes no value and no order of arithmetic.
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
+#include <memory>
 #include <limits>
 #include <vector>
 
@@ -165,63 +176,100 @@ at::Tensor paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pages,
   TORCH_CHECK(v_pages.stride(0) == page_stride && v_pages.stride(1) == row_stride,
               "K and V pages share a layout");
 
-  // tasks: (b, kv head, partition), partitions counted from position 0
-  std::vector<int64_t> first_part(B), num_parts(B), task_base(B + 1, 0);
+  // partitions (b, part), counted from position 0; part_base[b]: b's first partition
+  std::vector<int64_t> first_part(B), num_parts(B), part_base(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = lp[b];
     TORCH_CHECK(n >= 1 && n <= W * BS, "decode: context length ", n, " outside the table");
     const int64_t lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
     first_part[b] = lo / PART;
     num_parts[b] = (n - 1) / PART + 1 - first_part[b];
-    task_base[b + 1] = task_base[b] + HKV * num_parts[b];
+    part_base[b + 1] = part_base[b] + num_parts[b];
   }
-  const int64_t tasks = task_base[B];
-  std::vector<float> m(tasks * G), l(tasks * G), acc(tasks * G * D);
+  const int64_t parts = part_base[B];
+  const int64_t RW = HKV * D;  // a token's K (or V) row, every head, in the staging buffer
+  // per (partition, query head): running max, sum of exponentials, unnormalised output
+  std::vector<float> m(parts * H), l(parts * H), acc(parts * H * D);
 
-  at::parallel_for(0, tasks, 0, [&](int64_t t0, int64_t t1) {
+  // each thread takes a run of partitions of about equal keys (a request's last partition
+  // is often short: equal partition counts left one thread twice the other's work)
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), parts);
+  std::vector<int64_t> cut(threads + 1, parts);
+  {
+    std::vector<int64_t> keys(parts + 1, 0);  // running sum of keys (+ a partition's fixed cost)
+    for (int64_t b = 0, pi = 0; b < B; ++b) {
+      const int64_t n = lp[b], lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+      for (int64_t p = first_part[b]; p < first_part[b] + num_parts[b]; ++p, ++pi) {
+        keys[pi + 1] = keys[pi] + std::min(n, (p + 1) * PART) - std::max(lo, p * PART) + 16;
+      }
+    }
+    cut[0] = 0;
+    for (int64_t i = 1; i < threads; ++i) {
+      const int64_t at_key = keys[parts] * i / threads;
+      cut[i] = std::lower_bound(keys.begin(), keys.end(), at_key) - keys.begin();
+      cut[i] = std::max(cut[i - 1], std::min(cut[i], parts));
+    }
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t c0, int64_t c1) {
     using fV = at::vec::Vectorized<float>;
+    const int64_t t0 = cut[c0], t1 = cut[c1];
+    if (t0 >= t1) return;
     std::vector<float> qf(G * D), kf(D), vf(D), s(G * PART);
-    int64_t b = std::upper_bound(task_base.begin(), task_base.end(), t0) - task_base.begin() - 1;
-    for (int64_t task = t0; task < t1; ++task) {
-      while (task >= task_base[b + 1]) ++b;
-      const int64_t local = task - task_base[b], h = local / num_parts[b];
-      const int64_t part = first_part[b] + local % num_parts[b];
+    std::unique_ptr<T[]> kbuf(new T[PART * RW]), vbuf(new T[PART * RW]);  // left uninitialised
+    int64_t b = std::upper_bound(part_base.begin(), part_base.end(), t0) - part_base.begin() - 1;
+    for (int64_t pi = t0; pi < t1; ++pi) {
+      while (pi >= part_base[b + 1]) ++b;
+      const int64_t part = first_part[b] + (pi - part_base[b]);
       const int64_t n = lp[b], lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
       const int64_t start = std::max(lo, part * PART), end = std::min(n, (part + 1) * PART);
-      for (int64_t g = 0; g < G; ++g) {
-        to_float<T>(qp + (b * H + h * G + g) * D, qf.data() + g * D, D);
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= static_cast<float>(scale);
+      for (int64_t t = start; t < end;) {  // the partition's rows, page run by page run
+        const int64_t off = t % BS, run = std::min(BS - off, end - t);
+        const int64_t src = tp[b * W + t / BS] * page_stride + off * row_stride;
+        // one copy per run where a page's rows are packed, else one per row
+        const int64_t per_copy = row_stride == RW ? run : 1;
+        for (int64_t r = 0; r < run; r += per_copy) {
+          const int64_t dst = (t - start + r) * RW, bytes = per_copy * RW * sizeof(T);
+          std::memcpy(kbuf.get() + dst, kp + src + r * row_stride, bytes);
+          std::memcpy(vbuf.get() + dst, vp + src + r * row_stride, bytes);
+        }
+        t += run;
       }
-      auto row_of = [&](const T* base, int64_t t) {
-        return base + tp[b * W + t / BS] * page_stride + (t % BS) * row_stride + h * D;
-      };
-      const bool fast = G <= MAX_G && D % fV::size() == 0;
-      if (fast) {
-        scores_fast<T>(G, qf.data(), kp, row_of, start, end, D, s.data());
-      } else {
-        for (int64_t t = start; t < end; ++t) {
-          to_float<T>(row_of(kp, t), kf.data(), D);
-          for (int64_t g = 0; g < G; ++g) {
-            s[g * PART + (t - start)] = dot(qf.data() + g * D, kf.data(), D);
+      for (int64_t h = 0; h < HKV; ++h) {
+        for (int64_t g = 0; g < G; ++g) {
+          to_float<T>(qp + (b * H + h * G + g) * D, qf.data() + g * D, D);
+          for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= static_cast<float>(scale);
+        }
+        const T* kb = kbuf.get();
+        const T* vb = vbuf.get();
+        const auto row_of = [&](const T* base, int64_t t) { return base + (t - start) * RW + h * D; };
+        const bool fast = G <= MAX_G && D % fV::size() == 0;
+        if (fast) {
+          scores_fast<T>(G, qf.data(), kb, row_of, start, end, D, s.data());
+        } else {
+          for (int64_t t = start; t < end; ++t) {
+            to_float<T>(row_of(kb, t), kf.data(), D);
+            for (int64_t g = 0; g < G; ++g) {
+              s[g * PART + (t - start)] = dot(qf.data() + g * D, kf.data(), D);
+            }
           }
         }
-      }
-      float* mt = m.data() + task * G;
-      float* lt = l.data() + task * G;
-      float* at = acc.data() + task * G * D;
-      for (int64_t g = 0; g < G; ++g) {
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < end - start; ++t) mx = std::max(mx, s[g * PART + t]);
-        mt[g] = mx;
-        lt[g] = exp_shifted(s.data() + g * PART, mx, end - start);
-        std::fill(at + g * D, at + (g + 1) * D, 0.f);
-      }
-      if (fast) {
-        values_fast<T>(G, s.data(), vp, row_of, start, end, D, at);
-      } else {
-        for (int64_t t = start; t < end; ++t) {
-          to_float<T>(row_of(vp, t), vf.data(), D);
-          for (int64_t g = 0; g < G; ++g) axpy(at + g * D, s[g * PART + (t - start)], vf.data(), D);
+        float* mt = m.data() + pi * H + h * G;
+        float* lt = l.data() + pi * H + h * G;
+        float* at = acc.data() + (pi * H + h * G) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < end - start; ++t) mx = std::max(mx, s[g * PART + t]);
+          mt[g] = mx;
+          lt[g] = exp_shifted(s.data() + g * PART, mx, end - start);
+          std::fill(at + g * D, at + (g + 1) * D, 0.f);
+        }
+        if (fast) {
+          values_fast<T>(G, s.data(), vb, row_of, start, end, D, at);
+        } else {
+          for (int64_t t = start; t < end; ++t) {
+            to_float<T>(row_of(vb, t), vf.data(), D);
+            for (int64_t g = 0; g < G; ++g) axpy(at + g * D, s[g * PART + (t - start)], vf.data(), D);
+          }
         }
       }
     }
@@ -232,16 +280,16 @@ at::Tensor paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pages,
     std::vector<float> o(D);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / HKV, h = r % HKV, np = num_parts[b];
-      const int64_t base = task_base[b] + h * np;
+      const int64_t base = part_base[b];
       for (int64_t g = 0; g < G; ++g) {
         float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < np; ++p) mx = std::max(mx, m[(base + p) * G + g]);
+        for (int64_t p = 0; p < np; ++p) mx = std::max(mx, m[(base + p) * H + h * G + g]);
         float sum = 0.f;
         std::fill(o.begin(), o.end(), 0.f);
         for (int64_t p = 0; p < np; ++p) {
-          const float w = std::exp(m[(base + p) * G + g] - mx);
-          sum += l[(base + p) * G + g] * w;
-          axpy(o.data(), w, acc.data() + ((base + p) * G + g) * D, D);
+          const float w = std::exp(m[(base + p) * H + h * G + g] - mx);
+          sum += l[(base + p) * H + h * G + g] * w;
+          axpy(o.data(), w, acc.data() + ((base + p) * H + h * G + g) * D, D);
         }
         const float inv = 1.f / sum;
         for (int64_t d = 0; d < D; ++d) o[d] *= inv;
