@@ -106,10 +106,16 @@ class PagedPrefill:
     prefix or in any chunk, by construction (no padding to aligned blocks). One call serves
     every prompt chunk of a step; the model hands it the pages and block tables.
 
+    `float_products`: bf16 inputs multiplied in float32 (packed as float32 for brgemm), for
+    CPUs whose brgemm has no bf16 (an AVX512-BF16 CPU without AMX), or wherever the selection
+    measures it faster; in float32 it is the same kernel as the plain form, so not offered.
+
     Called as a `PrefillKernel` (a gathered context) it pages the keys first: for tests and
     the selection's probes; the engine calls `paged`."""
 
-    __name__ = "paged_flash_attention"
+    def __init__(self, float_products: bool = False) -> None:
+        self.float_products = float_products
+        self.__name__ = "paged_flash_f32_attention" if float_products else "paged_flash_attention"
 
     def paged(
         self,
@@ -126,8 +132,9 @@ class PagedPrefill:
         positions before ``ctx_lens[r]``; pages [num_blocks, block_size, Hkv, D];
         block_tables [R, nb] -> [T, H * D]."""
         out: torch.Tensor = native.ext().paged_flash_attention(
-            q, k_pages, v_pages, block_tables, q_starts, ctx_lens, window or 0, scale
-        )
+            q, k_pages, v_pages, block_tables, q_starts, ctx_lens, window or 0, scale,
+            self.float_products,
+        )  # fmt: skip
         return out
 
     def __call__(
@@ -138,14 +145,17 @@ class PagedPrefill:
         starts = torch.tensor([0, q.shape[0]])
         return self.paged(q, kp, vp, tables, starts, torch.tensor([k.shape[0]]), window, scale)
 
-    @staticmethod
-    def available(device: torch.device, dtype: torch.dtype) -> bool:
-        """float32 anywhere our kernels built; bf16 where brgemm runs it (VNNI pairs)."""
+    def available(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Plain: float32 anywhere our kernels built, bf16 where brgemm runs it (VNNI pairs).
+        Float products: bf16 anywhere our kernels built."""
+        if self.float_products:
+            return dtype == torch.bfloat16 and native.runs(device, dtype)
         bf16_ok = dtype != torch.bfloat16 or native.brgemm_bf16()
         return native.runs(device, dtype) and bf16_ok
 
 
 paged_flash_attention = PagedPrefill()
+paged_flash_f32_attention = PagedPrefill(float_products=True)
 
 
 def as_pages(x: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 NAMES: dict[str, tuple[str, ...]] = {
     "decode_attention": ("sdpa", "matmul", "paged"),
-    "prefill_attention": ("sdpa", "blocked", "sdpa-aligned", "blocked-aligned", "flash"),
+    "prefill_attention": (
+        "sdpa",
+        "blocked",
+        "sdpa-aligned",
+        "blocked-aligned",
+        "flash",
+        "flash-f32",
+    ),
     "projections": ("plain", "packed", "brgemm"),
     "norm": ("torch", "fused"),
     "rope_kv": ("torch", "fused"),

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import matmul_attention, paged_decode_attention, paged_flash_attention
+from engine.attention import PagedPrefill, matmul_attention, paged_decode_attention
 from engine.config import ModelConfig
 from engine.decode_workspace import DecodeWorkspace
 from engine.kernels import KernelSet, check_applies
@@ -236,6 +236,9 @@ class LlamaModel:
         self.proj = proj
         self._decode_kernel = kernels.decode_fn()
         self._prefill_kernel = kernels.prefill_fn()
+        # the flash kernel (a form of it) when prefill reads the pages in place
+        paged = self._prefill_kernel
+        self._paged_prefill = paged if isinstance(paged, PagedPrefill) else None
         self._fused_norm = kernels.norm == "fused"
         self._rope_write = kernels.rope_kv_fn()
         # a paged prefill kernel's tables, built at a step's first layer for its segments
@@ -403,13 +406,13 @@ class LlamaModel:
         window: int | None,
     ) -> torch.Tensor:
         """Causal attention per segment: new tokens attend to the prefix and to each other."""
-        if self.kernels.prefill_reads_pages:  # every segment in one call, on the pages
+        if self._paged_prefill is not None:  # every segment in one call, on the pages
             if self._tables is None or self._tables[0] is not segments:  # once per step
                 self._tables = (segments, _segment_tables(segments, self.device))
             tables, starts, lens = self._tables[1]
             kp, vp = cache.layer_pages(layer)
             tp = int(starts[-1])
-            return paged_flash_attention.paged(
+            return self._paged_prefill.paged(
                 q[:tp], kp, vp, tables, starts, lens, window, self.scale
             )
         outs = []
@@ -435,7 +438,7 @@ class LlamaModel:
         Row r of segment s is position ``p = ctx_len - q_len + (r - q_start)``; it sees
         keys ``[max(0, p + 1 - window), p]``, so slicing the keys replaces the mask.
         """
-        if self.kernels.prefill_reads_pages:  # each row as a request of one query row
+        if self._paged_prefill is not None:  # each row as a request of one query row
             row_segs: list[PrefillSegment] = []
             for r in rows:
                 seg = next(s for s in segments if s.q_start <= r < s.q_start + s.q_len)
@@ -444,7 +447,7 @@ class LlamaModel:
             tables, starts, lens = _segment_tables(row_segs, self.device)
             kp, vp = cache.layer_pages(layer)
             qr = q[torch.tensor(rows, dtype=torch.long, device=q.device)]
-            return paged_flash_attention.paged(qr, kp, vp, tables, starts, lens, window, self.scale)
+            return self._paged_prefill.paged(qr, kp, vp, tables, starts, lens, window, self.scale)
         outs = []
         for r in rows:
             seg = next(s for s in segments if s.q_start <= r < s.q_start + s.q_len)

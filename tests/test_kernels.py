@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -414,20 +415,29 @@ FLASH_CASES = [
 # (query rows, context): whole prompts, tails after a prefix, decode-like single rows, and
 # lengths at and around the 256-key parts and the 16-token pages
 FLASH_LENS = [(300, 300), (37, 700), (1, 1), (1, 256), (2, 257), (513, 1025), (16, 528)]
+# the flash kernel's forms in each dtype: bf16 products (brgemm's VNNI pairs) and float32 ones
+FLASH_FORMS = [(torch.float32, "flash"), (torch.bfloat16, "flash"), (torch.bfloat16, "flash-f32")]
+
+
+def _flash(form: str, dtype: torch.dtype) -> Any:
+    """The flash kernel's `form`, or a skip naming why it cannot run here."""
+    from engine.kernels import candidate
+
+    impl = candidate("prefill_attention", form).impl
+    if not impl.available(torch.device("cpu"), dtype):
+        pytest.skip(f"{form} in {dtype}: no bf16 brgemm here")
+    return impl
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "form"), FLASH_FORMS)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "window"), FLASH_CASES)
 def test_flash_prefill_matches_float64(
-    dtype: torch.dtype, heads: int, kv_heads: int, dim: int, window: int | None
+    dtype: torch.dtype, form: str, heads: int, kv_heads: int, dim: int, window: int | None
 ) -> None:
     """Several requests in one call against eager float64 attention, each over its own keys:
     causal masks, windows, GQA / MHA / MQA, part and page boundaries, scattered pages."""
-    from engine.attention import PagedPrefill, paged_flash_attention
-
-    if not PagedPrefill.available(torch.device("cpu"), dtype):
-        pytest.skip(f"flash in {dtype}: no bf16 brgemm here")
+    paged_flash_attention = _flash(form, dtype)
     reqs, args = _paged_requests(FLASH_LENS, heads, kv_heads, dim, dtype, seed=heads + dim)
     out = paged_flash_attention.paged(*args, window, dim**-0.5)
     starts = args[4].tolist()
@@ -440,18 +450,15 @@ def test_flash_prefill_matches_float64(
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "form"), FLASH_FORMS)
 @pytest.mark.parametrize("window", [None, 100])
 def test_flash_prefill_rows_do_not_depend_on_the_call(
-    dtype: torch.dtype, window: int | None
+    dtype: torch.dtype, form: str, window: int | None
 ) -> None:
     """A row's bits are the same in the whole prompt, beside other requests, in a tail after
     any cached prefix, in any 16-token chunk, alone as a decode-like single row, and on one
     thread: batch invariance by construction, no aligned padding."""
-    from engine.attention import PagedPrefill, paged_flash_attention
-
-    if not PagedPrefill.available(torch.device("cpu"), dtype):
-        pytest.skip(f"flash in {dtype}: no bf16 brgemm here")
+    paged_flash_attention = _flash(form, dtype)
     n = 600
     _, (q, kp, vp, table, starts, lens) = _paged_requests(
         [(n, n), (40, 900), (1, 77)], 9, 3, 64, dtype, seed=7

@@ -15,6 +15,12 @@
 // keys, P rounded to the input dtype as flash attention does), then merged into the row's
 // running (max, sum, output) in part order.
 //
+// bf16 inputs where brgemm has no bf16 (no AVX512-BF16 or AMX path in torch's brgemm, or where
+// the selection measures it faster): `float_products` packs K, V and the query rows as
+// float32 and runs both products in float32 (P is then kept in float32 too); the output is
+// still rounded to bf16. One machine runs one of the two forms for every row, so invariance
+// holds the same way.
+//
 // What must hold (batch invariance): a row's bits depend on its own query, position, window
 // and keys only. The parts start at fixed absolute positions, brgemm computes a row of C from
 // that row of A alone (the same bits for any M and tile position: `engine.kernels` probes it),
@@ -68,12 +74,22 @@ inline float scaled_max(float* __restrict__ x, float scale, int64_t lo, int64_t 
   return mx;
 }
 
-template <typename T>
+template <typename C, typename T>
+inline C as(T x) {
+  if constexpr (std::is_same_v<C, T>) {
+    return x;
+  } else {
+    return C(static_cast<float>(x));
+  }
+}
+
+// T: the inputs' and output's dtype; C: the products' inputs (T, or float32 for bf16 T)
+template <typename T, typename C>
 at::Tensor paged_flash_impl(const at::Tensor& q, const at::Tensor& k_pages,
                             const at::Tensor& v_pages, const at::Tensor& tables,
                             const at::Tensor& q_starts, const at::Tensor& ctx_lens,
                             int64_t window, double scale) {
-  constexpr bool vnni = !std::is_same_v<T, float>;
+  constexpr bool vnni = !std::is_same_v<C, float>;
   const int64_t TQ = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_pages.size(1), HKV = k_pages.size(2), G = H / HKV;
   const int64_t R = tables.size(0), W = tables.size(1);
@@ -112,7 +128,7 @@ at::Tensor paged_flash_impl(const at::Tensor& q, const at::Tensor& k_pages,
     task_base[r + 1] = task_base[r] + HKV * ((ql + QB - 1) / QB);
   }
   const int64_t units = pack_base[R], tasks = task_base[R], part_elems = PART * D;
-  std::vector<T> kpk(units * part_elems), vpk(units * part_elems);
+  std::vector<C> kpk(units * part_elems), vpk(units * part_elems);
   auto request_of = [](const std::vector<int64_t>& base, int64_t i) {
     return std::upper_bound(base.begin(), base.end(), i) - base.begin() - 1;
   };
@@ -124,8 +140,8 @@ at::Tensor paged_flash_impl(const at::Tensor& q, const at::Tensor& k_pages,
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t r = request_of(pack_base, u), local = u - pack_base[r];
       const int64_t h = local / num_parts[r], part = first_part[r] + local % num_parts[r];
-      T* kd = kpk.data() + u * part_elems;
-      T* vd = vpk.data() + u * part_elems;
+      C* kd = kpk.data() + u * part_elems;
+      C* vd = vpk.data() + u * part_elems;
       for (int64_t j = 0; j < PART; ++j) {
         const int64_t t = part * PART + j;
         const T* krow = nullptr;
@@ -136,7 +152,7 @@ at::Tensor paged_flash_impl(const at::Tensor& q, const at::Tensor& k_pages,
           vrow = vp + off;
         }
         for (int64_t d = 0; d < D; ++d) {
-          const T kx = krow ? krow[d] : T(0.f), vx = vrow ? vrow[d] : T(0.f);
+          const C kx = krow ? as<C>(krow[d]) : C(0.f), vx = vrow ? as<C>(vrow[d]) : C(0.f);
           if constexpr (vnni) {
             kd[(d / 2) * PART * 2 + j * 2 + d % 2] = kx;
             vd[(j / 2) * D * 2 + d * 2 + j % 2] = vx;
@@ -166,7 +182,7 @@ at::Tensor paged_flash_impl(const at::Tensor& q, const at::Tensor& k_pages,
 
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
     using fV = at::vec::Vectorized<float>;
-    std::vector<T> a(MAX_M * D), prob(MAX_M * PART);
+    std::vector<C> a(MAX_M * D), prob(MAX_M * PART);
     std::vector<float> s(MAX_M * PART), o(MAX_M * D), acc(MAX_M * D);
     std::vector<float> m_run(MAX_M), l_run(MAX_M), m_loc(MAX_M), l_loc(MAX_M);
     std::vector<int64_t> pos(MAX_M);
@@ -197,7 +213,7 @@ at::Tensor paged_flash_impl(const at::Tensor& q, const at::Tensor& k_pages,
             const int64_t hi = std::min(pos[m] + 1, (part + 1) * PART) - part * PART;
             live[m] = hi > lo;
             if (!live[m]) {  // no key of this part is visible to the row: P row of zeros
-              std::fill(prob.begin() + m * PART, prob.begin() + m * PART + cols, T(0.f));
+              std::fill(prob.begin() + m * PART, prob.begin() + m * PART + cols, C(0.f));
               continue;
             }
             m_loc[m] = scaled_max(row, sc, lo, hi, cols);
@@ -205,7 +221,7 @@ at::Tensor paged_flash_impl(const at::Tensor& q, const at::Tensor& k_pages,
             l_loc[m] = exp_row(row, mx, lo, hi, cols);
             if constexpr (vnni) {
               for (int64_t j = 0; j < cols; j += fV::size() * 2) {
-                at::vec::convert_from_float<T>(fV::loadu(row + j), fV::loadu(row + j + fV::size()))
+                at::vec::convert_from_float<C>(fV::loadu(row + j), fV::loadu(row + j + fV::size()))
                     .store(prob.data() + m * PART + j);
               }
             } else {
@@ -253,7 +269,7 @@ at::Tensor paged_flash_impl(const at::Tensor& q, const at::Tensor& k_pages,
 at::Tensor paged_flash_attention(const at::Tensor& q, const at::Tensor& k_pages,
                                  const at::Tensor& v_pages, const at::Tensor& tables,
                                  const at::Tensor& q_starts, const at::Tensor& ctx_lens,
-                                 int64_t window, double scale) {
+                                 int64_t window, double scale, bool float_products) {
   TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.dim() == 4, "flash: shapes");
   TORCH_CHECK(tables.dim() == 2, "flash: block tables are [R, W]");
   TORCH_CHECK(q.scalar_type() == k_pages.scalar_type() &&
@@ -261,11 +277,15 @@ at::Tensor paged_flash_attention(const at::Tensor& q, const at::Tensor& k_pages,
               "flash: q and the pages differ in dtype");
   TORCH_CHECK(q.size(1) % k_pages.size(2) == 0, "flash: query heads not a multiple of KV heads");
   TORCH_CHECK(q.size(2) == k_pages.size(3), "flash: head_dim differs");
+  if (q.scalar_type() == at::kBFloat16 && float_products)
+    return paged_flash_impl<at::BFloat16, float>(q, k_pages, v_pages, tables, q_starts,
+                                                 ctx_lens, window, scale);
   if (q.scalar_type() == at::kBFloat16)
-    return paged_flash_impl<at::BFloat16>(q, k_pages, v_pages, tables, q_starts, ctx_lens,
-                                          window, scale);
+    return paged_flash_impl<at::BFloat16, at::BFloat16>(q, k_pages, v_pages, tables, q_starts,
+                                                        ctx_lens, window, scale);
   TORCH_CHECK(q.scalar_type() == at::kFloat, "flash: bf16 or float32");
-  return paged_flash_impl<float>(q, k_pages, v_pages, tables, q_starts, ctx_lens, window, scale);
+  return paged_flash_impl<float, float>(q, k_pages, v_pages, tables, q_starts, ctx_lens,
+                                        window, scale);
 }
 
 }  // namespace pdserve
