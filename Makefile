@@ -93,10 +93,12 @@ bench-kernels: $(STAMP)
 # Pool operations on the default model: a cold worker start against flips of a warm worker
 # (idle, both ways), then a flip and a drain under load that must lose nothing
 # (benchmarks/pool_ops.py, docs/operations.md); then the router's placement and planner
-# tick at 20-200 workers (benchmarks/pool_scale.py); ~2 min.
+# tick at 20-200 workers (benchmarks/pool_scale.py), and the real router and planner
+# against 20-200 mock workers on Ray (benchmarks/pool_mock.py); a few minutes.
 bench-pool: $(STAMP)
 	$(BIN)/python benchmarks/pool_ops.py
 	$(BIN)/python benchmarks/pool_scale.py
+	$(BIN)/python benchmarks/pool_mock.py
 
 bench-determinism: $(STAMP)
 	$(BIN)/python -m pdserve.tools.determinism

@@ -3,9 +3,9 @@ placement (`Reserver.pair_order`: every prefill x decode pair ranked) and one pl
 (`Planner.read` + `decide`) cost in the router's own CPU, with pools of N workers whose
 stats are set by hand (their clients are never called).
 
-Not issue 41's mock-worker run (100-200 Ray actors answering per a step model, the router's
-whole overhead per request measured end to end): this isolates the part of it that grows
-with the pool, to see whether the placement stays within the 1 ms target at that size.
+The whole router against 20-200 mock workers on Ray is `benchmarks/pool_mock.py`; this
+isolates the part of its cost that grows with the pool, to see whether the placement stays
+within the 1 ms target at that size.
 Prints a table and writes `benchmarks/results/pool-scale-latest.json`.
 """
 

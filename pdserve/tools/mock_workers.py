@@ -1,0 +1,320 @@
+"""Mock workers: the worker API answered from a step-time model, for the router at scale.
+
+Why: the router's control plane (refreshes, placement, the planner, the token sink) must hold
+at 100-200 workers, and a 2-core machine runs two real workers at most. A mock worker does
+what a real one tells the router, with no model behind it: a prompt pass sleeps the time the
+profile's step model (`pdserve.plan.stepmodel`) predicts and returns a first token; a decode
+worker steps its running requests together, each step as long as the model predicts for
+that batch and those contexts, and pushes every step's tokens to the router's token sink
+over the real wire (`pool_api.token_stream`). Ray calls, the stats the router reads, drains,
+reservations, aborts and heartbeats behave as the real worker's do (`pool_api.api`). The KV
+transfer is not modelled: a reservation's blocks count as landed when decoding starts (the
+router never waits on a transfer itself: the prefill result is its acknowledgement).
+
+Many mock workers share one Ray actor process (`MockHost`): 200 processes would not fit in
+this machine's memory. The router still holds one handle per worker (`named_handle`), so its
+calls, their Ray hops and its view of the pools are the same as with one actor each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.request import FinishReason
+from pdserve.plan.stepmodel import StepModel, StepShape
+from pool_api.messages import (
+    DecodeStart,
+    FirstToken,
+    IndexUpdate,
+    NotServing,
+    PrefillResult,
+    PrefillTask,
+    ReserveResult,
+    Role,
+    StatKey,
+    TokenBatch,
+    TokenSink,
+    WorkerRequest,
+    WorkerStats,
+)
+from pool_api.token_stream import SinkConnection, delta, frame
+from protos.pdserve.v1 import kv_transfer_pb2
+
+BLOCK_SIZE = 16
+TOKEN_ID = 42  # every mock token (the router does not read them)
+
+
+@dataclass
+class _Running:
+    """A request decoding on a mock decode worker."""
+
+    request_id: str
+    sink: TokenSink
+    ctx: int  # tokens so far (prompt + generated)
+    left: int  # tokens still to send
+    blocks: int  # held until it ends (its prompt and every token it may generate)
+    sent: int = 0
+
+
+@dataclass
+class MockWorker:
+    """One worker's state and API (`pool_api.api.PrefillApi` / `DecodeApi`), in its host's
+    event loop. `model` gives every step's seconds."""
+
+    name: str
+    role: Role
+    model: StepModel
+    num_blocks: int = 4096
+    free: int = field(init=False)
+    drain_until: float = 0.0
+    reserved: dict[str, tuple[WorkerRequest, int, float]] = field(default_factory=dict)
+    running: dict[str, _Running] = field(default_factory=dict)
+    prompt_queue: int = 0  # prompt tokens waiting for or in a prompt pass
+    requests_total: int = 0
+    steps_total: int = 0
+    step_seconds_total: float = 0.0
+    epoch: str = field(default_factory=lambda: uuid.uuid4().hex)
+    _prefill_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _loop_task: asyncio.Task[None] | None = None
+    _sinks: dict[str, SinkConnection] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.free = self.num_blocks
+
+    # ---- every worker -----------------------------------------------------------------------
+    async def stats(self) -> WorkerStats:
+        return WorkerStats(
+            name=self.name,
+            role=self.role,
+            num_free_blocks=self.free,
+            num_total_blocks=self.num_blocks,
+            num_running=len(self.running),
+            num_waiting=0,
+            num_reserved=len(self.reserved),
+            queued_prefill_tokens=self.prompt_queue,
+            num_requests_total=self.requests_total,
+            num_preemptions_total=0,
+            extra={
+                StatKey.ENGINE_STEPS_TOTAL.value: float(self.steps_total),
+                StatKey.ENGINE_STEP_SECONDS_TOTAL.value: self.step_seconds_total,
+            },
+            kv_bytes_per_block=1,
+            draining=self.draining,
+            pid=os.getpid(),
+        )
+
+    async def take_index_update(self, with_held: bool = False) -> IndexUpdate:
+        return IndexUpdate(self.name, self.epoch, (), () if with_held else None)
+
+    async def drain(self, lease_s: float) -> None:
+        self.drain_until = time.monotonic() + lease_s
+
+    @property
+    def draining(self) -> bool:
+        return time.monotonic() < self.drain_until
+
+    def _refuse_when_draining(self) -> None:
+        if self.draining:
+            raise NotServing(f"{self.name} is draining")
+
+    async def abort(self, request_id: str) -> bool:
+        held = self.reserved.pop(request_id, None)
+        if held is not None:
+            self.free += held[1]
+        run = self.running.pop(request_id, None)
+        if run is not None:
+            self.free += run.blocks
+            self._send(run, (), FinishReason.ABORT)
+        return held is not None or run is not None
+
+    # ---- prefill ----------------------------------------------------------------------------
+    async def prefill(self, task: PrefillTask) -> PrefillResult:
+        self._refuse_when_draining()
+        req = task.request
+        n = len(req.prompt_token_ids)
+        self.requests_total += 1
+        self.prompt_queue += n
+        arrived = time.perf_counter()
+        try:
+            async with self._prefill_lock:  # one prompt pass at a time, as one engine
+                began = time.perf_counter()
+                seconds = self._step(StepShape(chunks=((n, 0),)))
+                await asyncio.sleep(seconds)
+        finally:
+            self.prompt_queue -= n
+        done = req.params.max_tokens <= 1
+        first = FirstToken(TOKEN_ID, "", None, FinishReason.LENGTH if done else None)
+        return PrefillResult(
+            req.request_id,
+            (first,) * req.params.n,
+            0,
+            (began - arrived) * 1e3,
+            seconds * 1e3,
+            0.0,
+        )
+
+    # ---- decode -----------------------------------------------------------------------------
+    async def reserve(self, request: WorkerRequest) -> ReserveResult:
+        self._refuse_when_draining()
+        blocks = _blocks(len(request.prompt_token_ids) + request.params.max_tokens)
+        if blocks > self.free:
+            return ReserveResult(None, self.free, "full")
+        self.free -= blocks
+        self.reserved[request.request_id] = (request, blocks, time.monotonic())
+        ticket = kv_transfer_pb2.TransferTicket(
+            request_id=request.request_id,
+            transfer_id=uuid.uuid4().hex,
+            dst_block_ids=list(range(blocks)),
+            deadline_unix_ms=int(time.time() * 1e3) + 30_000,
+        )
+        return ReserveResult(ticket.SerializeToString(), self.free)
+
+    async def release_reservation(self, request_id: str, transfer_id: str) -> None:
+        held = self.reserved.pop(request_id, None)
+        if held is not None:
+            self.free += held[1]
+
+    async def start(self, start: DecodeStart) -> None:
+        held = self.reserved.pop(start.request_id, None)
+        if held is None:
+            raise NotServing(f"{self.name}: no reservation for {start.request_id}")
+        req, blocks, _ = held
+        self._run(req, start.sink, req.params.max_tokens - 1, blocks)
+
+    async def submit(self, request: WorkerRequest, sink: TokenSink) -> None:
+        """The colocated path: the prompt pass here, then decode."""
+        self._refuse_when_draining()
+        blocks = _blocks(len(request.prompt_token_ids) + request.params.max_tokens)
+        if blocks > self.free:
+            raise NotServing(f"{self.name} is full")
+        self.free -= blocks
+        result = await self.prefill(PrefillTask(request, b""))
+        self._run(request, sink, request.params.max_tokens - 1, blocks, result.first_token_ids)
+
+    async def heartbeat(self, request_id: str) -> bool:
+        return request_id in self.running or request_id in self.reserved
+
+    def _run(
+        self,
+        req: WorkerRequest,
+        sink: TokenSink,
+        left: int,
+        blocks: int,
+        first: tuple[int, ...] = (),
+    ) -> None:
+        """Decode `left` more tokens of `req` (its `blocks` already taken from `free`)."""
+        self.requests_total += 1
+        run = _Running(req.request_id, sink, len(req.prompt_token_ids) + 1, left, blocks)
+        self.running[req.request_id] = run
+        if first:
+            self._send(run, first, FinishReason.LENGTH if left <= 0 else None)
+        if left <= 0:
+            self._end(run)
+            return
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._decode_loop())
+
+    async def _decode_loop(self) -> None:
+        """Continuous batching: every running request gets one token per step."""
+        while self.running:
+            shape = StepShape(decode=tuple(r.ctx for r in self.running.values()))
+            await asyncio.sleep(self._step(shape))
+            for run in list(self.running.values()):
+                run.ctx += 1
+                run.left -= 1
+                last = run.left <= 0
+                self._send(run, (TOKEN_ID,), FinishReason.LENGTH if last else None)
+                if last:
+                    self._end(run)
+
+    def _end(self, run: _Running) -> None:
+        if self.running.pop(run.request_id, None) is not None:
+            self.free += run.blocks
+
+    def _send(self, run: _Running, tokens: tuple[int, ...], reason: FinishReason | None) -> None:
+        run.sent += len(tokens)
+        batch = TokenBatch(
+            run.request_id,
+            tokens,
+            "",
+            finished=reason is not None,
+            finish_reason=reason,
+            num_output_tokens=run.sent + 1,
+        )
+        conn = self._sinks.get(run.sink.address)
+        if conn is None or conn.closed:
+            conn = SinkConnection(run.sink, self.name, self._lost)
+            self._sinks[run.sink.address] = conn
+        conn.send(frame([delta(batch)]))
+
+    def _lost(self, sink: TokenSink, why: str) -> None:
+        self._sinks.pop(sink.address, None)
+
+    def _step(self, shape: StepShape) -> float:
+        seconds = max(0.0, self.model.predict(shape))
+        self.steps_total += 1
+        self.step_seconds_total += seconds
+        return seconds
+
+
+def _blocks(tokens: int) -> int:
+    return math.ceil(tokens / BLOCK_SIZE)
+
+
+class MockHost:
+    """Many mock workers in one process (a Ray actor: `ray.remote(MockHost)`); the router
+    reaches one through `named_handle(host, name)`."""
+
+    def __init__(self, model: dict[str, float]) -> None:
+        self.model = StepModel.from_json(model)
+        self.workers: dict[str, MockWorker] = {}
+
+    async def add(self, name: str, role: str) -> int:
+        self.workers[name] = MockWorker(name, Role(role), self.model)
+        return os.getpid()
+
+    async def flip(self, name: str, role: str) -> None:
+        w = self.workers[name]
+        if w.running or w.reserved or w.prompt_queue:
+            raise NotServing(f"{name} still holds requests")
+        w.role, w.drain_until = Role(role), 0.0
+
+    async def remove(self, name: str) -> None:
+        self.workers.pop(name, None)
+
+    async def call(self, name: str, method: str, *args: Any) -> Any:
+        w = self.workers.get(name)
+        if w is None:
+            raise NotServing(f"{name} is not here")
+        fn: Callable[..., Any] = getattr(w, method)
+        return await fn(*args)
+
+
+class _Method:
+    def __init__(self, host: Any, name: str, method: str) -> None:
+        self._host, self._name, self._method = host, name, method
+
+    def remote(self, *args: Any) -> Any:
+        return self._host.call.remote(self._name, self._method, *args)
+
+
+class _Named:
+    """What `router.clients.ray_api` needs of an actor handle: `handle.m.remote(*args)`."""
+
+    def __init__(self, host: Any, name: str) -> None:
+        self._host, self._name = host, name
+
+    def __getattr__(self, method: str) -> _Method:
+        return _Method(self._host, self._name, method)
+
+
+def named_handle(host: Any, name: str) -> Any:
+    """A Ray handle of `host` that calls its mock worker `name` (`MockHost.call`)."""
+    return _Named(host, name)
