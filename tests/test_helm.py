@@ -436,6 +436,39 @@ def test_raycluster_groups_and_gpus(
     assert cfg.model.device == ("cuda" if profile == "gpu" else "cpu")
 
 
+def test_elastic_pools_span_the_planners_bounds(chart: Any, tmp_path: Path) -> None:
+    """With the planner acting, each worker group spans the planner's bounds for its role
+    (the chart's defaults are PlannerSettings') and KubeRay's autoscaler runs; with the
+    planner advisory or off the groups stay fixed; replicas outside the bounds are refused."""
+    from router.config import PlannerSettings
+
+    default = PlannerSettings()
+    acting = {"config": {"planner": {"enabled": True, "mode": "act", "max_decode": 6}}}
+    docs = render(chart, acting)
+    spec = one(docs, "RayCluster")["spec"]
+    assert spec["enableInTreeAutoscaling"] is True
+    assert spec["autoscalerOptions"]["idleTimeoutSeconds"] == 60
+    by_group = groups(docs)
+    prefill, decode = by_group["prefill"], by_group["decode"]
+    assert (prefill["minReplicas"], prefill["maxReplicas"]) == (
+        default.min_prefill,
+        default.max_prefill,
+    )
+    assert (decode["minReplicas"], decode["maxReplicas"]) == (default.min_decode, 6)
+    assert prefill["replicas"] == decode["replicas"] == 1  # where the pools start
+    planner = serve_config(docs, tmp_path).planner
+    assert planner.enabled and planner.mode == "act" and planner.max_decode == 6
+    for off in ({"enabled": True}, {"enabled": False, "mode": "act"}):  # advisory; off
+        docs = render(chart, {"config": {"planner": off}})
+        spec = one(docs, "RayCluster")["spec"]
+        assert spec["enableInTreeAutoscaling"] is False and "autoscalerOptions" not in spec
+        for g in groups(docs).values():
+            assert g["replicas"] == g["minReplicas"] == g["maxReplicas"] == 1
+    outside = {**acting, "decode": {"replicas": 7}}
+    with pytest.raises(helm.HelmRenderError, match=r"decode.replicas \(7\) is outside"):
+        chart.render(outside, name=RELEASE, namespace=NAMESPACE)
+
+
 def test_gpu_profile_places_groups_on_their_node_pools(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
