@@ -60,7 +60,7 @@ async def measure(n: int, hosts: list[Any], args: argparse.Namespace, bar: tqdm)
     from router.config import PlannerSettings, RouterConfig
     from router.core import Router
     from router.pools import Pool
-    from router.validation import ModelLimits
+    from router.validation import EdgeLimits, ModelLimits
 
     names = {Role.PREFILL: [f"mock-prefill-{i}" for i in range(n // 2)],
              Role.DECODE: [f"mock-decode-{i}" for i in range(n - n // 2)]}  # fmt: skip
@@ -80,8 +80,10 @@ async def measure(n: int, hosts: list[Any], args: argparse.Namespace, bar: tqdm)
         [DecodeClient.of_actor(w, named_handle(placed[w], w)) for w in names[Role.DECODE]],
     )
     info = gen.ModelInfo(served_model_name="mock", max_context_length=4096, block_size=16)
-    limits = ModelLimits("mock", 49152, 4096)
-    router = Router(RouterConfig(), limits, None, info, prefill, decode, "local")
+    cfg = RouterConfig()
+    # as pdserve.launch.build_router builds them (the edge limits fixed once, not per request)
+    limits = ModelLimits("mock", 49152, 4096, 16, 4096, edge=EdgeLimits.of(cfg, 4096))
+    router = Router(cfg, limits, None, info, prefill, decode, "local")
     await router.start()
     planner = router.start_planner(
         PlannerSettings(enabled=True, mode="advisory", interval_s=1.0, max_prefill=n, max_decode=n)
