@@ -51,20 +51,22 @@ def step_model(profile: Path) -> dict[str, float]:
     return model
 
 
-async def measure(n: int, hosts: list[Any], args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
-
+async def mock_router(
+    num_prefill: int, num_decode: int, hosts: list[Any], placed: dict[str, Any]
+) -> Any:
+    """A Router (not started) over new mock workers spread over `hosts`, built as
+    `pdserve.launch.build_router` builds one; `placed` gets each worker's host."""
     from pdserve.tools.mock_workers import named_handle
     from pool_api.messages import Role
     from protos.pdserve.v1 import generation_pb2 as gen
     from router.clients import DecodeClient, PrefillClient
-    from router.config import PlannerSettings, RouterConfig
+    from router.config import RouterConfig
     from router.core import Router
     from router.pools import Pool
     from router.validation import EdgeLimits, ModelLimits
 
-    names = {Role.PREFILL: [f"mock-prefill-{i}" for i in range(n // 2)],
-             Role.DECODE: [f"mock-decode-{i}" for i in range(n - n // 2)]}  # fmt: skip
-    placed: dict[str, Any] = {}
+    names = {Role.PREFILL: [f"mock-prefill-{i}" for i in range(num_prefill)],
+             Role.DECODE: [f"mock-decode-{i}" for i in range(num_decode)]}  # fmt: skip
     adds = []
     for i, name in enumerate(names[Role.PREFILL] + names[Role.DECODE]):
         host = hosts[i % len(hosts)]
@@ -81,9 +83,33 @@ async def measure(n: int, hosts: list[Any], args: argparse.Namespace, bar: tqdm)
     )
     info = gen.ModelInfo(served_model_name="mock", max_context_length=4096, block_size=16)
     cfg = RouterConfig()
-    # as pdserve.launch.build_router builds them (the edge limits fixed once, not per request)
+    # the edge limits fixed once, not per request
     limits = ModelLimits("mock", 49152, 4096, 16, 4096, edge=EdgeLimits.of(cfg, 4096))
-    router = Router(cfg, limits, None, info, prefill, decode, "local")
+    return Router(cfg, limits, None, info, prefill, decode, "local")
+
+
+def start_hosts(count: int, model: dict[str, float]) -> list[Any]:
+    """Ray (a local node) and `count` mock hosts answering from `model`."""
+    import ray
+
+    from pdserve.launch import init_ray
+    from pdserve.tools.mock_workers import MockHost
+
+    init_ray(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    host_cls: Any = ray.remote(MockHost)
+    return [
+        host_cls.options(num_cpus=0, max_concurrency=10_000).remote(model) for _ in range(count)
+    ]
+
+
+async def measure(n: int, hosts: list[Any], args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
+
+    from protos.pdserve.v1 import generation_pb2 as gen
+    from router.config import PlannerSettings
+
+    placed: dict[str, Any] = {}
+    router = await mock_router(n // 2, n - n // 2, hosts, placed)
+    prefill, decode = router.prefill, router.decode
     await router.start()
     planner = router.start_planner(
         PlannerSettings(enabled=True, mode="advisory", interval_s=1.0, max_prefill=n, max_decode=n)
@@ -172,16 +198,8 @@ async def measure(n: int, hosts: list[Any], args: argparse.Namespace, bar: tqdm)
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from pdserve.launch import init_ray
-    from pdserve.tools.mock_workers import MockHost
-
-    init_ray(num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    host_cls: Any = ray.remote(MockHost)
     model = step_model(args.profile)
-    hosts = [
-        host_cls.options(num_cpus=0, max_concurrency=10_000).remote(model)
-        for _ in range(args.hosts)
-    ]
+    hosts = start_hosts(args.hosts, model)
     rows = []
     with tqdm(total=len(args.workers), desc="pool-mock", unit="size") as bar:
         for n in args.workers:

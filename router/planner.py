@@ -9,8 +9,9 @@ role that needs one, add a worker to it, or drain one the load no longer needs. 
 reactive +-1 correction with hysteresis: a change needs its condition to hold `patience`
 ticks in a row (a drain `DOWN_PATIENCE` times as long), and after a change the planner holds
 for `patience` ticks while the pools settle; while an operation it started runs, it keeps
-reading and holds. It flips before it adds (a flip costs milliseconds, a new worker loads its model)
-and keeps each role within its bounds.
+reading and holds. It flips before it adds (a flip costs milliseconds, a new worker loads its
+model) where the donor role has the slack to give a worker (`DONOR_BUSY_MAX`), and keeps each
+role within its bounds.
 
 A missing signal is a state of its own, never a silent skip: the planner holds, says which
 signal is missing, and exports it (`pdserve:planner_signal_missing`). Every decision is
@@ -54,6 +55,11 @@ DONOR_KV_FREE, IDLE_KV_FREE = 0.5, 0.8
 # A drain's condition must hold this many times `patience` ticks: a quiet window right
 # after a load step (its requests not finished yet) must not take a worker away.
 DOWN_PATIENCE = 3
+# A role gives a worker away (a flip) only if its others would then be loaded at most this
+# much (`Planner._grow`: prefill, busy share of wall time; decode, step time over the TPOT
+# bound; either times n / (n - 1)): a donor with no slack turns the flip into the next
+# shortage, and the planner into a see-saw (found by benchmarks/planner_step_mock.py).
+DONOR_BUSY_MAX = 0.7
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,10 @@ class Signals:
     decode_kv_free: float | None  # free share of the decode pool's KV (reservations counted)
     decode_step_ms: float | None  # mean decode step since the last tick
     transfer_backlog: int | None  # KV transfers not yet acknowledged
+    # each role's workers' mean busy share since the last tick (engine step seconds over
+    # wall time); None: not known yet (the first tick, or no step counters)
+    prefill_busy: float | None = None
+    decode_busy: float | None = None
     prompt_p50: float | None = None
     prompt_p90: float | None = None
     output_p50: float | None = None
@@ -117,7 +127,7 @@ class Signals:
         names = (
             "finished", "ttft_attainment", "tpot_attainment", "attainment",
             "queued_prefill_tokens", "decode_kv_free", "decode_step_ms", "transfer_backlog",
-            "prompt_p50", "prompt_p90", "output_p50", "output_p90",
+            "prefill_busy", "decode_busy", "prompt_p50", "prompt_p90", "output_p50", "output_p90",
         )  # fmt: skip
         out = {n: getattr(self, n) for n in names}
         return {n: float(v) for n, v in out.items() if v is not None}
@@ -171,6 +181,7 @@ class Planner:
         self.last_signals: Signals | None = None
         self.tick_s = 0.0
         self._steps: dict[str, tuple[float, float]] = {}  # worker -> (steps, step seconds)
+        self._busy_marks: dict[str, tuple[float, float]] = {}  # worker -> (step s, at)
         self._task: asyncio.Task[None] | None = None
         self._op: asyncio.Task[None] | None = None  # the operation `act` mode started
 
@@ -207,6 +218,8 @@ class Planner:
             step_ms = self._step_ms(decode_up)
         if prefill_up:
             backlog = sum(w.stats.num_reserved for w in prefill_up if w.stats)
+        prefill_busy = self._busy(prefill_up, now) if not self.colocated else None
+        decode_busy = self._busy(decode_up, now)
         prompts = [f.prompt_tokens for f in recent]
         outputs = [f.output_tokens for f in recent]
         return Signals(
@@ -220,6 +233,8 @@ class Planner:
             decode_kv_free=kv_free,
             decode_step_ms=step_ms,
             transfer_backlog=backlog,
+            prefill_busy=prefill_busy,
+            decode_busy=decode_busy,
             prompt_p50=_pct(prompts, 50),
             prompt_p90=_pct(prompts, 90),
             output_p50=_pct(outputs, 50),
@@ -238,6 +253,19 @@ class Planner:
             steps, secs = steps + now[0] - before[0], secs + now[1] - before[1]
             self._steps[w.name] = now
         return secs / steps * 1e3 if steps > 0 else None
+
+    def _busy(self, workers: Sequence[Any], now: float) -> float | None:
+        """The workers' mean share of wall time spent in engine steps since the last call."""
+        busy = wall = 0.0
+        for w in workers:
+            secs = w.stats.extra.get(StatKey.ENGINE_STEP_SECONDS_TOTAL.value)
+            if secs is None:
+                continue
+            before = self._busy_marks.get(w.name)
+            self._busy_marks[w.name] = (secs, now)
+            if before is not None and now > before[1]:
+                busy, wall = busy + secs - before[0], wall + now - before[1]
+        return min(1.0, busy / wall) if wall > 0 else None
 
     # ---- the decision --------------------------------------------------------------------
     def decide(self, s: Signals) -> Decision:
@@ -297,6 +325,16 @@ class Planner:
         donor_min = c.min_decode if role is Role.PREFILL else c.min_prefill
         if have >= (c.max_prefill if role is Role.PREFILL else c.max_decode):
             return Decision("hold", f"{why}; {role.value} is at its bound ({have})")
+        # the donor role's load: prefill, its workers' busy share; decode, its step time
+        # against the TPOT bound (a decode worker steps whenever anything runs, so its busy
+        # share says little about its room)
+        if role is Role.PREFILL:
+            load = None if s.decode_step_ms is None else s.decode_step_ms / c.tpot_ms
+        else:
+            load = s.prefill_busy
+        if donor_ok and load is not None and donor_have > 1:
+            # its other workers take over its load
+            donor_ok = load * donor_have / (donor_have - 1) <= DONOR_BUSY_MAX
         if donor_ok and donor_have > donor_min and not self.colocated:
             donor = min(donor_pool.routable(), key=lambda w: len(w.active))
             return Decision("flip", why, role, donor.name)

@@ -9,6 +9,7 @@ prefill pool (by the rule: the decode pool cannot give a worker away, so it adds
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 
 from pdserve.checkpoint import write_checkpoint
 from pdserve.client import make_request
-from pool_api.messages import Role, WorkerStats
+from pool_api.messages import Role, StatKey, WorkerStats
 from router.clients import DecodeClient, PrefillClient
 from router.config import PlannerSettings
 from router.membership import PoolAdmin
@@ -87,6 +88,45 @@ def test_it_adds_where_no_role_can_give_a_worker_and_holds_at_the_bound() -> Non
     q = _planner(num_decode=4, patience=1, max_decode=4)
     d = q.decide(_signals(q, tpot_attainment=0.4, attainment=0.4))
     assert d.action == "hold" and "at its bound" in d.reason
+
+
+def test_a_role_without_slack_gives_no_worker_away() -> None:
+    """Decode steps too slow, prompts fine: one of 2 prefill workers flips to decode only if
+    the other can take its load (busy x 2 / 1 within DONOR_BUSY_MAX); else a worker is
+    added. Flipping a busy prefill worker made the planner see-saw between the roles. And
+    the other way round, on the decode pool's step time."""
+    from router.planner import DONOR_BUSY_MAX
+
+    slow_decode = {"tpot_attainment": 0.5, "attainment": 0.5}
+    for busy, want in ((0.3, "flip"), (0.6, "add"), (None, "flip")):
+        p = _planner(num_prefill=2, num_decode=1, patience=1)
+        d = p.decide(_signals(p, **slow_decode, prefill_busy=busy))
+        assert (d.action, d.role) == (want, Role.DECODE), (busy, d)
+    assert 0.3 * 2 <= DONOR_BUSY_MAX < 0.6 * 2
+    # prompts wait: a decode worker flips only if the others' steps stay within the TPOT
+    # bound's share (step 30 of 200 ms x 2 / 1 = 0.3; 100 of 200 x 2 = 1.0)
+    slow_prompts = {"ttft_attainment": 0.5, "attainment": 0.5}
+    for step_ms, want in ((30.0, "flip"), (100.0, "add")):
+        p = _planner(num_prefill=1, num_decode=2, patience=1)
+        d = p.decide(_signals(p, **slow_prompts, decode_step_ms=step_ms))
+        assert (d.action, d.role) == (want, Role.PREFILL), (step_ms, d)
+
+
+def test_busy_shares_come_from_the_workers_step_seconds() -> None:
+    """A role's busy share is its workers' engine step seconds over wall time between two
+    reads (unknown at the first)."""
+    p = _planner(num_prefill=1, num_decode=1)
+    (w,) = p.prefill.workers
+    stats = w.stats
+    assert stats is not None
+
+    def at(step_s: float) -> None:
+        w.stats = replace(stats, extra={StatKey.ENGINE_STEP_SECONDS_TOTAL.value: step_s})
+
+    at(10.0)
+    assert p._busy(p.prefill.routable(), now=100.0) is None
+    at(13.0)
+    assert p._busy(p.prefill.routable(), now=104.0) == pytest.approx(0.75)
 
 
 def test_an_idle_pool_gives_back_a_worker_but_never_below_its_floor() -> None:

@@ -318,3 +318,43 @@ class _Named:
 def named_handle(host: Any, name: str) -> Any:
     """A Ray handle of `host` that calls its mock worker `name` (`MockHost.call`)."""
     return _Named(host, name)
+
+
+class MockLauncher:
+    """`router.membership.WorkerLauncher` over mock hosts, so the pool admin and the planner
+    can add, flip and retire mock workers: a new worker joins the host with the fewest after
+    `start_s` (a cold start's time, modelled), a flip switches its role in place."""
+
+    def __init__(self, hosts: list[Any], placed: dict[str, Any], start_s: float = 0.0) -> None:
+        self.hosts, self.placed, self.start_s = hosts, placed, start_s
+        self._next = 0
+
+    async def launch(self, role: Role) -> Any:
+        self._next += 1
+        name = f"mock-{role.value}-new{self._next}"
+        load = {id(h): 0 for h in self.hosts}
+        for h in self.placed.values():
+            load[id(h)] += 1
+        host = min(self.hosts, key=lambda h: load[id(h)])
+        await asyncio.sleep(self.start_s)
+        await host.add.remote(name, role.value)
+        self.placed[name] = host
+        return self.client(name, role)
+
+    async def flip(self, name: str, to: Role) -> tuple[Any, float]:
+        t0 = time.perf_counter()
+        await self.placed[name].flip.remote(name, to.value)
+        return self.client(name, to), time.perf_counter() - t0
+
+    async def retire(self, name: str) -> None:
+        host = self.placed.pop(name, None)
+        if host is not None:
+            await host.remove.remote(name)
+
+    def client(self, name: str, role: Role) -> Any:
+        from router.clients import DecodeClient, PrefillClient
+
+        handle = named_handle(self.placed[name], name)
+        if role is Role.PREFILL:
+            return PrefillClient.of_actor(name, handle)
+        return DecodeClient.of_actor(name, handle)
