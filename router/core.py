@@ -44,6 +44,11 @@ from router.validation import ModelLimits, prepare
 log = logging.getLogger(__name__)
 # How often worker load is pulled for routing (an internal, not a setting).
 STATS_REFRESH_S = 0.2
+# The most stats calls a second the refresh makes: past STATS_REFRESH_S x this many workers
+# (50) the interval grows with the pools. Each call costs the router's process about 0.3 ms
+# of CPU in Ray; every 0.2 s at 200 workers the idle router spent 44 % of a core on them
+# (benchmarks/pool_mock.py).
+REFRESH_CALLS_PER_S = 250.0
 # After a drain ends what is in flight, how long their last responses get to go out.
 _STOP_ANSWER_S = 2.0
 
@@ -135,9 +140,14 @@ class Router:
         )
         return self.planner
 
+    def refresh_interval_s(self) -> float:
+        """`stats_refresh_s`, or longer for large pools (`REFRESH_CALLS_PER_S`)."""
+        workers = len(self.prefill.workers) + len(self.decode.workers)
+        return max(self.stats_refresh_s, workers / REFRESH_CALLS_PER_S)
+
     async def refresh(self) -> None:
         """Worker stats (load, health), serving state, and the in-memory index."""
-        interval = self.stats_refresh_s
+        interval = self.refresh_interval_s()
         timeout = max(2.0, 10 * interval)
         await asyncio.gather(
             self.prefill.refresh(interval, timeout), self.decode.refresh(interval, timeout)
@@ -187,7 +197,7 @@ class Router:
 
     async def _refresh_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.stats_refresh_s)
+            await asyncio.sleep(self.refresh_interval_s())
             await self.refresh()
 
     async def drain(self, grace_s: float) -> None:

@@ -294,3 +294,21 @@ def _app(router: Any) -> Any:
     from router.http import create_app
 
     return create_app(router)
+
+
+def test_the_refresh_slows_down_for_large_pools() -> None:
+    """Up to STATS_REFRESH_S x REFRESH_CALLS_PER_S workers (50) stats are pulled every
+    STATS_REFRESH_S; past that at most REFRESH_CALLS_PER_S calls a second, workers added at
+    run time included."""
+    from router.clients import DecodeClient
+    from router.config import RouterConfig
+    from router.core import REFRESH_CALLS_PER_S, STATS_REFRESH_S
+    from tests.in_process import router_without_workers
+
+    router = router_without_workers(RouterConfig())
+    assert router.refresh_interval_s() == STATS_REFRESH_S  # 2 workers
+    never_called: Any = None
+    for i in range(1, 199):
+        router.decode.add(DecodeClient(f"pdserve-decode-{i}", never_called))
+    assert router.refresh_interval_s() == pytest.approx(200 / REFRESH_CALLS_PER_S)
+    assert 200 / REFRESH_CALLS_PER_S > STATS_REFRESH_S
