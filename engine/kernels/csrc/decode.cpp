@@ -1,5 +1,6 @@
-// Decode attention read from the paged KV cache in place (no contiguous mirror), split into
-// fixed key partitions (flash-decoding), batch-invariant by construction.
+// Decode attention on the paged KV cache (no per-request contiguous mirror: each partition's
+// pages pass through a small thread-local buffer), split into fixed key partitions
+// (flash-decoding), batch-invariant by construction.
 //
 // One query row per request attends to its keys [lo, n) (lo > 0 only under a sliding window).
 // The keys are cut into partitions of PART keys counted from position 0, whatever the batch
