@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import PagedPrefill, matmul_attention, paged_decode_attention
+from engine.attention import matmul_attention, paged_decode_attention
 from engine.config import ModelConfig
 from engine.decode_workspace import DecodeWorkspace
 from engine.kernels import KernelSet, check_applies
@@ -236,9 +236,7 @@ class LlamaModel:
         self.proj = proj
         self._decode_kernel = kernels.decode_fn()
         self._prefill_kernel = kernels.prefill_fn()
-        # the flash kernel (a form of it) when prefill reads the pages in place
-        paged = self._prefill_kernel
-        self._paged_prefill = paged if isinstance(paged, PagedPrefill) else None
+        self._paged_prefill = kernels.paged_prefill()  # None: prefill takes a gathered context
         self._fused_norm = kernels.norm == "fused"
         self._rope_write = kernels.rope_kv_fn()
         # a paged prefill kernel's tables, built at a step's first layer for its segments

@@ -176,8 +176,12 @@ class KernelSet:
     @property
     def prefill_reads_pages(self) -> bool:
         """Prefill attention reads the paged cache in place (`PagedPrefill`, one call a step)."""
+        return self.paged_prefill() is not None
+
+    def paged_prefill(self) -> PagedPrefill | None:
+        """The chosen prefill kernel when it is a form of the flash kernel on the pages."""
         impl = candidate("prefill_attention", self.prefill_attention).impl
-        return isinstance(impl, PagedPrefill)
+        return impl if isinstance(impl, PagedPrefill) else None
 
     def decode_fn(self) -> DecodeAttention:
         fn: DecodeAttention = candidate("decode_attention", self.decode_attention).impl
