@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))  # its siblings, as the other benchmarks import theirs
 
 from planner_step import plot  # noqa: E402
-from pool_mock import PROFILE, mock_router, start_hosts, step_model  # noqa: E402
+from pool_mock import PROFILE, drive, mock_router, start_hosts, step_model  # noqa: E402
 
 from engine.cpu import identity  # noqa: E402
 
@@ -72,27 +72,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     async def one(i: int) -> None:
         ids = [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
         req = gen.GenerateRequest(token_ids=gen.TokenIds(ids=ids), sampling=sampling)
-        t0 = time.perf_counter()
-        first, tokens, outcome = None, 0, "ok"
-        try:
-            act = await router.admit(req)
-            try:
-                async for resp in router.run(act):
-                    if first is None and resp.chunk.token_ids:
-                        first = time.perf_counter()
-                    tokens += len(resp.chunk.token_ids)
-            finally:
-                router.finish(act, True)
-            if tokens != args.max_tokens:
-                outcome = f"short ({tokens} tokens)"
-        except Exception as e:  # counted: a lost request fails the run
-            outcome = f"{type(e).__name__}: {e}"[:80]
-        end = time.perf_counter()
-        ttft = (first - t0) * 1e3 if first else None
-        tpot = (end - first) * 1e3 / max(1, tokens - 1) if first else None
-        met = ttft is not None and tpot is not None
-        met = met and ttft <= args.ttft_ms and tpot <= args.tpot_ms
-        done.append({"end": end, "outcome": outcome, "ttft_ms": ttft, "tpot_ms": tpot, "met": met})
+        d = await drive(router, req, args.max_tokens)
+        ttft = tpot = None
+        met = False
+        if d.first is not None:
+            ttft = (d.first - d.sent) * 1e3
+            tpot = (d.end - d.first) * 1e3 / max(1, d.tokens - 1)
+            met = ttft <= args.ttft_ms and tpot <= args.tpot_ms
+        done.append(
+            {"end": d.end, "outcome": d.outcome, "ttft_ms": ttft, "tpot_ms": tpot, "met": met}
+        )
 
     def sample(now: float) -> dict[str, Any]:
         """Offered rate, pool sizes, and attainment: ours (the last window_s) and the planner's."""

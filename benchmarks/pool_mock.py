@@ -30,6 +30,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +103,36 @@ def start_hosts(count: int, model: dict[str, float]) -> list[Any]:
     ]
 
 
-async def measure(n: int, hosts: list[Any], args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Driven:
+    """One request through the router, as a client saw it (perf_counter times)."""
 
+    outcome: str  # "ok", "short (N tokens)", or what it raised
+    sent: float
+    first: float | None  # its first token
+    end: float
+    tokens: int
+
+
+async def drive(router: Any, req: Any, max_tokens: int) -> Driven:
+    """`req` through a started Router, as its gRPC face drives one; never raises."""
+    sent, first, tokens = time.perf_counter(), None, 0
+    try:
+        act = await router.admit(req)
+        try:
+            async for resp in router.run(act):
+                if first is None and resp.chunk.token_ids:
+                    first = time.perf_counter()
+                tokens += len(resp.chunk.token_ids)
+        finally:
+            router.finish(act, True)
+        outcome = "ok" if tokens == max_tokens else f"short ({tokens} tokens)"
+    except Exception as e:  # an outcome to count, not a crash of the benchmark
+        outcome = f"{type(e).__name__}: {e}"[:80]
+    return Driven(outcome, sent, first, time.perf_counter(), tokens)
+
+
+async def measure(n: int, hosts: list[Any], args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
     from protos.pdserve.v1 import generation_pb2 as gen
     from router.config import PlannerSettings
 
@@ -145,20 +174,9 @@ async def measure(n: int, hosts: list[Any], args: argparse.Namespace, bar: tqdm)
                 max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True
             )
             req = gen.GenerateRequest(token_ids=gen.TokenIds(ids=ids), sampling=sampling)
-            t = time.perf_counter()
-            tokens = 0
-            try:
-                act = await router.admit(req)
-                try:
-                    async for resp in router.run(act):
-                        tokens += len(resp.chunk.token_ids)
-                finally:
-                    router.finish(act, True)
-                key = "ok" if tokens == args.max_tokens else f"short ({tokens} tokens)"
-            except Exception as e:  # an outcome to count, not a crash of the benchmark
-                key = f"{type(e).__name__}: {e}"[:80]
-            latencies.append(time.perf_counter() - t)
-            outcomes[key] = outcomes.get(key, 0) + 1
+            d = await drive(router, req, args.max_tokens)
+            latencies.append(d.end - d.sent)
+            outcomes[d.outcome] = outcomes.get(d.outcome, 0) + 1
 
         async def client() -> None:
             while not queue.empty():

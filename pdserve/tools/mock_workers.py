@@ -74,7 +74,7 @@ class MockWorker:
     num_blocks: int = 4096
     free: int = field(init=False)
     drain_until: float = 0.0
-    reserved: dict[str, tuple[WorkerRequest, int, float]] = field(default_factory=dict)
+    reserved: dict[str, tuple[WorkerRequest, int]] = field(default_factory=dict)  # + blocks
     running: dict[str, _Running] = field(default_factory=dict)
     prompt_queue: int = 0  # prompt tokens waiting for or in a prompt pass
     requests_total: int = 0
@@ -128,10 +128,10 @@ class MockWorker:
         held = self.reserved.pop(request_id, None)
         if held is not None:
             self.free += held[1]
-        run = self.running.pop(request_id, None)
+        run = self.running.get(request_id)
         if run is not None:
-            self.free += run.blocks
             self._send(run, (), FinishReason.ABORT)
+            self._end(run)
         return held is not None or run is not None
 
     # ---- prefill ----------------------------------------------------------------------------
@@ -167,7 +167,7 @@ class MockWorker:
         if blocks > self.free:
             return ReserveResult(None, self.free, "full")
         self.free -= blocks
-        self.reserved[request.request_id] = (request, blocks, time.monotonic())
+        self.reserved[request.request_id] = (request, blocks)
         ticket = kv_transfer_pb2.TransferTicket(
             request_id=request.request_id,
             transfer_id=uuid.uuid4().hex,
@@ -185,7 +185,7 @@ class MockWorker:
         held = self.reserved.pop(start.request_id, None)
         if held is None:
             raise NotServing(f"{self.name}: no reservation for {start.request_id}")
-        req, blocks, _ = held
+        req, blocks = held
         self._run(req, start.sink, req.params.max_tokens - 1, blocks)
 
     async def submit(self, request: WorkerRequest, sink: TokenSink) -> None:
