@@ -63,6 +63,25 @@ DONOR_BUSY_MAX = 0.7
 
 
 @dataclass(frozen=True)
+class Stepped:
+    """A pool's engine steps since the planner's last read (`Planner._since_last`)."""
+
+    steps: float
+    step_s: float
+    wall_s: float  # summed over the workers
+
+    @property
+    def step_ms(self) -> float | None:
+        """The mean step."""
+        return self.step_s / self.steps * 1e3 if self.steps > 0 else None
+
+    @property
+    def busy(self) -> float | None:
+        """The workers' mean share of wall time spent in steps."""
+        return min(1.0, self.step_s / self.wall_s) if self.wall_s > 0 else None
+
+
+@dataclass(frozen=True)
 class Finished:
     """One request the window holds: when it ended and what it met."""
 
@@ -180,8 +199,8 @@ class Planner:
         self.last: Decision | None = None
         self.last_signals: Signals | None = None
         self.tick_s = 0.0
-        self._steps: dict[str, tuple[float, float]] = {}  # worker -> (steps, step seconds)
-        self._busy_marks: dict[str, tuple[float, float]] = {}  # worker -> (step s, at)
+        # worker -> (engine steps, their seconds, when read): the counters at the last read
+        self._marks: dict[str, tuple[float, float, float]] = {}
         self._task: asyncio.Task[None] | None = None
         self._op: asyncio.Task[None] | None = None  # the operation `act` mode started
 
@@ -211,15 +230,14 @@ class Planner:
                 w.outstanding_tokens + (w.stats.queued_prefill_tokens if w.stats else 0)
                 for w in (prefill_up if not self.colocated else decode_up)
             )
-        kv_free = backlog = step_ms = None
+        kv_free = backlog = None
         if decode_up:
             total = sum(w.stats.num_total_blocks for w in decode_up if w.stats)
             kv_free = sum(max(w.free_blocks, 0) for w in decode_up) / total if total else None
-            step_ms = self._step_ms(decode_up)
         if prefill_up:
             backlog = sum(w.stats.num_reserved for w in prefill_up if w.stats)
-        prefill_busy = self._busy(prefill_up, now) if not self.colocated else None
-        decode_busy = self._busy(decode_up, now)
+        decode_steps = self._since_last(decode_up, now)
+        prefill_busy = None if self.colocated else self._since_last(prefill_up, now).busy
         prompts = [f.prompt_tokens for f in recent]
         outputs = [f.output_tokens for f in recent]
         return Signals(
@@ -231,10 +249,10 @@ class Planner:
             attainment=sum(both) / len(both) if recent else None,
             queued_prefill_tokens=queued,
             decode_kv_free=kv_free,
-            decode_step_ms=step_ms,
+            decode_step_ms=decode_steps.step_ms,
             transfer_backlog=backlog,
             prefill_busy=prefill_busy,
-            decode_busy=decode_busy,
+            decode_busy=decode_steps.busy,
             prompt_p50=_pct(prompts, 50),
             prompt_p90=_pct(prompts, 90),
             output_p50=_pct(outputs, 50),
@@ -242,30 +260,23 @@ class Planner:
             missing=tuple(missing),
         )
 
-    def _step_ms(self, workers: Sequence[Any]) -> float | None:
-        """The decode pool's mean step since the last tick, from the workers' counters."""
-        steps = secs = 0.0
+    def _since_last(self, workers: Sequence[Any], now: float) -> Stepped:
+        """The workers' engine steps, their seconds and the wall time since the last read,
+        from their counters (a worker seen for the first time, or with no counters, adds
+        nothing)."""
+        steps = secs = wall = 0.0
         for w in workers:
             x = w.stats.extra
-            now = (x.get(StatKey.ENGINE_STEPS_TOTAL.value, 0.0),
-                   x.get(StatKey.ENGINE_STEP_SECONDS_TOTAL.value, 0.0))  # fmt: skip
-            before = self._steps.get(w.name, now)
-            steps, secs = steps + now[0] - before[0], secs + now[1] - before[1]
-            self._steps[w.name] = now
-        return secs / steps * 1e3 if steps > 0 else None
-
-    def _busy(self, workers: Sequence[Any], now: float) -> float | None:
-        """The workers' mean share of wall time spent in engine steps since the last call."""
-        busy = wall = 0.0
-        for w in workers:
-            secs = w.stats.extra.get(StatKey.ENGINE_STEP_SECONDS_TOTAL.value)
-            if secs is None:
+            if StatKey.ENGINE_STEP_SECONDS_TOTAL.value not in x:
                 continue
-            before = self._busy_marks.get(w.name)
-            self._busy_marks[w.name] = (secs, now)
-            if before is not None and now > before[1]:
-                busy, wall = busy + secs - before[0], wall + now - before[1]
-        return min(1.0, busy / wall) if wall > 0 else None
+            mark = (x.get(StatKey.ENGINE_STEPS_TOTAL.value, 0.0),
+                    x[StatKey.ENGINE_STEP_SECONDS_TOTAL.value], now)  # fmt: skip
+            before = self._marks.get(w.name)
+            self._marks[w.name] = mark
+            if before is not None:
+                steps, secs = steps + mark[0] - before[0], secs + mark[1] - before[1]
+                wall += now - before[2]
+        return Stepped(steps, secs, wall)
 
     # ---- the decision --------------------------------------------------------------------
     def decide(self, s: Signals) -> Decision:

@@ -124,9 +124,9 @@ def test_busy_shares_come_from_the_workers_step_seconds() -> None:
         w.stats = replace(stats, extra={StatKey.ENGINE_STEP_SECONDS_TOTAL.value: step_s})
 
     at(10.0)
-    assert p._busy(p.prefill.routable(), now=100.0) is None
+    assert p._since_last(p.prefill.routable(), now=100.0).busy is None
     at(13.0)
-    assert p._busy(p.prefill.routable(), now=104.0) == pytest.approx(0.75)
+    assert p._since_last(p.prefill.routable(), now=104.0).busy == pytest.approx(0.75)
 
 
 def test_an_idle_pool_gives_back_a_worker_but_never_below_its_floor() -> None:
