@@ -148,7 +148,9 @@ class Router:
     async def refresh(self) -> None:
         """Worker stats (load, health), serving state, and the in-memory index."""
         interval = self.refresh_interval_s()
-        timeout = max(2.0, 10 * interval)
+        # a stats call's bound stays the base interval's (2 s) at any pool size: a silent
+        # worker is still found after two missed calls, later only by the longer interval
+        timeout = max(2.0, 10 * self.stats_refresh_s)
         await asyncio.gather(
             self.prefill.refresh(interval, timeout), self.decode.refresh(interval, timeout)
         )
