@@ -100,22 +100,33 @@ paged_decode_attention = PagedDecode()
 
 class PagedPrefill:
     """Prefill attention that reads K/V from the paged cache in place: pdserve's flash kernel
-    (`engine/kernels/csrc/flash.cpp`, brgemm for both products, online softmax in float32).
-    Its key parts start at fixed absolute positions and a row's arithmetic never depends on
-    the rows computed beside it, so a prompt row gets the same bits whole, after a cached
-    prefix or in any chunk, by construction (no padding to aligned blocks). One call serves
-    every prompt chunk of a step; the model hands it the pages and block tables.
+    (`engine/kernels/csrc/flash.cpp`, online softmax in float32). Its key parts start at fixed
+    absolute positions and a row's arithmetic never depends on the rows computed beside it,
+    so a prompt row gets the same bits whole, after a cached prefix or in any chunk, by
+    construction (no padding to aligned blocks). One call serves every prompt chunk of a
+    step; the model hands it the pages and block tables.
 
-    `float_products`: bf16 inputs multiplied in float32 (packed as float32 for brgemm), for
-    CPUs whose brgemm has no bf16 (an AVX512-BF16 CPU without AMX), or wherever the selection
-    measures it faster; in float32 it is the same kernel as the plain form, so not offered.
+    `form` (`FORMS`), how the two products run:
+    - "brgemm": torch's brgemm in the input dtype (bf16 where brgemm has it: AMX);
+    - "float": bf16 inputs multiplied in float32 on brgemm, for bf16 anywhere (in float32 it
+      is the brgemm form, so not offered there);
+    - "dpbf16": bf16 on our own AVX512-BF16 dot product tiles (`dpbf16.h`), where the
+      extension was built for AVX512-BF16 (an AVX512-BF16 CPU without AMX, where brgemm has
+      no bf16; an AMX CPU measures it against brgemm).
 
     Called as a `PrefillKernel` (a gathered context) it pages the keys first: for tests and
     the selection's probes; the engine calls `paged`."""
 
-    def __init__(self, float_products: bool = False) -> None:
-        self.float_products = float_products
-        self.__name__ = "paged_flash_f32_attention" if float_products else "paged_flash_attention"
+    FORMS = ("brgemm", "float", "dpbf16")
+
+    def __init__(self, form: str = "brgemm") -> None:
+        assert form in self.FORMS, form
+        self.form = form
+        self.__name__ = {
+            "brgemm": "paged_flash_attention",
+            "float": "paged_flash_f32_attention",
+            "dpbf16": "paged_flash_dpbf16_attention",
+        }[form]
 
     def paged(
         self,
@@ -133,7 +144,7 @@ class PagedPrefill:
         block_tables [R, nb] -> [T, H * D]."""
         out: torch.Tensor = native.ext().paged_flash_attention(
             q, k_pages, v_pages, block_tables, q_starts, ctx_lens, window or 0, scale,
-            self.float_products,
+            self.FORMS.index(self.form),
         )  # fmt: skip
         return out
 
@@ -146,16 +157,21 @@ class PagedPrefill:
         return self.paged(q, kp, vp, tables, starts, torch.tensor([k.shape[0]]), window, scale)
 
     def available(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Plain: float32 anywhere our kernels built, bf16 where brgemm runs it (VNNI pairs).
-        Float products: bf16 anywhere our kernels built."""
-        if self.float_products:
-            return dtype == torch.bfloat16 and native.runs(device, dtype)
-        bf16_ok = dtype != torch.bfloat16 or native.brgemm_bf16()
-        return native.runs(device, dtype) and bf16_ok
+        """brgemm: float32 anywhere our kernels built, bf16 where brgemm runs it (VNNI
+        pairs). float: bf16 anywhere our kernels built. dpbf16: bf16 where the extension
+        was built for AVX512-BF16."""
+        if not native.runs(device, dtype):
+            return False
+        if self.form == "float":
+            return dtype == torch.bfloat16
+        if self.form == "dpbf16":
+            return dtype == torch.bfloat16 and native.ext().has_dpbf16()
+        return dtype != torch.bfloat16 or native.brgemm_bf16()
 
 
 paged_flash_attention = PagedPrefill()
-paged_flash_f32_attention = PagedPrefill(float_products=True)
+paged_flash_f32_attention = PagedPrefill("float")
+paged_flash_dpbf16_attention = PagedPrefill("dpbf16")
 
 
 def as_pages(x: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ NAMES: dict[str, tuple[str, ...]] = {
         "blocked-aligned",
         "flash",
         "flash-f32",
+        "flash-dpbf16",
     ),
     "projections": ("plain", "packed", "brgemm"),
     "norm": ("torch", "fused"),

@@ -415,8 +415,14 @@ FLASH_CASES = [
 # (query rows, context): whole prompts, tails after a prefix, decode-like single rows, and
 # lengths at and around the 256-key parts and the 16-token pages
 FLASH_LENS = [(300, 300), (37, 700), (1, 1), (1, 256), (2, 257), (513, 1025), (16, 528)]
-# the flash kernel's forms in each dtype: bf16 products (brgemm's VNNI pairs) and float32 ones
-FLASH_FORMS = [(torch.float32, "flash"), (torch.bfloat16, "flash"), (torch.bfloat16, "flash-f32")]
+# the flash kernel's forms in each dtype: bf16 products (brgemm's VNNI pairs, or AVX512-BF16
+# dot products) and float32 ones
+FLASH_FORMS = [
+    (torch.float32, "flash"),
+    (torch.bfloat16, "flash"),
+    (torch.bfloat16, "flash-f32"),
+    (torch.bfloat16, "flash-dpbf16"),
+]
 
 
 def _flash(form: str, dtype: torch.dtype) -> Any:
@@ -425,7 +431,7 @@ def _flash(form: str, dtype: torch.dtype) -> Any:
 
     impl = candidate("prefill_attention", form).impl
     if not impl.available(torch.device("cpu"), dtype):
-        pytest.skip(f"{form} in {dtype}: no bf16 brgemm here")
+        pytest.skip(f"{form} in {dtype}: not on this CPU (bf16 brgemm or AVX512-BF16)")
     return impl
 
 

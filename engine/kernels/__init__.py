@@ -24,6 +24,7 @@ from engine.attention import (
     matmul_attention,
     paged_decode_attention,
     paged_flash_attention,
+    paged_flash_dpbf16_attention,
     paged_flash_f32_attention,
     sdpa_attention,
     sdpa_prefill_attention,
@@ -84,6 +85,9 @@ OPS: dict[str, tuple[Candidate, ...]] = {
         Candidate("blocked-aligned", aligned(blocked_prefill_attention), _cpu, "only"),
         Candidate("flash", paged_flash_attention, paged_flash_attention.available),
         Candidate("flash-f32", paged_flash_f32_attention, paged_flash_f32_attention.available),
+        Candidate(
+            "flash-dpbf16", paged_flash_dpbf16_attention, paged_flash_dpbf16_attention.available
+        ),
     ),
     "projections": (
         Candidate("plain", Projections, _anywhere),

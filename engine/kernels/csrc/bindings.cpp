@@ -15,7 +15,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pages
 at::Tensor paged_flash_attention(const at::Tensor& q, const at::Tensor& k_pages,
                                  const at::Tensor& v_pages, const at::Tensor& tables,
                                  const at::Tensor& q_starts, const at::Tensor& ctx_lens,
-                                 int64_t window, double scale, bool float_products);
+                                 int64_t window, double scale, int64_t form);
+bool has_dpbf16();
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool one_plus);
 at::Tensor rope_write(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
                       const at::Tensor& sin_signed, const at::Tensor& k_slots,
@@ -32,6 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_flash_attention", &pdserve::paged_flash_attention,
         "each request's last query rows against its paged keys (prompt chunks and decode "
         "rows alike), causal, invariant; float_products: bf16 inputs, float32 products");
+  m.def("has_dpbf16", &pdserve::has_dpbf16,
+        "whether the flash kernel's AVX512-BF16 dot product tiles were built");
   m.def("rms_norm", &pdserve::rms_norm, "RMSNorm in one kernel, HF's rounding, invariant");
   m.def("rope_write", &pdserve::rope_write,
         "RoPE on the query and key heads, the rotated K and V stored at their cache slots");

@@ -15,11 +15,12 @@
 // keys, P rounded to the input dtype as flash attention does), then merged into the row's
 // running (max, sum, output) in part order.
 //
-// bf16 inputs where brgemm has no bf16 (no AVX512-BF16 or AMX path in torch's brgemm, or where
-// the selection measures it faster): `float_products` packs K, V and the query rows as
-// float32 and runs both products in float32 (P is then kept in float32 too); the output is
-// still rounded to bf16. One machine runs one of the two forms for every row, so invariance
-// holds the same way.
+// Three forms (`form`), one per machine for every row, so invariance holds the same way in each:
+// - brgemm: both products on torch's brgemm in the input dtype (bf16 where brgemm has it, AMX);
+// - float products: bf16 K, V and query rows packed as float32, both products on brgemm in
+//   float32 (P kept in float32); the output still rounded to bf16. For bf16 anywhere;
+// - dpbf16: the bf16 packing of the brgemm form, both products on our own AVX512-BF16 dot
+//   product tiles (`dpbf16.h`), for CPUs with AVX512-BF16 whose brgemm has no bf16.
 //
 // What must hold (batch invariance): a row's bits depend on its own query, position, window
 // and keys only. The parts start at fixed absolute positions, brgemm computes a row of C from
@@ -33,10 +34,14 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <numeric>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common.h"
+#include "dpbf16.h"
 
 namespace pdserve {
 
@@ -44,34 +49,49 @@ constexpr int64_t PART = 256;  // keys per part
 constexpr int64_t MAX_M = 96;  // A rows per brgemm call: query rows x the GQA group
 constexpr int64_t COLS = 32;  // a part's columns are computed up to a multiple of this
 
-// x[j] = exp(x[j] - shift) for j in [lo, hi), 0 elsewhere in [0, cols); returns their sum,
-// lane-wise then a fixed lane tree (zeros add exactly: the sum depends on [lo, hi) only).
-inline float exp_row(float* __restrict__ x, float shift, int64_t lo, int64_t hi, int64_t cols) {
+// The part-local softmax of one row of raw scores x[0, cols): with mx = scale * max(x[lo, hi)),
+// p[j] = exp(scale * x[j] - mx) for j in [lo, hi) and 0 elsewhere, stored in C (rounded for
+// bf16); returns (mx, the sum of the float32 values), summed lane-wise over the columns in
+// order, then a fixed lane tree (zeros add exactly: the sum depends on [lo, hi) only). One
+// read of x: the max of scaled values is the scaled max (rounding is monotone, scale > 0).
+template <typename C>
+inline std::pair<float, float> softmax_part(const float* __restrict__ x, float scale,
+                                            int64_t lo, int64_t hi, int64_t cols,
+                                            C* __restrict__ p) {
   using fV = at::vec::Vectorized<float>;
-  static_assert(COLS % 16 == 0 && PART % COLS == 0, "whole vectors");
-  const fV sh(shift);
-  for (int64_t j = 0; j < cols; j += fV::size()) (fV::loadu(x + j) - sh).exp_u20().store(x + j);
-  std::fill(x, x + lo, 0.f);
-  std::fill(x + hi, x + cols, 0.f);
-  fV sum(0.f);
-  for (int64_t j = 0; j < cols; j += fV::size()) sum = sum + fV::loadu(x + j);
-  return at::vec::vec_reduce_all<float>([](fV& a, fV& b) { return a + b; }, sum);
-}
-
-// x[j] *= scale for j < cols; returns the max over [lo, hi) (a max is exact in any order)
-inline float scaled_max(float* __restrict__ x, float scale, int64_t lo, int64_t hi,
-                        int64_t cols) {
-  using fV = at::vec::Vectorized<float>;
-  const fV sv(scale);
-  for (int64_t j = 0; j < cols; j += fV::size()) (fV::loadu(x + j) * sv).store(x + j);
-  float mx = -std::numeric_limits<float>::infinity();
+  constexpr int64_t V = fV::size();
+  static_assert(COLS % (2 * V) == 0 && PART % COLS == 0, "whole pairs of vectors");
+  float raw = -std::numeric_limits<float>::infinity();
   int64_t j = lo;
-  for (; j < hi && j % fV::size(); ++j) mx = std::max(mx, x[j]);
-  fV vm(mx);
-  for (; j + fV::size() <= hi; j += fV::size()) vm = at::vec::maximum(vm, fV::loadu(x + j));
-  mx = at::vec::vec_reduce_all<float>([](fV& a, fV& b) { return at::vec::maximum(a, b); }, vm);
-  for (; j < hi; ++j) mx = std::max(mx, x[j]);
-  return mx;
+  for (; j < hi && j % V; ++j) raw = std::max(raw, x[j]);
+  fV vm(raw);
+  for (; j + V <= hi; j += V) vm = at::vec::maximum(vm, fV::loadu(x + j));
+  raw = at::vec::vec_reduce_all<float>([](fV& a, fV& b) { return at::vec::maximum(a, b); }, vm);
+  for (; j < hi; ++j) raw = std::max(raw, x[j]);
+  const float mx = raw * scale;
+  const fV sv(scale), sh(mx), zero(0.f);
+  fV sum(0.f);
+  alignas(64) float edge[2 * V];
+  for (j = 0; j < cols; j += 2 * V) {
+    fV e0 = (fV::loadu(x + j) * sv - sh).exp_u20(), e1 = (fV::loadu(x + j + V) * sv - sh).exp_u20();
+    if (j < lo || j + 2 * V > hi) {  // a vector pair on an edge of [lo, hi): zero the rest
+      e0.store(edge);
+      e1.store(edge + V);
+      for (int64_t i = 0; i < 2 * V; ++i)
+        if (j + i < lo || j + i >= hi) edge[i] = 0.f;
+      e0 = fV::loadu(edge);
+      e1 = fV::loadu(edge + V);
+    }
+    sum = sum + e0;
+    sum = sum + e1;
+    if constexpr (std::is_same_v<C, float>) {
+      e0.store(p + j);
+      e1.store(p + j + V);
+    } else {
+      at::vec::convert_from_float<C>(e0, e1).store(p + j);
+    }
+  }
+  return {mx, at::vec::vec_reduce_all<float>([](fV& a, fV& b) { return a + b; }, sum)};
 }
 
 template <typename C, typename T>
@@ -83,8 +103,9 @@ inline C as(T x) {
   }
 }
 
-// T: the inputs' and output's dtype; C: the products' inputs (T, or float32 for bf16 T)
-template <typename T, typename C>
+// T: the inputs' and output's dtype; C: the products' inputs (T, or float32 for bf16 T);
+// DP: the products on dpbf16 tiles instead of brgemm (T = C = bf16)
+template <typename T, typename C, bool DP = false>
 at::Tensor paged_flash_impl(const at::Tensor& q, const at::Tensor& k_pages,
                             const at::Tensor& v_pages, const at::Tensor& tables,
                             const at::Tensor& q_starts, const at::Tensor& ctx_lens,
@@ -95,6 +116,7 @@ at::Tensor paged_flash_impl(const at::Tensor& q, const at::Tensor& k_pages,
   const int64_t R = tables.size(0), W = tables.size(1);
   TORCH_CHECK(G <= MAX_M, "flash: a GQA group of ", G, " heads exceeds ", MAX_M);
   TORCH_CHECK(!vnni || D % 2 == 0, "flash: odd head_dim");
+  TORCH_CHECK(!DP || D % 16 == 0, "flash dpbf16: head_dim ", D, " is not a multiple of 16");
   const int64_t QB = MAX_M / G;  // query rows per task
   auto out = at::empty({TQ, H * D}, q.options());
   if (TQ == 0) return out;
@@ -128,7 +150,8 @@ at::Tensor paged_flash_impl(const at::Tensor& q, const at::Tensor& k_pages,
     task_base[r + 1] = task_base[r] + HKV * ((ql + QB - 1) / QB);
   }
   const int64_t units = pack_base[R], tasks = task_base[R], part_elems = PART * D;
-  std::vector<C> kpk(units * part_elems), vpk(units * part_elems);
+  // every element is written by the packing below (zeros past the context): no fill first
+  std::unique_ptr<C[]> kpk(new C[units * part_elems]), vpk(new C[units * part_elems]);
   auto request_of = [](const std::vector<int64_t>& base, int64_t i) {
     return std::upper_bound(base.begin(), base.end(), i) - base.begin() - 1;
   };
@@ -140,8 +163,8 @@ at::Tensor paged_flash_impl(const at::Tensor& q, const at::Tensor& k_pages,
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t r = request_of(pack_base, u), local = u - pack_base[r];
       const int64_t h = local / num_parts[r], part = first_part[r] + local % num_parts[r];
-      C* kd = kpk.data() + u * part_elems;
-      C* vd = vpk.data() + u * part_elems;
+      C* kd = kpk.get() + u * part_elems;
+      C* vd = vpk.get() + u * part_elems;
       for (int64_t j = 0; j < PART; ++j) {
         const int64_t t = part * PART + j;
         const T* krow = nullptr;
@@ -205,10 +228,14 @@ at::Tensor paged_flash_impl(const at::Tensor& q, const at::Tensor& k_pages,
           // columns up to the block's last visible key, whole COLS: the rest is masked for
           // every row (P = 0 there, and a sum of exact zeros changes no bit of the result)
           const int64_t cols = std::min(PART, (pos[M - 1] + 1 - part * PART + COLS - 1) / COLS * COLS);
-          at::native::cpublas::brgemm(M, cols, D, D, PART, PART, false, a.data(),
-                                      kpk.data() + u * part_elems, s.data(), vnni);
+          if constexpr (DP) {
+            dp_gemm(M, cols, D, a.data(), D, kpk.get() + u * part_elems, PART, s.data(), PART);
+          } else {
+            at::native::cpublas::brgemm(M, cols, D, D, PART, PART, false, a.data(),
+                                        kpk.get() + u * part_elems, s.data(), vnni);
+          }
           for (int64_t m = 0; m < M; ++m) {
-            float* row = s.data() + m * PART;
+            const float* row = s.data() + m * PART;
             const int64_t lo = std::max(lo_of(pos[m]), part * PART) - part * PART;
             const int64_t hi = std::min(pos[m] + 1, (part + 1) * PART) - part * PART;
             live[m] = hi > lo;
@@ -216,20 +243,14 @@ at::Tensor paged_flash_impl(const at::Tensor& q, const at::Tensor& k_pages,
               std::fill(prob.begin() + m * PART, prob.begin() + m * PART + cols, C(0.f));
               continue;
             }
-            m_loc[m] = scaled_max(row, sc, lo, hi, cols);
-            const float mx = m_loc[m];
-            l_loc[m] = exp_row(row, mx, lo, hi, cols);
-            if constexpr (vnni) {
-              for (int64_t j = 0; j < cols; j += fV::size() * 2) {
-                at::vec::convert_from_float<C>(fV::loadu(row + j), fV::loadu(row + j + fV::size()))
-                    .store(prob.data() + m * PART + j);
-              }
-            } else {
-              std::copy(row, row + cols, prob.data() + m * PART);
-            }
+            std::tie(m_loc[m], l_loc[m]) = softmax_part(row, sc, lo, hi, cols, prob.data() + m * PART);
           }
-          at::native::cpublas::brgemm(M, D, cols, PART, D, D, false, prob.data(),
-                                      vpk.data() + u * part_elems, o.data(), vnni);
+          if constexpr (DP) {
+            dp_gemm(M, D, cols, prob.data(), PART, vpk.get() + u * part_elems, D, o.data(), D);
+          } else {
+            at::native::cpublas::brgemm(M, D, cols, PART, D, D, false, prob.data(),
+                                        vpk.get() + u * part_elems, o.data(), vnni);
+          }
           for (int64_t m = 0; m < M; ++m) {
             if (!live[m]) continue;
             float* ar = acc.data() + m * D;
@@ -261,7 +282,7 @@ at::Tensor paged_flash_impl(const at::Tensor& q, const at::Tensor& k_pages,
         }
       }
     }
-    at::native::cpublas::brgemm_release(vnni);
+    if constexpr (!DP) at::native::cpublas::brgemm_release(vnni);
   });
   return out;
 }
@@ -269,7 +290,7 @@ at::Tensor paged_flash_impl(const at::Tensor& q, const at::Tensor& k_pages,
 at::Tensor paged_flash_attention(const at::Tensor& q, const at::Tensor& k_pages,
                                  const at::Tensor& v_pages, const at::Tensor& tables,
                                  const at::Tensor& q_starts, const at::Tensor& ctx_lens,
-                                 int64_t window, double scale, bool float_products) {
+                                 int64_t window, double scale, int64_t form) {
   TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.dim() == 4, "flash: shapes");
   TORCH_CHECK(tables.dim() == 2, "flash: block tables are [R, W]");
   TORCH_CHECK(q.scalar_type() == k_pages.scalar_type() &&
@@ -277,15 +298,26 @@ at::Tensor paged_flash_attention(const at::Tensor& q, const at::Tensor& k_pages,
               "flash: q and the pages differ in dtype");
   TORCH_CHECK(q.size(1) % k_pages.size(2) == 0, "flash: query heads not a multiple of KV heads");
   TORCH_CHECK(q.size(2) == k_pages.size(3), "flash: head_dim differs");
-  if (q.scalar_type() == at::kBFloat16 && float_products)
+  TORCH_CHECK(scale > 0, "flash: scale must be positive");
+  TORCH_CHECK(form >= 0 && form <= 2, "flash: form 0 (brgemm), 1 (float products), 2 (dpbf16)");
+  if (q.scalar_type() == at::kBFloat16 && form == 2) {
+    TORCH_CHECK(kDpBf16, "flash dpbf16: built without AVX512-BF16");
+    return paged_flash_impl<at::BFloat16, at::BFloat16, true>(q, k_pages, v_pages, tables,
+                                                              q_starts, ctx_lens, window, scale);
+  }
+  if (q.scalar_type() == at::kBFloat16 && form == 1)
     return paged_flash_impl<at::BFloat16, float>(q, k_pages, v_pages, tables, q_starts,
                                                  ctx_lens, window, scale);
   if (q.scalar_type() == at::kBFloat16)
     return paged_flash_impl<at::BFloat16, at::BFloat16>(q, k_pages, v_pages, tables, q_starts,
                                                         ctx_lens, window, scale);
-  TORCH_CHECK(q.scalar_type() == at::kFloat, "flash: bf16 or float32");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && form == 0, "flash: bf16, or float32 on brgemm");
   return paged_flash_impl<float, float>(q, k_pages, v_pages, tables, q_starts, ctx_lens,
                                         window, scale);
 }
 
+}  // namespace pdserve
+
+namespace pdserve {
+bool has_dpbf16() { return kDpBf16; }
 }  // namespace pdserve
