@@ -15,7 +15,13 @@ candidates (`engine.kernels.OPS`) run on random inputs of the model's own shapes
   not time each other's load, and is cached on disk under ``~/.cache/pdserve/kernels``
   (``$PDSERVE_KERNELS_DIR``), keyed
   by CPU model and flags, torch version, dtype, device, thread count and shapes: a restart
-  reads the file and measures nothing.
+  reads the file and measures nothing;
+- a measurement taken on a busy host (other processes' load, which the lock cannot keep
+  out) is noisy: an op whose medians' standard error exceeds `NOISY` of the fastest median
+  is timed for longer, and if it stays noisy its fastest median wins (a tie "within the
+  noise" would then hand the op to the simplest candidate, 2-3x slower: the suite's
+  parallel workers cached such choices). A noisy choice is cached for `PROVISIONAL_S`
+  only (the workers of one deployment starting together share it), then measured again.
 
 With batch invariance on (the default), a candidate must also pass an invariance probe
 before it is timed: a row's bits may not depend on the rows computed with it (a batch's
@@ -67,8 +73,15 @@ MIN_ROUNDS, MAX_ROUNDS = 7, 25
 DECIDE_ROUNDS, DECISIVE = 3, 1.5
 """After `DECIDE_ROUNDS` rounds, a candidate whose fastest round is `DECISIVE` times another's
 slowest is dropped from the timing (`_beaten`)."""
+NOISY = 0.10
+"""An op whose largest median standard error exceeds this fraction of the fastest median was
+measured on a busy host: its fastest median wins, and the choice is provisional."""
+NOISY_BUDGET_S, NOISY_MAX_ROUNDS = 2.0, 60
+"""A noisy op is timed on up to this long in all, this many rounds, to quieten."""
+PROVISIONAL_S = 600.0
+"""How long a noisy choice is read from the cache before the next start measures again."""
 WARMUP = 3
-CACHE_VERSION = 3
+CACHE_VERSION = 4  # 4: noisy choices are provisional (older files may hold noisy ones)
 
 
 @dataclass
@@ -82,6 +95,13 @@ class OpTiming:
     noise_ms: float = 0.0  # the largest standard error of a candidate's median
     row_floors: dict[str, int] = field(default_factory=dict)  # the chosen's (projections)
     invariant: bool = False  # the chosen passed its invariance probe
+    noisy: bool = False  # measured on a busy host (`NOISY`): the fastest median won
+
+    @property
+    def noise_fraction(self) -> float:
+        """The noise against the fastest median (0 with fewer than two timed)."""
+        timed = [ms for ms in self.median_ms.values() if ms is not None]
+        return self.noise_ms / min(timed) if len(timed) > 1 and min(timed) > 0 else 0.0
 
 
 @dataclass
@@ -93,6 +113,12 @@ class Selection:
     timings: dict[str, OpTiming] = field(default_factory=dict)
     seconds: float = 0.0
     note: str = ""  # what limited the choice (no invariant kernel, no pdserve kernels)
+    written: float = 0.0  # when it was cached (time.time()), for a provisional choice's age
+
+    @property
+    def noisy(self) -> bool:
+        """Some op was measured on a busy host: the choice is provisional (`PROVISIONAL_S`)."""
+        return any(t.noisy for t in self.timings.values())
 
     def line(self) -> str:
         """One line for the startup log: each op's choice and every candidate's time."""
@@ -109,7 +135,14 @@ class Selection:
             parts.append(f"{op}={name} ({times})")
         how = {"measured": f"measured in {self.seconds:.1f} s", "cache": "from the cache"}
         inv = "batch-invariant" if self.kernels.batch_invariant else "not batch-invariant"
-        note = f" ({self.note})" if self.note else ""
+        notes = [self.note] if self.note else []
+        if self.noisy:
+            worst = max(t.noise_fraction for t in self.timings.values())
+            notes.append(
+                f"measured on a busy host, noise up to {worst:.0%} of a median: the fastest "
+                f"medians taken, measured again after {PROVISIONAL_S / 60:.0f} min"
+            )
+        note = f" ({'; '.join(notes)})" if notes else ""
         return f"kernels {how.get(self.source, self.source)}, {inv}{note}: " + "; ".join(parts)
 
 
@@ -224,7 +257,7 @@ def _time_op(pool: list[Candidate], bench: Bench, dtype: torch.dtype, invariant:
         log.warning("kernels: no batch-invariant candidate passed (%s)", why)
         return _time_op(pool, bench, dtype, False)
     medians, errors_ms = _alternate(fns)
-    chosen = _pick([c.name for c in pool if c.name in medians], medians, errors_ms)
+    chosen, noisy = _choose([c.name for c in pool if c.name in medians], medians, errors_ms)
     return OpTiming(
         chosen=chosen,
         median_ms={c.name: medians.get(c.name) for c in pool},
@@ -233,6 +266,7 @@ def _time_op(pool: list[Candidate], bench: Bench, dtype: torch.dtype, invariant:
         noise_ms=max(errors_ms.values()),
         row_floors=floors[chosen],
         invariant=invariant and probed[chosen],
+        noisy=noisy,
     )
 
 
@@ -243,10 +277,16 @@ def _alternate(fns: dict[str, Callable[[], Any]]) -> tuple[dict[str, float], dic
     samples: dict[str, list[float]] = {name: [] for name in fns}
     timed = dict(fns)
     rounds = MIN_ROUNDS if len(fns) == 1 else MAX_ROUNDS
-    deadline = time.perf_counter() + BUDGET_S
-    for r in range(rounds):
-        if r >= MIN_ROUNDS and (time.perf_counter() > deadline or len(timed) == 1):
+    start = time.perf_counter()
+    for r in range(NOISY_MAX_ROUNDS):
+        if r >= MIN_ROUNDS and len(timed) == 1:
             break
+        if r >= rounds or (r >= MIN_ROUNDS and time.perf_counter() > start + BUDGET_S):
+            # done, unless the host is busy: then on, to NOISY_BUDGET_S, while it stays so
+            medians = {n: statistics.median(samples[n]) for n in timed}
+            quiet = not _noisy(medians, {n: median_error(samples[n]) for n in timed})
+            if quiet or time.perf_counter() > start + NOISY_BUDGET_S:
+                break
         for name, fn in timed.items():
             t = time.perf_counter()
             fn()
@@ -263,6 +303,25 @@ def _beaten(name: str, timed: dict[str, Any], samples: dict[str, list[float]]) -
     would only spend start-up time."""
     best = min(samples[name])
     return any(n != name and best > DECISIVE * max(samples[n]) for n in timed)
+
+
+def _choose(
+    order: list[str], medians: dict[str, float], errors_ms: dict[str, float]
+) -> tuple[str, bool]:
+    """(the choice, whether the host was busy): the simplest candidate within noise of the
+    fastest (`_pick`), or on a busy host (`_noisy`) the fastest median."""
+    if _noisy(medians, errors_ms):
+        return min(order, key=medians.__getitem__), True
+    return _pick(order, medians, errors_ms), False
+
+
+def _noisy(medians: dict[str, float], errors_ms: dict[str, float]) -> bool:
+    """Two or more candidates timed, and some median's standard error beyond `NOISY` of the
+    fastest median: a busy host's measurement, whose ties mean nothing."""
+    if len(medians) < 2:
+        return False
+    fastest = min(medians.values())
+    return max(errors_ms[n] for n in medians) > NOISY * fastest
 
 
 def _pick(order: list[str], medians: dict[str, float], errors_ms: dict[str, float]) -> str:
@@ -335,6 +394,7 @@ def _read(path: Path, key: dict[str, Any]) -> Selection | None:
         return None
     if not isinstance(raw, dict) or raw.get("key") != key:
         return None
+    written = float(raw.get("written", 0.0))
     try:
         timings = {op: OpTiming(**t) for op, t in raw["timings"].items()}
         kernels = KernelSet.of(
@@ -342,7 +402,12 @@ def _read(path: Path, key: dict[str, Any]) -> Selection | None:
         )
     except (TypeError, ValueError, KeyError):
         return None
-    return Selection(kernels, "cache", timings, float(raw.get("seconds", 0.0)), raw.get("note", ""))
+    sel = Selection(
+        kernels, "cache", timings, float(raw.get("seconds", 0.0)), raw.get("note", ""), written
+    )
+    if sel.noisy and not 0 <= time.time() - written <= PROVISIONAL_S:
+        return None  # a busy host's provisional choice, too old: measure again
+    return sel
 
 
 def _write(path: Path, key: dict[str, Any], sel: Selection) -> None:
@@ -354,6 +419,7 @@ def _write(path: Path, key: dict[str, Any], sel: Selection) -> None:
         "timings": {op: asdict(t) for op, t in sel.timings.items()},
         "seconds": sel.seconds,
         "note": sel.note,
+        "written": time.time(),
     }
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
