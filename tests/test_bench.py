@@ -615,3 +615,26 @@ def test_openai_http_backend(
         assert load(result)["failures_by_status"] == {"HTTP_400": 6}
     finally:
         fake.close()
+
+
+def test_stalls_measure_a_blocked_loop_and_leave_the_rest() -> None:
+    """`pdserve chaos`'s `Stalls` (the load generator's own waits, left out of a rejection's
+    time): a loop blocked 80 ms is recorded as one stall of at least that much, and a span
+    that misses it holds none of it."""
+    from pdserve.tools.chaos import Stalls
+
+    async def run() -> Stalls:
+        stalls = Stalls(time.perf_counter)
+        ticker = asyncio.ensure_future(stalls.run())
+        await asyncio.sleep(0.02)
+        time.sleep(0.08)  # the loop cannot run: as a descheduled process
+        await asyncio.sleep(0.02)
+        ticker.cancel()
+        return stalls
+
+    stalls = asyncio.run(run())
+    longest = max(stalls.spans, key=lambda s: s[1] - s[0])
+    assert longest[1] - longest[0] >= 0.07
+    assert stalls.within(longest[0] - 1.0, longest[1] + 1.0) >= 0.07
+    assert stalls.within(longest[1] + 0.5, longest[1] + 1.0) == 0.0
+    assert stalls.within(longest[0], longest[0] + 0.01) == pytest.approx(0.01)

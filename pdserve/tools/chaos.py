@@ -227,6 +227,7 @@ class Outcome:
     cut_s: float | None = None  # when the cut was made (None: it ended first)
     seen_stage: str = ""  # where the router had the request at the cut
     released_s: float | None = None  # the router stopped tracking the cut request
+    client_stall_s: float = 0.0  # the load generator's own loop stalls while it was out
 
     @property
     def ttft_s(self) -> float | None:
@@ -253,6 +254,34 @@ def request_of(
     return make_request(
         ids, request_id=request_id, temperature=0.0, max_tokens=max_tokens, ignore_eos=True
     )
+
+
+class Stalls:
+    """When an event loop could not run: a ticker sleeps `PERIOD_S` and records each tick
+    that woke more than `SLACK_S` late (the loop busy, or its process waiting for a core).
+
+    Why: at twice a 2-core host's capacity the load generator, the router and four workers
+    share two cores, and a request's latency as the client measures it includes the
+    client's own waits. `within` says how much of a span was the measuring loop's own stall,
+    so a figure about the router can leave it out (and say so)."""
+
+    PERIOD_S, SLACK_S = 0.005, 0.002
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        self.now = now
+        self.spans: list[tuple[float, float]] = []
+
+    async def run(self) -> None:
+        while True:
+            t = self.now()
+            await asyncio.sleep(self.PERIOD_S)
+            woke = self.now()
+            if woke - t - self.PERIOD_S > self.SLACK_S:
+                self.spans.append((t + self.PERIOD_S, woke))
+
+    def within(self, a: float, b: float) -> float:
+        """Seconds of [a, b] the loop spent stalled."""
+        return sum(max(0.0, min(b, e) - max(a, s)) for s, e in self.spans)
 
 
 class Driver:
@@ -289,6 +318,8 @@ class Driver:
         """Send every shot (each at its `at_s`, at most `concurrency` in flight)."""
         sem = asyncio.Semaphore(concurrency or len(shots) or 1)
         bar = tqdm(total=len(shots), desc=desc, disable=not self.progress, leave=False)
+        stalls = Stalls(self.now)
+        ticker = asyncio.ensure_future(stalls.run())
         async with grpc.aio.insecure_channel(self.target) as channel:
             stub = gen_grpc.GenerationStub(channel)
 
@@ -302,7 +333,10 @@ class Driver:
                 return out
 
             outs = await asyncio.gather(*(go(s) for s in shots))
+        ticker.cancel()
         bar.close()
+        for o in outs:
+            o.client_stall_s = stalls.within(o.sent_s, o.ended_s if o.ended_s else o.sent_s)
         return list(outs)
 
     async def _one(self, stub: gen_grpc.GenerationStub, shot: Shot) -> Outcome:
@@ -1455,11 +1489,14 @@ def scenario_overload(ch: Chaos) -> ScenarioResult:
     default = router.cfg
     router.cfg = replace(default, policy=replace(default.policy, max_queue_len=queue_len))
     t_over = cfg.baseline_s + 1.0  # on the plot, the 2x phase follows the 0.8x one
+    router_stalls = Stalls(time.perf_counter)  # the router's own loop, for the figures
+    ticker = asyncio.run_coroutine_threadsafe(router_stalls.run(), ch.rig.loop)
     try:
         shots = _poisson(ch, 2 * capacity, cfg.overload_s, "2x")
         over = drive_apart(ch, shots, None, t_over)
     finally:
         router.cfg = default
+        ticker.cancel()
     t_end = time.perf_counter()
     base_p99 = percentile(base_ttft, 99) or 0.0
     res = ScenarioResult(
@@ -1472,6 +1509,10 @@ def scenario_overload(ch: Chaos) -> ScenarioResult:
     res.recover_s = asyncio.run(ch.recover(t_end))
     rejected = [o for o in over if o.status == grpc.StatusCode.RESOURCE_EXHAUSTED.name]
     reject_ms = [(o.latency_s or math.inf) * 1e3 for o in rejected]
+    # less the load generator's own stalls while each was out (`Stalls`): the router's part
+    router_ms = [t - o.client_stall_s * 1e3 for t, o in zip(reject_ms, rejected, strict=True)]
+    slowest = max(rejected, key=lambda o: o.latency_s or math.inf, default=None)
+    router_stall_ms = max((e - a for a, e in router_stalls.spans), default=0.0) * 1e3
     over_ttft = [o.ttft_s for o in over if o.status == OK and o.ttft_s is not None]
     over_p99 = percentile(over_ttft, 99)
     ratio = (over_p99 / base_p99) if over_p99 is not None and base_p99 else None
@@ -1499,14 +1540,17 @@ def scenario_overload(ch: Chaos) -> ScenarioResult:
             "p50": _r(percentile(reject_ms, 50)),
             "p99": _r(percentile(reject_ms, 99)),
             "max": _r(max(reject_ms, default=0.0)),
+            "max_less_client_stalls": _r(max(router_ms, default=0.0)),
+            "slowest_client_stall": _r(slowest.client_stall_s * 1e3 if slowest else 0.0),
+            "router_loop_stall_max": _r(router_stall_ms),
         },
         "p99_ttft_ratio": None if ratio is None else round(ratio, 3),
         "baseline_outcomes": [asdict(o) for o in base],
     }
     res.base_checks()
     res.checks["excess rejected (RESOURCE_EXHAUSTED)"] = bool(rejected)
-    res.checks[f"every rejection within {cfg.rejection_bound_ms:g} ms"] = all(
-        t <= cfg.rejection_bound_ms for t in reject_ms
+    res.checks[f"every rejection within {cfg.rejection_bound_ms:g} ms (less client stalls)"] = all(
+        t <= cfg.rejection_bound_ms for t in router_ms
     )
     res.checks[f"admitted p99 TTFT within {cfg.ttft_ratio_bound:g}x of 0.8x load"] = (
         ratio is not None and ratio <= cfg.ttft_ratio_bound
@@ -1786,7 +1830,8 @@ def _key_figures(r: ScenarioResult) -> str:
         return (
             f"unloaded TTFT {f['unloaded_ttft_ms']} ms; "
             f"cap {f['capacity_rps']}/s, queue {f['max_queue_len']}; reject p99 "
-            f"{rej['p99']} ms max {rej['max']} ms; p99 TTFT {b['p99_ttft_ms']} → "
+            f"{rej['p99']} ms max {rej['max']} ms ({rej['max_less_client_stalls']} less the "
+            f"client's stalls); p99 TTFT {b['p99_ttft_ms']} → "
             f"{o['p99_ttft_ms']} ms (x{f['p99_ttft_ratio']})"
         )
     return ""
