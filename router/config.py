@@ -207,6 +207,15 @@ class PlannerSettings:
     max_prefill: int = setting(4, "and at most this many", ge=0)
     min_decode: int = setting(1, "the planner keeps at least this many decode workers", ge=1)
     max_decode: int = setting(4, "and at most this many", ge=1)
+    profile: str = setting(
+        "",
+        "a `pdserve profile` JSON: the planner then also keeps each role at least at the "
+        "workers its step model says the window's load needs (the forecast floor); empty: "
+        "the reactive loop alone",
+    )
+    profile_threads: int = setting(
+        0, "the worker size (threads) of that profile to read (0: its smallest)", ge=0
+    )
 
     def __post_init__(self) -> None:
         check_settings(self, "planner.")

@@ -19,8 +19,11 @@ logged with its reason and counted (`pdserve:planner_decisions_total`). In `advi
 that is all it does; in `act` mode it carries the decision out through the pool admin
 (`router.membership`), one operation at a time.
 
-Not built yet: the forecast floor from `pdserve plan`'s model (the issue's second loop),
-and asking a cluster autoscaler for nodes (Ray places the workers it starts).
+With a profile (`planner.profile`), a second loop sets a floor under the reactive one
+(`router.forecast`): the workers per role that the profile's step model says the window's
+load needs. A role below its floor grows first (flipping a worker from a role above its own
+floor, else adding one), and no role is drained below it. Not built: asking a cluster
+autoscaler for nodes (Ray places the workers it starts; KubeRay adds nodes for them).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from engine.request import FinishReason
 from pool_api.messages import Role, StatKey
 from router.active import ActiveRequest, RequestObserver
 from router.config import PlannerSettings
+from router.forecast import ForecastFloor
 
 if TYPE_CHECKING:
     from router.membership import PoolAdmin
@@ -90,6 +94,7 @@ class Finished:
     tpot_s: float | None  # None: fewer than two tokens
     prompt_tokens: int
     output_tokens: int
+    uncached_tokens: int = 0  # prompt tokens not served from the prefix cache
 
 
 class Window(RequestObserver):
@@ -106,7 +111,10 @@ class Window(RequestObserver):
         tpot = None
         if act.first_sent_s is not None and act.last_sent_s is not None and act.num_sent > 1:
             tpot = (act.last_sent_s - act.first_sent_s) / (act.num_sent - 1)
-        self.items.append(Finished(now, ttft, tpot, act.num_prompt_tokens, act.num_sent))
+        uncached = act.num_prompt_tokens - act.cached_tokens
+        self.items.append(
+            Finished(now, ttft, tpot, act.num_prompt_tokens, act.num_sent, uncached)
+        )
 
     def on_fail(self, act: ActiveRequest, code: grpc.StatusCode, now: float) -> None:
         self.items.append(Finished(now, None, None, act.num_prompt_tokens, act.num_sent))
@@ -139,6 +147,11 @@ class Signals:
     prompt_p90: float | None = None
     output_p50: float | None = None
     output_p90: float | None = None
+    # the forecast floor (`router.forecast`, with a profile): workers per role the window's
+    # load needs; None without a profile, colocated, or with no finished request
+    floor_prefill: int | None = None
+    floor_decode: int | None = None
+    floor_reason: str = ""
     missing: tuple[str, ...] = ()
 
     def gauges(self) -> dict[str, float]:
@@ -147,6 +160,7 @@ class Signals:
             "finished", "ttft_attainment", "tpot_attainment", "attainment",
             "queued_prefill_tokens", "decode_kv_free", "decode_step_ms", "transfer_backlog",
             "prefill_busy", "decode_busy", "prompt_p50", "prompt_p90", "output_p50", "output_p90",
+            "floor_prefill", "floor_decode",
         )  # fmt: skip
         out = {n: getattr(self, n) for n in names}
         return {n: float(v) for n, v in out.items() if v is not None}
@@ -203,6 +217,12 @@ class Planner:
         self._marks: dict[str, tuple[float, float, float]] = {}
         self._task: asyncio.Task[None] | None = None
         self._op: asyncio.Task[None] | None = None  # the operation `act` mode started
+        self.started_s = time.perf_counter()
+        self.forecast: ForecastFloor | None = None
+        if cfg.profile and not colocated:
+            self.forecast = ForecastFloor.from_profile(
+                cfg.profile, cfg.profile_threads, cfg.tpot_ms
+            )
 
     # ---- signals -------------------------------------------------------------------------
     def read(self, now: float) -> Signals:
@@ -240,6 +260,12 @@ class Planner:
         prefill_busy = None if self.colocated else self._since_last(prefill_up, now).busy
         prompts = [f.prompt_tokens for f in recent]
         outputs = [f.output_tokens for f in recent]
+        floor = None
+        if self.forecast is not None and recent:
+            # arrivals ~ completions over the window (or the time since the planner started)
+            span = min(self.cfg.window_s, max(now - self.started_s, self.cfg.interval_s))
+            uncached = [f.uncached_tokens for f in recent]
+            floor = self.forecast.floor(len(recent) / span, uncached, outputs)
         return Signals(
             prefill_workers=len(self.prefill.routable()),
             decode_workers=len(self.decode.routable()),
@@ -257,8 +283,17 @@ class Planner:
             prompt_p90=_pct(prompts, 90),
             output_p50=_pct(outputs, 50),
             output_p90=_pct(outputs, 90),
+            floor_prefill=None if floor is None else self._clamp(Role.PREFILL, floor.prefill),
+            floor_decode=None if floor is None else self._clamp(Role.DECODE, floor.decode),
+            floor_reason="" if floor is None else floor.reason,
             missing=tuple(missing),
         )
+
+    def _clamp(self, role: Role, n: int) -> int:
+        c = self.cfg
+        if role is Role.PREFILL:
+            return min(max(n, c.min_prefill), c.max_prefill)
+        return min(max(n, c.min_decode), c.max_decode)
 
     def _since_last(self, workers: Sequence[Any], now: float) -> Stepped:
         """The workers' engine steps, their seconds and the wall time since the last read,
@@ -318,6 +353,9 @@ class Planner:
             if not (ttft_ok and tpot_ok):
                 return self._grow(Role.DECODE, s, figures, donor_ok=False)
             return self._shrink_idle(s, figures)
+        short = self._below_floor(s)
+        if short is not None:
+            return short
         if not ttft_ok and (tpot_ok or behind):
             donor_ok = tpot_ok and (s.decode_kv_free or 0.0) > DONOR_KV_FREE
             return self._grow(Role.PREFILL, s, figures + ", prompts wait", donor_ok)
@@ -327,6 +365,21 @@ class Planner:
         if s.attainment < target:  # each bound alone holds, both at once do not
             return Decision("hold", f"{figures}: no single role to blame")
         return self._shrink_idle(s, figures)
+
+    def _below_floor(self, s: Signals) -> Decision | None:
+        """Grow the role furthest below its forecast floor, if any: by a flip from the other
+        role where that stays at or above its own floor (and has the slack, `_grow`)."""
+        if s.floor_prefill is None or s.floor_decode is None:
+            return None
+        short_p = s.floor_prefill - s.prefill_workers
+        short_d = s.floor_decode - s.decode_workers
+        if max(short_p, short_d) <= 0:
+            return None
+        role = Role.PREFILL if short_p >= short_d else Role.DECODE
+        donor_spare = (short_d if role is Role.PREFILL else short_p) < 0
+        floor = s.floor_prefill if role is Role.PREFILL else s.floor_decode
+        why = f"forecast floor: {role.value} needs {floor} ({s.floor_reason})"
+        return self._grow(role, s, why, donor_ok=donor_spare)
 
     def _grow(self, role: Role, s: Signals, why: str, donor_ok: bool) -> Decision:
         c = self.cfg
@@ -356,12 +409,15 @@ class Planner:
         idle_decode = (s.decode_kv_free or 0.0) > IDLE_KV_FREE and (
             s.decode_step_ms is None or s.decode_step_ms < 0.5 * c.tpot_ms
         )
-        if s.decode_workers > c.min_decode and idle_decode and s.attainment == 1.0:
+        # never below the forecast floor (none without a profile)
+        min_decode = max(c.min_decode, s.floor_decode or 0)
+        min_prefill = max(c.min_prefill, s.floor_prefill or 0)
+        if s.decode_workers > min_decode and idle_decode and s.attainment == 1.0:
             w = min(self.decode.routable(), key=lambda w: len(w.active))
             return Decision("drain", f"{why}; the decode pool is idle", Role.DECODE, w.name)
         if (
             not self.colocated
-            and s.prefill_workers > c.min_prefill
+            and s.prefill_workers > min_prefill
             and not s.queued_prefill_tokens
             and s.attainment == 1.0
         ):

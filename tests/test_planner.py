@@ -140,6 +140,68 @@ def test_an_idle_pool_gives_back_a_worker_but_never_below_its_floor() -> None:
     assert q.decide(_signals(q, decode_kv_free=0.95, queued_prefill_tokens=0)).action == "hold"
 
 
+# A step model in `pdserve profile`'s JSON: 10 ms a step, 0.1 ms per prompt token, 2 ms per
+# decode row. A 500-token prompt pass: 60 ms; a decode batch within a 100 ms TPOT bound: 45.
+STEP_MODEL = {"a": 0.01, "chunks": 0.0, "sum_n": 1e-4, "sum_n2": 0.0, "sum_n_ctx": 0.0,
+              "batch": 0.002, "sum_ctx": 0.0}  # fmt: skip
+
+
+def _profile(tmp_path: Path) -> Path:
+    import json
+
+    path = tmp_path / "profile.json"
+    body = {"block_size": 16, "kv_bytes_per_block": 1, "pool_blocks": 1,
+            "workers": {"2": {"step_model": STEP_MODEL}}}  # fmt: skip
+    path.write_text(json.dumps(body))
+    return path
+
+
+def test_the_forecast_floor_sizes_each_role_from_the_profile(tmp_path: Path) -> None:
+    """At 20 req/s of 500 uncached prompt tokens and 100 output tokens: prefill busy 20 x
+    60 ms = 1.2 workers, at 70 % -> 2; decode 2000 tokens/s against 45 rows per 100 ms step
+    (450/s) at 70 % -> 7. Any thread count the profile lacks reads its smallest size."""
+    from router.forecast import ForecastFloor
+
+    f = ForecastFloor.from_profile(_profile(tmp_path), threads=1, tpot_ms=100.0)
+    assert f.threads == 2
+    floor = f.floor(20.0, [500] * 10, [100] * 10)
+    assert (floor.prefill, floor.decode) == (2, 7), floor
+    assert "batch 45" in floor.reason and "steady state" in floor.reason
+    assert (f.floor(0.0, [], []).prefill, f.floor(0.0, [], []).decode) == (0, 0)
+
+
+def test_the_planner_grows_to_its_forecast_floor_and_never_drains_below_it(
+    tmp_path: Path,
+) -> None:
+    """The window's load at the floor the profile gives (read, clamped to the bounds); a
+    role below its floor grows first (a flip from a role above its own floor, else an add),
+    and an idle role at its floor is not drained."""
+    import time
+
+    from router.planner import Finished
+
+    p = _planner(num_prefill=1, num_decode=2, patience=1, tpot_ms=100.0,
+                 profile=str(_profile(tmp_path)), max_decode=8)  # fmt: skip
+    now = time.perf_counter()
+    p.started_s = now - p.cfg.window_s
+    for i in range(int(20 * p.cfg.window_s)):  # 20 req/s over the window
+        p.window.items.append(Finished(now - i / 20, 0.1, 0.01, 600, 100, 500))
+    s = p.read(now)
+    assert (s.floor_prefill, s.floor_decode) == (2, 7), s
+    assert "20.00 req/s" in s.floor_reason, s.floor_reason
+    short = _signals(p, floor_prefill=2, floor_decode=7, floor_reason="test")
+    d = p.decide(short)  # decode is 5 short, prefill 1: decode first; no donor to spare
+    assert (d.action, d.role) == ("add", Role.DECODE) and "forecast floor" in d.reason, d
+    q = _planner(num_prefill=1, num_decode=2, patience=1)
+    d = q.decide(_signals(q, floor_prefill=2, floor_decode=1, floor_reason="test"))
+    assert (d.action, d.role, d.worker) == ("flip", Role.PREFILL, "pdserve-decode-0"), d
+    r = _planner(num_prefill=1, num_decode=2, patience=1)
+    idle = _signals(r, decode_kv_free=0.95, decode_step_ms=10.0, queued_prefill_tokens=0)
+    at_floor = [r.decide(replace(idle, floor_prefill=1, floor_decode=2)) for _ in range(4)]
+    assert all(d.action == "hold" for d in at_floor), at_floor
+    assert [r.decide(idle) for _ in range(3)][-1].action == "drain"  # no floor: it drains
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint("tiny", tmp_path_factory.mktemp("ckpt") / "tiny")

@@ -1,0 +1,103 @@
+"""The planner's forecast floor: the fewest workers per role that a measured profile says
+the observed load needs (`planner.profile`; the issue's second loop, beside the reactive
++-1 correction in `router.planner`).
+
+From `pdserve profile`'s step-time model (`pdserve.plan.stepmodel`) and the window's load
+(arrival rate, prompt tokens not served from the prefix cache, output tokens):
+
+- a prefill worker runs one prompt pass per step in the worst case, so its busy share is
+  rate x the mean pass time; the floor keeps it at `UTILIZATION` at most;
+- a decode worker holds the largest batch whose step, at the mean context, stays within the
+  TPOT bound; it then emits batch / step tokens a second, and the floor keeps the tokens
+  asked for (rate x mean output) at `UTILIZATION` of that.
+
+What must hold: the floor never exceeds a role's `max_*` nor falls below its `min_*` (the
+planner clamps it), and it is advisory as much as the planner is: it only ever asks for one
+operation at a time through the same decision path. It is a steady-state model: it has no
+queueing delay and no burst term (the reactive loop covers both), and it says so in its
+reason. Where no profile is given the planner runs the reactive loop alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.plan.stepmodel import StepCost, StepShape
+
+UTILIZATION = 0.7
+"""The busy share the floor sizes each role for: headroom for bursts and queueing."""
+MAX_BATCH = 512
+"""The largest decode batch the floor considers."""
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The workers each role needs at `rate_rps`, and why."""
+
+    prefill: int
+    decode: int
+    rate_rps: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class ForecastFloor:
+    """A step-time model of one worker size, and the TPOT bound it sizes decode for."""
+
+    model: StepCost
+    tpot_s: float
+    threads: int
+
+    @classmethod
+    def from_profile(cls, path: str | Path, threads: int, tpot_ms: float) -> ForecastFloor:
+        """The profile's model of `threads`-thread workers (0, or a size it did not measure:
+        its smallest). ValueError names a file that is not a profile."""
+        from pdserve.plan.plan import Profile
+
+        profile = Profile.read(path)
+        size = threads if threads in profile.models else min(profile.models)
+        return cls(profile.models[size], tpot_ms / 1e3, size)
+
+    def floor(
+        self, rate_rps: float, uncached_prompts: Sequence[int], outputs: Sequence[int]
+    ) -> Floor:
+        """Workers per role for `rate_rps` requests a second of these lengths (the window's
+        requests: their uncached prompt tokens and output tokens)."""
+        if rate_rps <= 0 or not outputs:
+            return Floor(0, 0, rate_rps, "no load")
+        passes = [self.model.predict(StepShape(((max(n, 1), 0),), ())) for n in uncached_prompts]
+        pass_s = sum(passes) / len(passes) if passes else 0.0
+        prefill = math.ceil(rate_rps * pass_s / UTILIZATION)
+        mean_prompt = sum(uncached_prompts) / max(len(uncached_prompts), 1)
+        mean_out = sum(outputs) / len(outputs)
+        ctx = max(1, round(mean_prompt + mean_out / 2))
+        batch, step_s = self._batch_within(ctx)
+        tokens_per_s = batch / step_s
+        decode = math.ceil(rate_rps * mean_out / tokens_per_s / UTILIZATION)
+        reason = (
+            f"{rate_rps:.2f} req/s: prompt pass {pass_s * 1e3:.0f} ms, decode batch {batch} "
+            f"in {step_s * 1e3:.0f} ms steps at {ctx} tokens of context ({self.threads}-thread "
+            f"workers at {UTILIZATION:.0%}, steady state)"
+        )
+        return Floor(prefill, decode, rate_rps, reason)
+
+    def _batch_within(self, ctx: int) -> tuple[int, float]:
+        """The largest batch (at least 1) whose step at `ctx` tokens each stays within the
+        TPOT bound, and that step's time (the step time grows with the batch)."""
+
+        def step(b: int) -> float:
+            return self.model.predict(StepShape((), (ctx,) * b))
+
+        lo, hi = 1, MAX_BATCH
+        if step(hi) <= self.tpot_s:
+            return hi, step(hi)
+        while lo < hi:  # the largest b with step(b) <= bound (or 1)
+            mid = (lo + hi + 1) // 2
+            if step(mid) <= self.tpot_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo, step(lo)
