@@ -95,12 +95,14 @@ bench-kernels: $(STAMP)
 # (benchmarks/pool_ops.py, docs/operations.md); then the router's placement and planner
 # tick at 20-200 workers (benchmarks/pool_scale.py), and the real router and planner
 # against 20-200 mock workers on Ray (benchmarks/pool_mock.py), and the planner acting on
-# mock workers under a 3x load step (benchmarks/planner_step_mock.py); ~6 min.
+# mock workers under a 3x load step (benchmarks/planner_step_mock.py), reactive alone and
+# with the forecast floor; ~9 min.
 bench-pool: $(STAMP)
 	$(BIN)/python benchmarks/pool_ops.py
 	$(BIN)/python benchmarks/pool_scale.py
 	$(BIN)/python benchmarks/pool_mock.py
 	$(BIN)/python benchmarks/planner_step_mock.py
+	$(BIN)/python benchmarks/planner_step_mock.py --floor --out benchmarks/results/planner-step-mock-floor.json
 
 bench-determinism: $(STAMP)
 	$(BIN)/python -m pdserve.tools.determinism

@@ -9,7 +9,9 @@ take the time the profile's step model predicts, so a worker added or flipped ad
 capacity a real one would on its own cores. A cold add takes `--start-s` (the default
 model's measured cold start, `make bench-pool`); a flip is a drain plus a role switch.
 
-Poisson arrivals of `--prompt-len`-token prompts (`--max-tokens` out) at `--rate` for
+With `--floor` the planner also keeps the forecast floor its profile gives (`planner.profile`,
+the same profile the mocks step by: the floor's model is then exact, and what is measured is
+the loop). Poisson arrivals of `--prompt-len`-token prompts (`--max-tokens` out) at `--rate` for
 `--phase-s`, three times that, then `--rate` again. Each request is scored against the SLO
 the planner holds (`--ttft-ms`, `--tpot-ms`). Reported: every request's outcome (nothing
 may be lost), the planner's decisions, the pools' sizes, the attainment of the requests
@@ -63,6 +65,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         patience=2,
         max_prefill=args.max_workers,
         max_decode=args.max_workers,
+        # the forecast floor from the same profile the mocks step by (their 1-thread model)
+        profile=str(args.profile) if args.floor else "",
+        profile_threads=1,
     )
     planner = router.start_planner(settings)
     done: list[dict[str, Any]] = []  # finished requests
@@ -94,6 +99,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "decode": len(router.decode.routable()),
             "attainment": sum(d["met"] for d in recent) / len(recent) if recent else None,
             "planner_attainment": signals.attainment if signals is not None else None,
+            "floor_prefill": signals.floor_prefill if signals is not None else None,
+            "floor_decode": signals.floor_decode if signals is not None else None,
         }
 
     rows: list[dict[str, Any]] = []
@@ -159,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-s", type=float, default=8.5, help="a cold add's modelled time")
     p.add_argument("--hosts", type=int, default=2, help="Ray actor processes of the mocks")
     p.add_argument("--profile", type=Path, default=PROFILE, help="a `pdserve profile` JSON")
+    p.add_argument(
+        "--floor", action="store_true", help="the planner's forecast floor from --profile too"
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     result = asyncio.run(run(args))
