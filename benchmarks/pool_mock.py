@@ -30,7 +30,6 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from tqdm import tqdm  # noqa: E402
 
 from engine.cpu import identity  # noqa: E402
+from pdserve.tools.mock_workers import drive, mock_router, start_hosts  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "pool-mock-latest.json"
 PROFILE = ROOT / "benchmarks" / "results" / "plan" / "profile.json"
@@ -50,86 +50,6 @@ def step_model(profile: Path) -> dict[str, float]:
     d = json.loads(profile.read_text())
     model: dict[str, float] = d["workers"]["1"]["step_model"]
     return model
-
-
-async def mock_router(
-    num_prefill: int, num_decode: int, hosts: list[Any], placed: dict[str, Any]
-) -> Any:
-    """A Router (not started) over new mock workers spread over `hosts`, built as
-    `pdserve.launch.build_router` builds one; `placed` gets each worker's host."""
-    from pdserve.tools.mock_workers import named_handle
-    from pool_api.messages import Role
-    from protos.pdserve.v1 import generation_pb2 as gen
-    from router.clients import DecodeClient, PrefillClient
-    from router.config import RouterConfig
-    from router.core import Router
-    from router.pools import Pool
-    from router.validation import EdgeLimits, ModelLimits
-
-    names = {Role.PREFILL: [f"mock-prefill-{i}" for i in range(num_prefill)],
-             Role.DECODE: [f"mock-decode-{i}" for i in range(num_decode)]}  # fmt: skip
-    adds = []
-    for i, name in enumerate(names[Role.PREFILL] + names[Role.DECODE]):
-        host = hosts[i % len(hosts)]
-        placed[name] = host
-        adds.append(host.add.remote(name, "prefill" if "prefill" in name else "decode"))
-    await asyncio.gather(*adds)
-    prefill = Pool(
-        Role.PREFILL,
-        [PrefillClient.of_actor(w, named_handle(placed[w], w)) for w in names[Role.PREFILL]],
-    )
-    decode = Pool(
-        Role.DECODE,
-        [DecodeClient.of_actor(w, named_handle(placed[w], w)) for w in names[Role.DECODE]],
-    )
-    info = gen.ModelInfo(served_model_name="mock", max_context_length=4096, block_size=16)
-    cfg = RouterConfig()
-    # the edge limits fixed once, not per request
-    limits = ModelLimits("mock", 49152, 4096, 16, 4096, edge=EdgeLimits.of(cfg, 4096))
-    return Router(cfg, limits, None, info, prefill, decode, "local")
-
-
-def start_hosts(count: int, model: dict[str, float]) -> list[Any]:
-    """Ray (a local node) and `count` mock hosts answering from `model`."""
-    import ray
-
-    from pdserve.launch import init_ray
-    from pdserve.tools.mock_workers import MockHost
-
-    init_ray(num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    host_cls: Any = ray.remote(MockHost)
-    return [
-        host_cls.options(num_cpus=0, max_concurrency=10_000).remote(model) for _ in range(count)
-    ]
-
-
-@dataclass(frozen=True)
-class Driven:
-    """One request through the router, as a client saw it (perf_counter times)."""
-
-    outcome: str  # "ok", "short (N tokens)", or what it raised
-    sent: float
-    first: float | None  # its first token
-    end: float
-    tokens: int
-
-
-async def drive(router: Any, req: Any, max_tokens: int) -> Driven:
-    """`req` through a started Router, as its gRPC face drives one; never raises."""
-    sent, first, tokens = time.perf_counter(), None, 0
-    try:
-        act = await router.admit(req)
-        try:
-            async for resp in router.run(act):
-                if first is None and resp.chunk.token_ids:
-                    first = time.perf_counter()
-                tokens += len(resp.chunk.token_ids)
-        finally:
-            router.finish(act, True)
-        outcome = "ok" if tokens == max_tokens else f"short ({tokens} tokens)"
-    except Exception as e:  # an outcome to count, not a crash of the benchmark
-        outcome = f"{type(e).__name__}: {e}"[:80]
-    return Driven(outcome, sent, first, time.perf_counter(), tokens)
 
 
 async def measure(n: int, hosts: list[Any], args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:

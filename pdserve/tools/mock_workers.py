@@ -358,3 +358,83 @@ class MockLauncher:
         if role is Role.PREFILL:
             return PrefillClient.of_actor(name, handle)
         return DecodeClient.of_actor(name, handle)
+
+
+# ---- a router over mock workers, and a request through it (benchmarks, tests) --------------
+async def mock_router(
+    num_prefill: int, num_decode: int, hosts: list[Any], placed: dict[str, Any]
+) -> Any:
+    """A Router (not started) over new mock workers spread over `hosts`, built as
+    `pdserve.launch.build_router` builds one; `placed` gets each worker's host."""
+    from protos.pdserve.v1 import generation_pb2 as gen
+    from router.clients import DecodeClient, PrefillClient
+    from router.config import RouterConfig
+    from router.core import Router
+    from router.pools import Pool
+    from router.validation import EdgeLimits, ModelLimits
+
+    names = {Role.PREFILL: [f"mock-prefill-{i}" for i in range(num_prefill)],
+             Role.DECODE: [f"mock-decode-{i}" for i in range(num_decode)]}  # fmt: skip
+    adds = []
+    for i, name in enumerate(names[Role.PREFILL] + names[Role.DECODE]):
+        host = hosts[i % len(hosts)]
+        placed[name] = host
+        adds.append(host.add.remote(name, "prefill" if "prefill" in name else "decode"))
+    await asyncio.gather(*adds)
+    prefill = Pool(
+        Role.PREFILL,
+        [PrefillClient.of_actor(w, named_handle(placed[w], w)) for w in names[Role.PREFILL]],
+    )
+    decode = Pool(
+        Role.DECODE,
+        [DecodeClient.of_actor(w, named_handle(placed[w], w)) for w in names[Role.DECODE]],
+    )
+    info = gen.ModelInfo(served_model_name="mock", max_context_length=4096, block_size=16)
+    cfg = RouterConfig()
+    # the edge limits fixed once, not per request
+    limits = ModelLimits("mock", 49152, 4096, 16, 4096, edge=EdgeLimits.of(cfg, 4096))
+    return Router(cfg, limits, None, info, prefill, decode, "local")
+
+
+def start_hosts(count: int, model: dict[str, float]) -> list[Any]:
+    """`count` mock hosts answering from `model` (seconds per step-model term), on the Ray
+    cluster this process has (a local node started if none)."""
+    import ray
+
+    from pdserve.launch import init_ray
+
+    if not ray.is_initialized():
+        init_ray(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    host_cls: Any = ray.remote(MockHost)
+    return [
+        host_cls.options(num_cpus=0, max_concurrency=10_000).remote(model) for _ in range(count)
+    ]
+
+
+@dataclass(frozen=True)
+class Driven:
+    """One request through the router, as a client saw it (perf_counter times)."""
+
+    outcome: str  # "ok", "short (N tokens)", or what it raised
+    sent: float
+    first: float | None  # its first token
+    end: float
+    tokens: int
+
+
+async def drive(router: Any, req: Any, max_tokens: int) -> Driven:
+    """`req` through a started Router, as its gRPC face drives one; never raises."""
+    sent, first, tokens = time.perf_counter(), None, 0
+    try:
+        act = await router.admit(req)
+        try:
+            async for resp in router.run(act):
+                if first is None and resp.chunk.token_ids:
+                    first = time.perf_counter()
+                tokens += len(resp.chunk.token_ids)
+        finally:
+            router.finish(act, True)
+        outcome = "ok" if tokens == max_tokens else f"short ({tokens} tokens)"
+    except Exception as e:  # an outcome to count, not a crash of the benchmark
+        outcome = f"{type(e).__name__}: {e}"[:80]
+    return Driven(outcome, sent, first, time.perf_counter(), tokens)

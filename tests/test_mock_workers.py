@@ -1,0 +1,69 @@
+"""Mock workers (`pdserve.tools.mock_workers`) behind the real router, on a real local Ray
+cluster: what `make bench-pool`'s scale and planner runs rest on.
+
+A request through the router over mock workers ends with every token it asked for; a drain
+and a flip of mock workers under load lose nothing; afterwards no mock holds a request or a
+block. The step model is hand-written: 10 ms a step plus 10 us a prompt token, so 8 tokens
+take ~0.1 s and the drain and the flip find requests in flight, and the module's cost is
+Ray's start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pdserve.tools.mock_workers import MockLauncher, drive, mock_router, start_hosts
+from pool_api.messages import Role
+from protos.pdserve.v1 import generation_pb2 as gen
+from tests.in_process import start_local_ray
+
+STEP_MODEL = {"a": 0.01, "chunks": 0.0, "sum_n": 1e-5, "sum_n2": 0.0, "sum_n_ctx": 0.0,
+              "batch": 1e-4, "sum_ctx": 0.0}  # fmt: skip
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[list[Any]]:
+    import ray
+
+    start_local_ray()
+    yield start_hosts(2, STEP_MODEL)
+    ray.shutdown()
+
+
+def _request(i: int) -> gen.GenerateRequest:
+    sampling = gen.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    ids = [100 + (i * 7 + j) % 3000 for j in range(64)]
+    return gen.GenerateRequest(token_ids=gen.TokenIds(ids=ids), sampling=sampling)
+
+
+def test_requests_drains_and_flips_through_mock_workers_lose_nothing(hosts: list[Any]) -> None:
+    async def run() -> tuple[list[str], dict[str, Any], list[Any]]:
+        placed: dict[str, Any] = {}
+        router = await mock_router(2, 2, hosts, placed)
+        router.admin.launcher = MockLauncher(hosts, placed)
+        await router.start()
+        try:
+            first = [
+                asyncio.ensure_future(drive(router, _request(i), MAX_TOKENS)) for i in range(24)
+            ]
+            await asyncio.sleep(0.02)  # some in flight on every worker
+            drained = await router.admin.drain("mock-decode-0")
+            flipped = await router.admin.flip("mock-prefill-1", Role.DECODE)
+            more = [drive(router, _request(100 + i), MAX_TOKENS) for i in range(16)]
+            outs = await asyncio.gather(*first, *more)
+            stats = await asyncio.gather(
+                *(w.client.stats() for w in router.prefill.workers + router.decode.workers)
+            )
+            return [o.outcome for o in outs], {"drain": drained, "flip": flipped}, stats
+        finally:
+            await router.drain(0.0)
+
+    outcomes, ops, stats = asyncio.run(run())
+    assert outcomes == ["ok"] * 40, outcomes
+    assert ops["drain"] and ops["flip"], ops
+    assert all(s.num_running == 0 and s.num_free_blocks == s.num_total_blocks for s in stats), stats
