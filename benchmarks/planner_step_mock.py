@@ -46,6 +46,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "planner-step-mock-latest.json"
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
+    from pdserve.plan.plan import forecast_floor
     from pdserve.tools.mock_workers import MockLauncher
     from protos.pdserve.v1 import generation_pb2 as gen
     from router.config import PlannerSettings
@@ -69,7 +70,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         profile=str(args.profile) if args.floor else "",
         profile_threads=1,
     )
-    planner = router.start_planner(settings)
+    forecast = forecast_floor(args.profile, 1, args.tpot_ms) if args.floor else None
+    planner = router.start_planner(settings, forecast)
     done: list[dict[str, Any]] = []  # finished requests
     rng = random.Random(0)
     sampling = gen.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

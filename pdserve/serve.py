@@ -13,8 +13,9 @@ import sys
 from pdserve.config import ServeConfig
 from pdserve.launch import Deployment
 from pool_api.config import redact_url
-from router.config import RouterConfig
+from router.config import PlannerSettings, RouterConfig
 from router.core import Router
+from router.forecast import ForecastFloor
 from router.http import HTTPServer, start_http_server
 from router.metrics import RouterMetrics
 from router.ports import check_ports
@@ -49,7 +50,7 @@ async def serve(
         server = await start_server(router, cfg.router.host, cfg.router.grpc.port)
         await router.start()
         if cfg.planner.enabled:
-            router.start_planner(cfg.planner)
+            router.start_planner(cfg.planner, _forecast(cfg.planner))
         freeze_startup_heap()
         await server.set_serving(router.serviceable())
         router.on_serving_change = server.set_serving  # NOT_SERVING while a pool is down
@@ -137,3 +138,15 @@ def run(cfg: ServeConfig) -> int:
     for summary in deployment.summaries:
         print(f"pdserve: {summary.line()}", file=sys.stderr, flush=True)
     return asyncio.run(serve(cfg, deployment, router, http_sock))
+
+
+def _forecast(planner: PlannerSettings) -> ForecastFloor | None:
+    """The planner's floor loop from `planner.profile` (None without one)."""
+    if not planner.profile:
+        return None
+    from pdserve.plan.plan import forecast_floor
+
+    try:
+        return forecast_floor(planner.profile, planner.profile_threads, planner.tpot_ms)
+    except ValueError as e:
+        raise ValueError(f"planner.profile: {e}") from None

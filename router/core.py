@@ -30,6 +30,7 @@ from router.choices import best_of
 from router.clients import DecodeClient, PrefillClient, quietly
 from router.config import PlannerSettings, RouterConfig
 from router.flow import RequestFlow
+from router.forecast import ForecastFloor
 from router.grammar_check import COMPILE_TIMEOUT_S, GrammarChecker, TokenizerSpec
 from router.index_sync import IndexSync
 from router.membership import PoolAdmin
@@ -125,9 +126,14 @@ class Router:
         if self.stats_log is not None:
             self._stats_logger = asyncio.create_task(self.stats_log.run())
 
-    def start_planner(self, settings: PlannerSettings) -> Planner:
-        """Pool sizes that follow the load (router.planner); in the running loop."""
-        self.planner = Planner(settings, self.admin, self.prefill, self.decode, self.colocated)
+    def start_planner(
+        self, settings: PlannerSettings, forecast: ForecastFloor | None = None
+    ) -> Planner:
+        """Pool sizes that follow the load (router.planner; `forecast`: its floor loop's
+        model, from `planner.profile`); in the running loop."""
+        self.planner = Planner(
+            settings, self.admin, self.prefill, self.decode, self.colocated, forecast
+        )
         self.metrics.add(self.planner.window)
         self.planner.start()
         log.warning(

@@ -2,7 +2,8 @@
 the observed load needs (`planner.profile`; the issue's second loop, beside the reactive
 +-1 correction in `router.planner`).
 
-From `pdserve profile`'s step-time model (`pdserve.plan.stepmodel`) and the window's load
+From `pdserve profile`'s step-time model (`StepTimes`, built from the profile above the
+router: `pdserve.plan.plan.forecast_floor`) and the window's load
 (arrival rate, prompt tokens not served from the prefix cache, output tokens):
 
 - a prefill worker runs one prompt pass per step in the worst case, so its busy share is
@@ -23,9 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-
-from pdserve.plan.stepmodel import StepCost, StepShape
+from typing import Protocol
 
 UTILIZATION = 0.7
 """The busy share the floor sizes each role for: headroom for bursts and queueing."""
@@ -43,23 +42,26 @@ class Floor:
     reason: str
 
 
+class StepTimes(Protocol):
+    """A worker's step times, as a profile's model predicts them (`pdserve.plan.plan.
+    forecast_floor` builds one from a `pdserve profile` JSON; the router reads no profile)."""
+
+    def prefill_s(self, tokens: int) -> float:
+        """One step that computes a prompt of `tokens` uncached tokens."""
+        ...
+
+    def decode_s(self, batch: int, ctx: int) -> float:
+        """One decode step of `batch` rows at `ctx` tokens of context each."""
+        ...
+
+
 @dataclass(frozen=True)
 class ForecastFloor:
-    """A step-time model of one worker size, and the TPOT bound it sizes decode for."""
+    """A worker size's step times, and the TPOT bound it sizes decode for."""
 
-    model: StepCost
+    times: StepTimes
     tpot_s: float
     threads: int
-
-    @classmethod
-    def from_profile(cls, path: str | Path, threads: int, tpot_ms: float) -> ForecastFloor:
-        """The profile's model of `threads`-thread workers (0, or a size it did not measure:
-        its smallest). ValueError names a file that is not a profile."""
-        from pdserve.plan.plan import Profile
-
-        profile = Profile.read(path)
-        size = threads if threads in profile.models else min(profile.models)
-        return cls(profile.models[size], tpot_ms / 1e3, size)
 
     def floor(
         self, rate_rps: float, uncached_prompts: Sequence[int], outputs: Sequence[int]
@@ -68,7 +70,7 @@ class ForecastFloor:
         requests: their uncached prompt tokens and output tokens)."""
         if rate_rps <= 0 or not outputs:
             return Floor(0, 0, rate_rps, "no load")
-        passes = [self.model.predict(StepShape(((max(n, 1), 0),), ())) for n in uncached_prompts]
+        passes = [self.times.prefill_s(max(n, 1)) for n in uncached_prompts]
         pass_s = sum(passes) / len(passes) if passes else 0.0
         prefill = math.ceil(rate_rps * pass_s / UTILIZATION)
         mean_prompt = sum(uncached_prompts) / max(len(uncached_prompts), 1)
@@ -89,7 +91,7 @@ class ForecastFloor:
         TPOT bound, and that step's time (the step time grows with the batch)."""
 
         def step(b: int) -> float:
-            return self.model.predict(StepShape((), (ctx,) * b))
+            return self.times.decode_s(b, ctx)
 
         lo, hi = 1, MAX_BATCH
         if step(hi) <= self.tpot_s:

@@ -43,7 +43,7 @@ from engine.request import FinishReason
 from pool_api.messages import Role, StatKey
 from router.active import ActiveRequest, RequestObserver
 from router.config import PlannerSettings
-from router.forecast import ForecastFloor
+from router.forecast import Floor, ForecastFloor
 
 if TYPE_CHECKING:
     from router.membership import PoolAdmin
@@ -200,7 +200,10 @@ class Planner:
         prefill: Pool[Any],
         decode: Pool[Any],
         colocated: bool,
+        forecast: ForecastFloor | None = None,
     ) -> None:
+        """`forecast`: the floor loop's model (`planner.profile`, built from the profile by
+        the caller: `pdserve.plan.plan.forecast_floor`); None: the reactive loop alone."""
         self.cfg = cfg
         self.admin = admin
         self.prefill = prefill
@@ -218,11 +221,7 @@ class Planner:
         self._task: asyncio.Task[None] | None = None
         self._op: asyncio.Task[None] | None = None  # the operation `act` mode started
         self.started_s = time.perf_counter()
-        self.forecast: ForecastFloor | None = None
-        if cfg.profile and not colocated:
-            self.forecast = ForecastFloor.from_profile(
-                cfg.profile, cfg.profile_threads, cfg.tpot_ms
-            )
+        self.forecast = None if colocated else forecast
 
     # ---- signals -------------------------------------------------------------------------
     def read(self, now: float) -> Signals:
@@ -260,12 +259,7 @@ class Planner:
         prefill_busy = None if self.colocated else self._since_last(prefill_up, now).busy
         prompts = [f.prompt_tokens for f in recent]
         outputs = [f.output_tokens for f in recent]
-        floor = None
-        if self.forecast is not None and recent:
-            # arrivals ~ completions over the window (or the time since the planner started)
-            span = min(self.cfg.window_s, max(now - self.started_s, self.cfg.interval_s))
-            uncached = [f.uncached_tokens for f in recent]
-            floor = self.forecast.floor(len(recent) / span, uncached, outputs)
+        floor = self._floor(recent, now)
         return Signals(
             prefill_workers=len(self.prefill.routable()),
             decode_workers=len(self.decode.routable()),
@@ -288,6 +282,15 @@ class Planner:
             floor_reason="" if floor is None else floor.reason,
             missing=tuple(missing),
         )
+
+    def _floor(self, recent: Sequence[Finished], now: float) -> Floor | None:
+        """The forecast floor at the window's load (None: no profile, or nothing finished)."""
+        if self.forecast is None or not recent:
+            return None
+        # arrivals ~ completions over the window (or the time since the planner started)
+        span = min(self.cfg.window_s, max(now - self.started_s, self.cfg.interval_s))
+        uncached = [f.uncached_tokens for f in recent]
+        return self.forecast.floor(len(recent) / span, uncached, [f.output_tokens for f in recent])
 
     def _clamp(self, role: Role, n: int) -> int:
         c = self.cfg

@@ -39,7 +39,12 @@ def _planner(num_prefill: int = 1, num_decode: int = 2, **cfg: Any) -> Planner:
     prefill, decode = _pool(Role.PREFILL, num_prefill), _pool(Role.DECODE, num_decode)
     admin = PoolAdmin(prefill, decode, None, lambda name: 0, False, 60.0)  # type: ignore[arg-type]
     settings = PlannerSettings(enabled=True, **{"patience": 2, **cfg})
-    return Planner(settings, admin, prefill, decode, colocated=False)
+    forecast = None
+    if settings.profile:  # as `pdserve serve` builds it
+        from pdserve.serve import _forecast
+
+        forecast = _forecast(settings)
+    return Planner(settings, admin, prefill, decode, colocated=False, forecast=forecast)
 
 
 def _signals(p: Planner, **kw: Any) -> Signals:
@@ -160,9 +165,9 @@ def test_the_forecast_floor_sizes_each_role_from_the_profile(tmp_path: Path) -> 
     """At 20 req/s of 500 uncached prompt tokens and 100 output tokens: prefill busy 20 x
     60 ms = 1.2 workers, at 70 % -> 2; decode 2000 tokens/s against 45 rows per 100 ms step
     (450/s) at 70 % -> 7. Any thread count the profile lacks reads its smallest size."""
-    from router.forecast import ForecastFloor
+    from pdserve.plan.plan import forecast_floor
 
-    f = ForecastFloor.from_profile(_profile(tmp_path), threads=1, tpot_ms=100.0)
+    f = forecast_floor(_profile(tmp_path), threads=1, tpot_ms=100.0)
     assert f.threads == 2
     floor = f.floor(20.0, [500] * 10, [100] * 10)
     assert (floor.prefill, floor.decode) == (2, 7), floor

@@ -33,8 +33,9 @@ import numpy as np
 
 from pdserve.plan.attainment import TARGET, goodput, parse_slo
 from pdserve.plan.sim import Outcome, Overheads, PoolShape, SimConfig, Transfer, simulate
-from pdserve.plan.stepmodel import StepCost, StepModel
+from pdserve.plan.stepmodel import StepCost, StepModel, StepShape
 from pdserve.plan.workload import BUILT_IN, WorkloadRequest, built_in, load, rescaled
+from router.forecast import ForecastFloor
 
 FRACTIONS = (0.1, 0.2, 0.35, 0.5, 0.7, 0.9, 1.1, 1.4)
 """The rate grid, as fractions of the machine's capacity estimate (`capacity_rps`)."""
@@ -101,6 +102,28 @@ class Profile:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"--profile: {path} is not a pdserve profile ({e})") from None
+
+
+@dataclass(frozen=True)
+class _ProfileTimes:
+    """`router.forecast.StepTimes` from a profile's step-cost model."""
+
+    model: StepCost
+
+    def prefill_s(self, tokens: int) -> float:
+        return self.model.predict(StepShape(((tokens, 0),), ()))
+
+    def decode_s(self, batch: int, ctx: int) -> float:
+        return self.model.predict(StepShape((), (ctx,) * batch))
+
+
+def forecast_floor(path: str | Path, threads: int, tpot_ms: float) -> ForecastFloor:
+    """The planner's forecast floor (`planner.profile`) from the profile at `path`: its model
+    of `threads`-thread workers (0, or a size it did not measure: its smallest). ValueError
+    names a file that is not a profile."""
+    profile = Profile.read(path)
+    size = threads if threads in profile.models else min(profile.models)
+    return ForecastFloor(_ProfileTimes(profile.models[size]), tpot_ms / 1e3, size)
 
 
 def _step_cost(worker: dict[str, Any]) -> StepCost:
