@@ -361,10 +361,15 @@ class TestRedisIndex:
         while r.hget(KEY + "epochs", P0) in (old_epoch, None):
             assert time.monotonic() < deadline, "the restarted worker never registered"
             time.sleep(0.02)
-        # at once: the old entries no longer count, and are gone from Redis
-        assert P0 not in s.lookup(g)
-        assert r.hget(g0, P0) is None
-        assert not r.sismember(KEY + "w:" + P0, f"{s.hashes(g)[0]:016x}")
+        # at once: the old entries no longer count, and are gone from Redis. (This failed
+        # once in 6 fresh clones, its message lost; each assert now says what it saw.)
+        def state() -> dict[str, Any]:
+            return {"old_epoch": old_epoch, "epochs": r.hgetall(KEY + "epochs"),
+                    "g0": r.hgetall(g0), "lookup": s.lookup(g)}  # fmt: skip
+
+        assert P0 not in s.lookup(g), state()
+        assert r.hget(g0, P0) is None, state()
+        assert not r.sismember(KEY + "w:" + P0, f"{s.hashes(g)[0]:016x}"), state()
 
         # the restarted worker serves again and, once it has published, is found again
         [p0] = [w for w in s.router.prefill.workers if w.name == P0]
@@ -373,8 +378,8 @@ class TestRedisIndex:
             assert time.monotonic() < deadline, "the router never saw prefill-0 come back"
             time.sleep(0.1)
         out = s.steer(P1, g)
-        assert out.complete and out.complete.prefill_worker == P0
-        assert out.complete.usage.cached_tokens == 0  # a fresh cache
+        assert out.complete and out.complete.prefill_worker == P0, (out.complete, state())
+        assert out.complete.usage.cached_tokens == 0, state()  # a fresh cache
         s.wait_lookup(g, lambda m: m.get(P0, 0) == 31)
 
 
