@@ -64,6 +64,10 @@ DOWN_PATIENCE = 3
 # bound; either times n / (n - 1)): a donor with no slack turns the flip into the next
 # shortage, and the planner into a see-saw (found by benchmarks/planner_step_mock.py).
 DONOR_BUSY_MAX = 0.7
+# A role gives a worker back (a drain) only if its others would then be loaded at most this
+# much (the same measure as DONOR_BUSY_MAX, with more room: a drain is slow to undo), and
+# the window's attainment is at least halfway from the target to 1.
+IDLE_BUSY_MAX = 0.5
 
 
 @dataclass(frozen=True)
@@ -329,7 +333,9 @@ class Planner:
         if want.action == "hold":
             self.streak.clear()
             return want
-        key = f"{want.action}:{want.role}:{want.worker}"
+        # a drain's streak is the role's: which worker is least loaded changes tick to tick
+        who = "" if want.action == "drain" else want.worker
+        key = f"{want.action}:{want.role}:{who}"
         self.streak = Counter({key: self.streak[key] + 1})
         # slower down than up: a drain needs its quiet to last DOWN_PATIENCE x as long
         needed = self.cfg.patience * (DOWN_PATIENCE if want.action == "drain" else 1)
@@ -408,24 +414,42 @@ class Planner:
         return Decision("add", why, role)
 
     def _shrink_idle(self, s: Signals, why: str) -> Decision:
+        """Drain a worker of a role whose others can take its load (`IDLE_BUSY_MAX`: decode,
+        its step time against the TPOT bound, with most of its KV free; prefill, its busy
+        share), when the SLO holds with room (attainment at least halfway from the target to
+        1), never below a role's `min_` or forecast floor. The prefill pool's load is its busy
+        share over the tick, not whether a prompt waits at the instant of the tick: at a low
+        rate one often does, and a pool of idle workers was never given back."""
         c = self.cfg
-        idle_decode = (s.decode_kv_free or 0.0) > IDLE_KV_FREE and (
-            s.decode_step_ms is None or s.decode_step_ms < 0.5 * c.tpot_ms
-        )
+        if s.attainment is None or s.attainment < (1.0 + c.target_attainment) / 2:
+            return Decision("hold", f"{why}: within the SLO")
         # never below the forecast floor (none without a profile)
         min_decode = max(c.min_decode, s.floor_decode or 0)
         min_prefill = max(c.min_prefill, s.floor_prefill or 0)
-        if s.decode_workers > min_decode and idle_decode and s.attainment == 1.0:
+
+        def spare(load: float | None, n: int) -> bool:  # its others take its load
+            return load is not None and n > 1 and load * n / (n - 1) <= IDLE_BUSY_MAX
+
+        decode_load = None if s.decode_step_ms is None else s.decode_step_ms / c.tpot_ms
+        idle_decode = (s.decode_kv_free or 0.0) > IDLE_KV_FREE and (
+            s.decode_step_ms is None or spare(decode_load, s.decode_workers)
+        )
+        if s.decode_workers > min_decode and idle_decode:
             w = min(self.decode.routable(), key=lambda w: len(w.active))
             return Decision("drain", f"{why}; the decode pool is idle", Role.DECODE, w.name)
+        behind = (s.queued_prefill_tokens or 0) > QUEUED_TOKENS_PER_WORKER * max(
+            s.prefill_workers, 1
+        )
         if (
             not self.colocated
             and s.prefill_workers > min_prefill
-            and not s.queued_prefill_tokens
-            and s.attainment == 1.0
+            and not behind
+            and spare(s.prefill_busy, s.prefill_workers)
         ):
             w = min(self.prefill.routable(), key=lambda w: len(w.active))
-            return Decision("drain", f"{why}; no prompt waits", Role.PREFILL, w.name)
+            return Decision(
+                "drain", f"{why}; the prefill pool has room to spare", Role.PREFILL, w.name
+            )
         return Decision("hold", f"{why}: within the SLO")
 
     # ---- the loop ------------------------------------------------------------------------

@@ -145,6 +145,26 @@ def test_an_idle_pool_gives_back_a_worker_but_never_below_its_floor() -> None:
     assert q.decide(_signals(q, decode_kv_free=0.95, queued_prefill_tokens=0)).action == "hold"
 
 
+def test_a_prefill_pool_with_room_is_given_back_after_a_burst() -> None:
+    """Three prefill workers 20 % busy (the other two would be 30 %) drain one after 3 x
+    patience ticks, though a prompt waits at some ticks and the least-loaded worker changes
+    from tick to tick (both had kept the pool at its burst size: a drain's streak was per
+    worker, and any waiting prompt reset it). 40 % busy (60 % for the others) holds, and so
+    does an attainment short of halfway from the target to 1."""
+    p = _planner(num_prefill=3, num_decode=1, patience=1)
+    decisions = []
+    for tick in range(3):
+        p.prefill.workers[tick].active.add(f"r{tick}")  # another worker is least loaded
+        queued = 600 if tick % 2 else 0
+        decisions.append(p.decide(_signals(p, prefill_busy=0.2, queued_prefill_tokens=queued)))
+    assert [d.action for d in decisions] == ["hold", "hold", "drain"], decisions
+    assert decisions[-1].role is Role.PREFILL
+    for busy, attainment in ((0.4, 1.0), (0.2, 0.94)):
+        q = _planner(num_prefill=3, num_decode=1, patience=1)
+        sig = _signals(q, prefill_busy=busy, attainment=attainment, ttft_attainment=attainment)
+        assert all(q.decide(sig).action == "hold" for _ in range(4)), (busy, attainment)
+
+
 # A step model in `pdserve profile`'s JSON: 10 ms a step, 0.1 ms per prompt token, 2 ms per
 # decode row. A 500-token prompt pass: 60 ms; a decode batch within a 100 ms TPOT bound: 45.
 STEP_MODEL = {"a": 0.01, "chunks": 0.0, "sum_n": 1e-4, "sum_n2": 0.0, "sum_n_ctx": 0.0,
