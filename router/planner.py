@@ -188,6 +188,12 @@ class Decision:
         return f"{what}: {self.reason}"
 
 
+def _others_take(load: float | None, n: int, bound: float) -> bool:
+    """Whether a role of `n` workers at `load` can lose one: its others, taking its share,
+    would be loaded at most `bound` (False when the load is unknown or n is 1)."""
+    return load is not None and n > 1 and load * n / (n - 1) <= bound
+
+
 def _share(values: Sequence[float | None], bound_s: float) -> float:
     return sum(v is not None and v <= bound_s for v in values) / len(values)
 
@@ -350,9 +356,7 @@ class Planner:
         assert s.ttft_attainment is not None and s.attainment is not None
         ttft_ok = s.ttft_attainment >= target
         tpot_ok = s.tpot_attainment is None or s.tpot_attainment >= target
-        behind = (s.queued_prefill_tokens or 0) > QUEUED_TOKENS_PER_WORKER * max(
-            s.prefill_workers, 1
-        )
+        behind = self._behind(s)
         figures = (
             f"attainment {s.attainment:.2f} (TTFT {s.ttft_attainment:.2f}, TPOT "
             f"{'-' if s.tpot_attainment is None else f'{s.tpot_attainment:.2f}'}) of "
@@ -374,6 +378,21 @@ class Planner:
         if s.attainment < target:  # each bound alone holds, both at once do not
             return Decision("hold", f"{figures}: no single role to blame")
         return self._shrink_idle(s, figures)
+
+    @staticmethod
+    def _behind(s: Signals) -> bool:
+        """The prefill pool has more uncached prompt tokens queued than it works off soon."""
+        return (s.queued_prefill_tokens or 0) > QUEUED_TOKENS_PER_WORKER * max(
+            s.prefill_workers, 1
+        )
+
+    def _load(self, role: Role, s: Signals) -> float | None:
+        """A role's load: prefill, its workers' busy share; decode, its step time against
+        the TPOT bound (a decode worker steps whenever anything runs, so its busy share says
+        little about its room). None: not known yet."""
+        if role is Role.PREFILL:
+            return s.prefill_busy
+        return None if s.decode_step_ms is None else s.decode_step_ms / self.cfg.tpot_ms
 
     def _below_floor(self, s: Signals) -> Decision | None:
         """Grow the role furthest below its forecast floor, if any: by a flip from the other
@@ -398,16 +417,10 @@ class Planner:
         donor_min = c.min_decode if role is Role.PREFILL else c.min_prefill
         if have >= (c.max_prefill if role is Role.PREFILL else c.max_decode):
             return Decision("hold", f"{why}; {role.value} is at its bound ({have})")
-        # the donor role's load: prefill, its workers' busy share; decode, its step time
-        # against the TPOT bound (a decode worker steps whenever anything runs, so its busy
-        # share says little about its room)
-        if role is Role.PREFILL:
-            load = None if s.decode_step_ms is None else s.decode_step_ms / c.tpot_ms
-        else:
-            load = s.prefill_busy
+        load = self._load(Role.DECODE if role is Role.PREFILL else Role.PREFILL, s)
         if donor_ok and load is not None and donor_have > 1:
             # its other workers take over its load
-            donor_ok = load * donor_have / (donor_have - 1) <= DONOR_BUSY_MAX
+            donor_ok = _others_take(load, donor_have, DONOR_BUSY_MAX)
         if donor_ok and donor_have > donor_min and not self.colocated:
             donor = min(donor_pool.routable(), key=lambda w: len(w.active))
             return Decision("flip", why, role, donor.name)
@@ -426,25 +439,18 @@ class Planner:
         # never below the forecast floor (none without a profile)
         min_decode = max(c.min_decode, s.floor_decode or 0)
         min_prefill = max(c.min_prefill, s.floor_prefill or 0)
-
-        def spare(load: float | None, n: int) -> bool:  # its others take its load
-            return load is not None and n > 1 and load * n / (n - 1) <= IDLE_BUSY_MAX
-
-        decode_load = None if s.decode_step_ms is None else s.decode_step_ms / c.tpot_ms
+        decode_load = self._load(Role.DECODE, s)
         idle_decode = (s.decode_kv_free or 0.0) > IDLE_KV_FREE and (
-            s.decode_step_ms is None or spare(decode_load, s.decode_workers)
+            decode_load is None or _others_take(decode_load, s.decode_workers, IDLE_BUSY_MAX)
         )
         if s.decode_workers > min_decode and idle_decode:
             w = min(self.decode.routable(), key=lambda w: len(w.active))
             return Decision("drain", f"{why}; the decode pool is idle", Role.DECODE, w.name)
-        behind = (s.queued_prefill_tokens or 0) > QUEUED_TOKENS_PER_WORKER * max(
-            s.prefill_workers, 1
-        )
         if (
             not self.colocated
             and s.prefill_workers > min_prefill
-            and not behind
-            and spare(s.prefill_busy, s.prefill_workers)
+            and not self._behind(s)
+            and _others_take(s.prefill_busy, s.prefill_workers, IDLE_BUSY_MAX)
         ):
             w = min(self.prefill.routable(), key=lambda w: len(w.active))
             return Decision(

@@ -336,7 +336,7 @@ class Driver:
         ticker.cancel()
         bar.close()
         for o in outs:
-            o.client_stall_s = stalls.within(o.sent_s, o.ended_s if o.ended_s else o.sent_s)
+            o.client_stall_s = stalls.within(o.sent_s, o.ended_s or o.sent_s)
         return list(outs)
 
     async def _one(self, stub: gen_grpc.GenerationStub, shot: Shot) -> Outcome:

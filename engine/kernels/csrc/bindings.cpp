@@ -32,7 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one query row per request against its paged keys, invariant");
   m.def("paged_flash_attention", &pdserve::paged_flash_attention,
         "each request's last query rows against its paged keys (prompt chunks and decode "
-        "rows alike), causal, invariant; float_products: bf16 inputs, float32 products");
+        "rows alike), causal, invariant; form: 0 brgemm in the input dtype, 1 bf16 inputs with "
+        "float32 products, 2 bf16 on AVX512-BF16 dot products");
   m.def("has_dpbf16", &pdserve::has_dpbf16,
         "whether the flash kernel's AVX512-BF16 dot product tiles were built");
   m.def("rms_norm", &pdserve::rms_norm, "RMSNorm in one kernel, HF's rounding, invariant");

@@ -316,8 +316,6 @@ at::Tensor paged_flash_attention(const at::Tensor& q, const at::Tensor& k_pages,
                                         window, scale);
 }
 
-}  // namespace pdserve
-
-namespace pdserve {
 bool has_dpbf16() { return kDpBf16; }
+
 }  // namespace pdserve
