@@ -1,13 +1,20 @@
-"""The prefill side of a transfer: channels per receiver, layer-by-layer pushes, leases.
+"""The prefill side of a transfer: a lane per receiver, layer-by-layer pushes, leases.
 
-`KVSender.start` opens a transfer for a ticket; the prefill worker calls `push` from the
+`KVSender.start` opens a transfer for a ticket; the prefill worker calls `push_async` from the
 engine's per-layer hook, so layer i's pages leave while layer i+1 computes; `finish` sends
 what is left and waits for the receiver's acknowledgement. The prefill side keeps the source
 blocks only until that acknowledgement or until the lease runs out (`SenderLeases`).
+
+Each receiver has a lane (`_Lane`): its channel, and a thread that opens the channel and runs
+that receiver's pushes and aborts, in order. What the engine thread calls (`start`,
+`push_async`, `abort`) never touches the network, so a receiver that dies mid-handshake
+(c10d's store client then retries its connect until its timeout, 10 s) or stops reading holds
+up its own transfers only: not the prompt passes, and not the transfers to other receivers.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -29,19 +36,94 @@ from kv_transfer.wire import (
 )
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MAX_CHANNELS = 32
+
+Job = Callable[[], None]
+
+
+class _Lane:
+    """One receiver: its channel, and the thread that opens it and runs its jobs in order.
+
+    Jobs must not raise (a push records its error on its transfer). Once retired, the lane
+    runs the jobs queued before, closes its channel and opens no other."""
+
+    def __init__(self, address: str, name: str) -> None:
+        self.address = address
+        self.channel: SendChannel | None = None
+        self._lock = threading.Lock()  # opening, dropping and closing the channel
+        self._closed = False
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except Exception:  # a bug in a job: the lane serves on
+                log.exception("a KV lane job for %s failed", self.address)
+        with self._lock:
+            self._closed = True
+            ch, self.channel = self.channel, None
+        if ch is not None:
+            ch.close()
+
+    def open(self, connect: Callable[[str], SendChannel]) -> SendChannel:
+        """The channel, connected on the calling thread when there is none: threads racing
+        to one receiver share one channel, and a connect to one receiver never waits for a
+        connect to another."""
+        with self._lock:
+            if self._closed:
+                raise TransferError(f"the channel to {self.address} was closed")
+            if self.channel is None:
+                self.channel = connect(self.address)
+            return self.channel
+
+    def drop(self, channel: SendChannel | None) -> None:
+        """Close the channel (only if it is still `channel`, when given): rebuilt on next use."""
+        with self._lock:
+            ch = self.channel
+            if ch is None or (channel is not None and ch is not channel):
+                return
+            self.channel = None
+        ch.close()
+
+    def submit(self, job: Job) -> None:
+        self._jobs.put(job)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every job submitted before this call has run; False past `timeout_s`."""
+        done = threading.Event()
+        self._jobs.put(done.set)
+        return done.wait(timeout_s)
+
+    def retire(self) -> None:
+        """Stop after the jobs queued so far (returns at once)."""
+        self._jobs.put(None)
+
+    def join(self, timeout_s: float) -> None:
+        if self._thread is not threading.current_thread():
+            self._thread.join(max(timeout_s, 0.0))
 
 
 @dataclass
 class OutboundTransfer:
     ticket: pb.TransferTicket
     src_block_ids: tuple[int, ...]
-    channel: SendChannel
+    lane: _Lane
+    channel: SendChannel | None = None  # opened on the lane by the first push
     layers_sent: int = 0
     bytes_sent: int = 0
     started_s: float = field(default_factory=time.perf_counter)
     runs: list[BlockRun] = field(default_factory=list)  # coalesced once per transfer
     error: BaseException | None = None  # a background push failed; `finish` raises it
+    aborted: bool = False  # no push runs after the abort frame
+
+    @property
+    def address(self) -> str:
+        return self.ticket.channel_address
 
 
 class KVSender:
@@ -61,92 +143,72 @@ class KVSender:
         self.max_channels = max_channels
         self.layers_per_frame = layers_per_frame
         self.timeout_s = timeout_s
-        self._channels: OrderedDict[str, SendChannel] = OrderedDict()
-        # None stops the pusher (`close`)
-        self._queue: queue.SimpleQueue[
-            tuple[OutboundTransfer, int, threading.Event | None] | None
-        ] = queue.SimpleQueue()
-        self._pusher: threading.Thread | None = None
+        self._lanes: OrderedDict[str, _Lane] = OrderedDict()
         self._lock = threading.Lock()
-        self._connect_lock = threading.Lock()
+
+    def _lane(self, address: str) -> _Lane:
+        """The receiver's lane, created on first use; the least recently used ones past
+        `max_channels` retire (after their queued jobs)."""
+        with self._lock:
+            lane = self._lanes.get(address)
+            if lane is not None:
+                self._lanes.move_to_end(address)
+                return lane
+            lane = self._lanes[address] = _Lane(address, f"kv-push-{self.sender_id}")
+            evicted = []
+            while len(self._lanes) > self.max_channels:
+                evicted.append(self._lanes.popitem(last=False)[1])
+        for old in evicted:
+            old.retire()
+        return lane
+
+    def _connect(self, address: str) -> SendChannel:
+        return self.transport.connect(address, self.sender_id)
 
     def channel(self, address: str) -> SendChannel:
-        """The pair's channel, created on first use; least recently used ones are closed.
+        """The receiver's channel, opened on the calling thread on first use."""
+        return self._lane(address).open(self._connect)
 
-        Connecting is serialized, so threads racing to the same new address share one
-        channel instead of each opening (and leaking) a pair of its own.
-        """
-        with self._lock:
-            if address in self._channels:
-                self._channels.move_to_end(address)
-                return self._channels[address]
-        with self._connect_lock:
-            with self._lock:
-                if address in self._channels:  # another thread connected meanwhile
-                    self._channels.move_to_end(address)
-                    return self._channels[address]
-            ch = self.transport.connect(address, self.sender_id)
-            evicted = []
-            with self._lock:
-                self._channels[address] = ch
-                while len(self._channels) > self.max_channels:
-                    evicted.append(self._channels.popitem(last=False)[1])
-        for old in evicted:
-            old.close()
-        return ch
+    def connect(self, out: OutboundTransfer) -> SendChannel:
+        """The transfer's channel, opened on the calling thread if no push opened it yet."""
+        if out.channel is None:
+            out.channel = out.lane.open(self._connect)
+        return out.channel
 
     def drop_channel(self, address: str, channel: SendChannel | None = None) -> None:
-        """Close the pair's channel (only if it is still `channel`, when given)."""
+        """Close the receiver's channel (only if it is still `channel`, when given)."""
         with self._lock:
-            ch = self._channels.get(address)
-            if ch is None or (channel is not None and ch is not channel):
-                return
-            del self._channels[address]
-        ch.close()
+            lane = self._lanes.get(address)
+        if lane is not None:
+            lane.drop(channel)
 
     @property
     def num_channels(self) -> int:
-        return len(self._channels)
+        with self._lock:
+            return sum(lane.channel is not None for lane in self._lanes.values())
 
     def start(self, ticket: pb.TransferTicket, src_block_ids: Sequence[int]) -> OutboundTransfer:
-        """Check the ticket against this cache and open (or reuse) the pair's channel."""
+        """Check the ticket against this cache; the channel opens at the first push."""
         check_layout(ticket.layout, self.cache.spec, theirs_is="receiver", mine_is="sender")
         if len(src_block_ids) != len(ticket.dst_block_ids):
             raise TransferRejected(
                 f"ticket has {len(ticket.dst_block_ids)} destination blocks "
                 f"for {len(src_block_ids)} source blocks"
             )
-        return OutboundTransfer(ticket, tuple(src_block_ids), self.channel(ticket.channel_address))
+        return OutboundTransfer(ticket, tuple(src_block_ids), self._lane(ticket.channel_address))
 
     def push_async(self, out: OutboundTransfer, layer_end: int) -> None:
-        """`push` on the sender's own thread: the caller (the engine's layer hook, mid
-        forward) only enqueues, so a slow channel never stalls the prompt pass."""
-        if self._pusher is None:
-            self._pusher = threading.Thread(
-                target=self._push_loop, name=f"kv-push-{self.sender_id}", daemon=True
-            )
-            self._pusher.start()
-        self._queue.put((out, layer_end, None))
+        """`push` on the receiver's lane: the caller (the engine's layer hook, mid forward)
+        only enqueues, so a slow or dead receiver never stalls the prompt pass."""
 
-    def _push_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            out, layer_end, done = item
-            if done is not None:
-                done.set()
-                continue
-            if out.error is None:
+        def push() -> None:
+            if out.error is None and not out.aborted:
                 try:
                     self.push(out, layer_end)
                 except BaseException as e:  # surfaced by `finish`
                     out.error = e
 
-    def _flush(self, out: OutboundTransfer) -> None:
-        """Wait until every queued push of this sender has run."""
-        if self._pusher is None:
-            return
-        done = threading.Event()
-        self._queue.put((out, 0, done))
-        done.wait()
+        out.lane.submit(push)
 
     def push(self, out: OutboundTransfer, layer_end: int, whole: bool = False) -> None:
         """Send layers [layers_sent, layer_end) in frames of `layers_per_frame` layers;
@@ -169,62 +231,77 @@ class KVSender:
                 out.ticket.dst_block_ids,
                 self.sender_id,
             )
+            channel = self.connect(out)
             try:
-                out.channel.send_frame(header, frame_regions(self.cache, start, end, runs, "src"))
+                channel.send_frame(header, frame_regions(self.cache, start, end, runs, "src"))
             except TransferError:
-                self.drop_channel(out.ticket.channel_address, out.channel)  # rebuilt on next use
+                out.lane.drop(channel)  # rebuilt on next use
                 raise
             out.layers_sent = end
             out.bytes_sent += header.payload_bytes
 
+    def flush(self, out: OutboundTransfer, timeout_s: float | None = None) -> bool:
+        """Wait until the pushes and aborts queued on the transfer's lane so far have run."""
+        return out.lane.flush(self.timeout_s if timeout_s is None else timeout_s)
+
     def finish(self, out: OutboundTransfer, timeout_s: float | None = None) -> pb.TransferAck:
         """Send the rest and wait for the acknowledgement; raises TransferError on failure."""
-        self._flush(out)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if not self.flush(out, timeout_s):
+            raise TransferError(
+                f"transfer {out.ticket.transfer_id}: the pushes to {out.address} did not run "
+                f"within {timeout_s:.1f} s"
+            )
         if out.error is not None:
-            self.drop_channel(out.ticket.channel_address, out.channel)
+            if out.channel is not None:
+                out.lane.drop(out.channel)
             raise TransferError(
                 f"transfer {out.ticket.transfer_id}: push failed: {out.error!r}"
             ) from out.error
         self.push(out, self.cache.num_layers, whole=True)
+        channel = self.connect(out)
         try:
-            return out.channel.finish(
-                out.ticket.transfer_id, self.timeout_s if timeout_s is None else timeout_s
-            )
+            return channel.finish(out.ticket.transfer_id, timeout_s)
         except TransferError:
             # A transfer can fail alone (aborted, rejected, its lease ran out): the pair's
             # other transfers carry on. Only a channel that can carry no more frames is
             # dropped (and rebuilt on next use).
-            if out.channel.broken:
-                self.drop_channel(out.ticket.channel_address, out.channel)
+            if channel.broken:
+                out.lane.drop(channel)
             raise
 
     def abort(self, out: OutboundTransfer, reason: str) -> None:
-        """Tell the receiver to release its reservation (an explicit abort frame)."""
-        self._flush(out)  # queued pushes first, so no frame follows the abort
-        try:
-            out.channel.abort(
-                abort_header(out.ticket.request_id, out.ticket.transfer_id, reason, self.sender_id)
-            )
-        except Exception:
-            self.drop_channel(out.ticket.channel_address, out.channel)
+        """Tell the receiver to release its reservation (an explicit abort frame), on the
+        transfer's lane after the pushes queued before it (none runs after it); returns at
+        once."""
+        out.aborted = True
+        header = abort_header(out.ticket.request_id, out.ticket.transfer_id, reason, self.sender_id)
+
+        def send_abort() -> None:
+            try:
+                self.connect(out).abort(header)
+            except Exception:
+                if out.channel is not None:
+                    out.lane.drop(out.channel)
+
+        out.lane.submit(send_abort)
 
     def send(self, ticket: pb.TransferTicket, src_block_ids: Sequence[int]) -> pb.TransferAck:
         """All layers at once (no overlap): start + finish."""
         return self.finish(self.start(ticket, src_block_ids))
 
     def close(self) -> None:
-        """Close every channel and end the pusher thread (after the pushes queued before):
-        a thread left running would keep this sender, its cache and its last transfer alive
-        for as long as the process lives."""
-        if self._pusher is not None:
-            self._queue.put(None)
-            self._pusher.join(self.timeout_s)
-            self._pusher = None
+        """Retire every lane and wait (up to `timeout_s` in all) for their jobs and channels
+        to end: a thread left running would keep this sender, its cache and its last transfer
+        alive for as long as the process lives."""
         with self._lock:
-            channels = list(self._channels.values())
-            self._channels.clear()
-        for ch in channels:
-            ch.close()
+            lanes = list(self._lanes.values())
+            self._lanes.clear()
+        for lane in lanes:
+            lane.retire()
+        deadline = time.monotonic() + self.timeout_s
+        for lane in lanes:
+            lane.join(deadline - time.monotonic())
 
 
 class SenderLeases:

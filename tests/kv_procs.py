@@ -445,7 +445,7 @@ def tx_push_partial_frame(state: State, key: str, ticket: bytes, src_ids: list[i
         tx.sender.sender_id,
     )
     regions = frame_regions(tx.cache, 0, 1, block_runs(src_ids, out.ticket.dst_block_ids), "src")
-    out.channel.send_frame(header, regions[:1])
+    tx.sender.connect(out).send_frame(header, regions[:1])
     tx.outbound[out.ticket.transfer_id] = out
     return out.ticket.transfer_id
 
@@ -466,7 +466,9 @@ def tx_finish(state: State, key: str, transfer_id: str, timeout_s: float | None 
 @command
 def tx_abort(state: State, key: str, transfer_id: str, reason: str) -> None:
     tx = state.tx[key]
-    tx.sender.abort(tx.outbound[transfer_id], reason)
+    out = tx.outbound[transfer_id]
+    tx.sender.abort(out, reason)
+    assert tx.sender.flush(out), "the abort did not run on its lane"
 
 
 @command
@@ -585,7 +587,7 @@ def tx_send_bad(
             sender.close()
     out = tx.sender.start(t, src_ids)
     header, regions = bad_frame(tx.cache, t, src_ids, kind, foreign)
-    out.channel.send_frame(header, regions)
+    tx.sender.connect(out).send_frame(header, regions)
     out.layers_sent = tx.cache.num_layers  # nothing else follows this frame
     try:
         return str(pb.TransferStatus.Name(tx.sender.finish(out).status))

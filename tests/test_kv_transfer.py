@@ -13,6 +13,7 @@ import gc
 import os
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -150,8 +151,8 @@ def test_local_transport_bit_exact(dtype: str) -> None:
         endpoint.close()
 
 
-def test_close_ends_the_pusher_thread_after_its_queued_pushes() -> None:
-    """A layer-by-layer transfer (`push_async`) runs on the sender's own thread; `close`
+def test_close_ends_the_lane_threads_after_their_queued_pushes() -> None:
+    """A layer-by-layer transfer (`push_async`) runs on its receiver's lane thread; `close`
     ends that thread, after what was queued, so that nothing keeps the sender (its cache,
     its last transfer) alive: a prefill worker shut down in-process otherwise left its
     whole engine in memory."""
@@ -164,12 +165,12 @@ def test_close_ends_the_pusher_thread_after_its_queued_pushes() -> None:
         out = sender.start(ticket, kv_procs.spread_ids(len(ticket.dst_block_ids)))
         for layer in range(L):
             sender.push_async(out, layer + 1)
-        pusher = sender._pusher
-        assert pusher is not None and pusher.is_alive()
+        pusher = out.lane._thread
+        assert pusher.is_alive()
         assert sender.finish(out).status == pb.TRANSFER_STATUS_COMPLETE
-        assert out.layers_sent == L
+        assert out.layers_sent == L and sender.num_channels == 1
         sender.close()
-        assert not pusher.is_alive() and sender._pusher is None
+        assert not pusher.is_alive() and sender.num_channels == 0
         rx.blocks.free(rx.receiver.take(ticket.transfer_id).request_id)
         rx.assert_released()
         ref = weakref.ref(sender)
@@ -177,6 +178,61 @@ def test_close_ends_the_pusher_thread_after_its_queued_pushes() -> None:
         gc.collect()
         assert ref() is None, "something still holds the closed sender"
     finally:
+        endpoint.close()
+
+
+class HungConnect:
+    """The local transport, except that a connect to `hung` waits until `release` (or 30 s)
+    and then fails: a receiver that died mid-handshake, whose store client retries until
+    its timeout."""
+
+    name = "local"
+
+    def __init__(self, hung: str) -> None:
+        self.real = get_transport("local")
+        self.hung = hung
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def connect(self, address: str, sender_id: str) -> Any:
+        if address != self.hung:
+            return self.real.connect(address, sender_id)
+        self.entered.set()
+        self.release.wait(30.0)
+        raise TransferError(f"cannot open a pair with {address}: connection reset")
+
+
+def test_a_receiver_that_hangs_its_connect_holds_up_its_own_transfers_only() -> None:
+    """The chaos kill of a decode worker mid-handshake: c10d's store client retried its
+    connect for 10 s on the engine thread, under a lock every connect took, so the prefill
+    worker ran no prompt pass and sent no KV to anyone for 10 s (an n = 4 request ended
+    10.5 s after the kill). Now the engine thread's calls (`start`, `push_async`, `abort`)
+    return while the connect hangs, and another receiver's transfer completes meanwhile."""
+    good, dead = Rx("float32"), Rx("float32")
+    endpoint = get_transport("local").listen(good.receiver)
+    good.receiver.address = endpoint.address
+    dead.receiver.address = "127.0.0.1:9"  # the ticket's address; its connect hangs
+    transport = HungConnect(dead.receiver.address)
+    sender = KVSender(src_cache(), "p", transport)  # type: ignore[arg-type]
+    try:
+        stuck = dead.receiver.reserve("stuck", 16 * 3)
+        out = sender.start(stuck, kv_procs.spread_ids(len(stuck.dst_block_ids)))
+        for layer in range(L):
+            sender.push_async(out, layer + 1)
+        assert transport.entered.wait(30.0), "the lane never tried to connect"
+        sender.abort(out, "its decode worker was found silent")  # returns: queued on the lane
+        ticket = good.receiver.reserve("bystander", 16 * 3)
+        ack = sender.send(ticket, kv_procs.spread_ids(len(ticket.dst_block_ids)))
+        assert ack.status == pb.TRANSFER_STATUS_COMPLETE
+        assert not transport.release.is_set() and out.error is None, "the hung connect ended"
+        good.blocks.free(good.receiver.take(ticket.transfer_id).request_id)
+        good.assert_released()
+        transport.release.set()
+        with pytest.raises(TransferError, match="connection reset"):
+            sender.finish(out, timeout_s=30.0)
+    finally:
+        transport.release.set()
+        sender.close()
         endpoint.close()
 
 
@@ -416,6 +472,7 @@ def test_late_frames_never_reach_the_new_owner(how: str) -> None:
             rx.receiver.fail(old.transfer_id, "cancelled")
         else:
             sender.abort(out, "client went away")
+            assert sender.flush(out), "the abort did not run on its lane"
         assert rx.receiver.get(old.transfer_id) is None
         new = rx.receiver.reserve("new", 16 * 5 + 3)
         assert sorted(new.dst_block_ids) == sorted(old.dst_block_ids)

@@ -245,9 +245,11 @@ def test_kill_9_of_a_decode_worker(chaos: Chaos, n: int) -> None:
     is served by the restarted worker within 30 s. With n = 4 each request runs as four
     forked sequences on its decode worker (8 tokens each, as many per request as n = 1's):
     none hangs, none is lost and no block is stranded, and the 10 s bound holds for n = 4
-    as for n = 1 (two fresh-clone runs of an older tree saw an n = 4 request end 10.3 s and
-    27.8 s after the kill; on this tree 13 runs of the row, 5 of them beside a CPU hog,
-    ended every in-flight request within 2.2 s)."""
+    as for n = 1. (A fresh clone saw an n = 4 request end 10.48 s after the kill: the
+    prefill worker was opening a pair with the decode worker as it died, and c10d's store
+    client retried that connect for its 10 s timeout on the engine thread, under a lock
+    every connect took: no prompt pass and no transfer to anyone for 10 s. Connects and
+    pushes now run on a lane per receiver; tests/test_kv_transfer.py holds a connect open.)"""
     sized = chaos
     if n > 1:
         sizes = replace(SIZES, output_len=SIZES.output_len // n)

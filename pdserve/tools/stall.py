@@ -107,14 +107,17 @@ def install(worker: Any, stall_s: float, num_transfers: int) -> None:
     """Stall the next `num_transfers` transfers of `worker` (a PrefillWorker) by `stall_s`.
     Replaces a stall installed before (`num_transfers=0` removes it). Open channels are
     wrapped in place (transfers already on them keep their frames moving), new ones are
-    wrapped as they connect. Reaches into the sender's channel table: this is a fault tool."""
+    wrapped as they connect. Reaches into the sender's lanes: this is a fault tool."""
     sender = worker.sender
     stall = _Stall(stall_s, num_transfers)
     t = sender.transport
     sender.transport = StalledTransport(t.inner if isinstance(t, StalledTransport) else t, stall)
     with sender._lock:
-        for address, ch in sender._channels.items():
-            sender._channels[address] = StalledChannel(_unwrap(ch), stall)
+        lanes = list(sender._lanes.values())
+    for lane in lanes:
+        with lane._lock:
+            if lane.channel is not None:
+                lane.channel = StalledChannel(_unwrap(lane.channel), stall)
 
 
 def num_held(worker: Any) -> int:
