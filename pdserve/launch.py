@@ -519,11 +519,18 @@ def init_ray(**kwargs: Any) -> None:
     """`ray.init(**kwargs)`, tried a second time, saying so, when a fresh local node does
     not come up ("The current node timed out during startup": its raylet never started,
     seen once in 5 fresh-clone test runs on a 2-core host). Joining a cluster is not retried:
-    there a failure is the cluster's to report."""
+    there a failure is the cluster's to report.
+
+    A fresh local node runs its workers at niceness 0, not Ray's default 15: pdserve's
+    actors are the serving engines, not background tasks to yield to whatever else runs on
+    the host. At 15 any busy process at 0 takes ~30x their CPU share: beside a test module's
+    in-process engines, a restarted worker took over 90 s to load (docs/benchmarks.md). A
+    cluster started by `ray start` sets this itself (`RAY_worker_niceness=0`, docs/deploy.md)."""
     import ray
 
     if kwargs.get("address") == "local":
         logging.getLogger(_RAY_AUTH_LOGGER).addFilter(_token_auth_on_notice)
+        kwargs["_system_config"] = {"worker_niceness": 0, **kwargs.get("_system_config", {})}
     # Ray's driver-side lines in pdserve's format: before init, and again after it
     # (ray.init sets its own formatter on the `ray` logger)
     logs.adopt("ray")
