@@ -69,9 +69,21 @@ class PagedDecode:
     """Decode attention that reads K/V from the paged cache in place: pdserve's own kernel
     (`engine/kernels/csrc/decode.cpp`), fixed key partitions counted from position 0 and one
     thread per (request, KV head, partition), so a row's bits depend on its own context only.
-    The model hands it the pages and block tables instead of a gathered context."""
+    The model hands it the pages and block tables instead of a gathered context.
 
-    __name__ = "paged_decode_attention"
+    `form` (`FORMS`): "float", both products in float32, for any dtype; "dpbf16", bf16 only,
+    the scores on AVX512-BF16 dot products where the extension was built for them (P V
+    stays in float32)."""
+
+    FORMS = ("float", "dpbf16")
+
+    def __init__(self, form: str = "float") -> None:
+        assert form in self.FORMS, form
+        self.form = form
+        self.__name__ = {
+            "float": "paged_decode_attention",
+            "dpbf16": "paged_decode_dpbf16_attention",
+        }[form]
 
     def __call__(
         self,
@@ -86,16 +98,21 @@ class PagedDecode:
         """q [B, H, D]; pages [num_blocks, block_size, Hkv, D]; block_tables [B, nb];
         ctx_lens [B] (this token included) -> [B, H * D]."""
         out: torch.Tensor = native.ext().paged_decode_attention(
-            q, k_pages, v_pages, block_tables, ctx_lens, window or 0, scale
-        )
+            q, k_pages, v_pages, block_tables, ctx_lens, window or 0, scale,
+            self.FORMS.index(self.form),
+        )  # fmt: skip
         return out
 
-    @staticmethod
-    def available(device: torch.device, dtype: torch.dtype) -> bool:
-        return native.runs(device, dtype)
+    def available(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """float: anywhere our kernels built. dpbf16: bf16 where the extension was built for
+        AVX512-BF16 (an even head_dim is checked by the kernel)."""
+        if not native.runs(device, dtype):
+            return False
+        return self.form == "float" or (dtype == torch.bfloat16 and native.ext().has_dpbf16())
 
 
 paged_decode_attention = PagedDecode()
+paged_decode_dpbf16_attention = PagedDecode("dpbf16")
 
 
 class PagedPrefill:

@@ -6,7 +6,7 @@ themselves, in the same order (simplest first), and asserts that they match thes
 from __future__ import annotations
 
 NAMES: dict[str, tuple[str, ...]] = {
-    "decode_attention": ("sdpa", "matmul", "paged"),
+    "decode_attention": ("sdpa", "matmul", "paged", "paged-dpbf16"),
     "prefill_attention": (
         "sdpa",
         "blocked",

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import matmul_attention, paged_decode_attention
+from engine.attention import matmul_attention
 from engine.config import ModelConfig
 from engine.decode_workspace import DecodeWorkspace
 from engine.kernels import KernelSet, check_applies
@@ -236,6 +236,7 @@ class LlamaModel:
         self.proj = proj
         self._decode_kernel = kernels.decode_fn()
         self._prefill_kernel = kernels.prefill_fn()
+        self._paged_decode = kernels.paged_decode()  # None: decode takes a gathered context
         self._paged_prefill = kernels.paged_prefill()  # None: prefill takes a gathered context
         self._fused_norm = kernels.norm == "fused"
         self._rope_write = kernels.rope_kv_fn()
@@ -468,11 +469,11 @@ class LlamaModel:
         """One query per request against its whole context: read in place from the decode
         workspace, or gathered from the pages (block tables or a slot grid)."""
         batch = q.shape[0]
-        if self.kernels.decode_reads_pages:
+        if self._paged_decode is not None:
             assert meta.decode_block_tables is not None and meta.decode_ctx_lens is not None
             kp, vp = cache.layer_pages(layer)
             tables, lens = meta.decode_block_tables, meta.decode_ctx_lens
-            return paged_decode_attention(q, kp, vp, tables, lens, window, self.scale)
+            return self._paged_decode(q, kp, vp, tables, lens, window, self.scale)
         span = meta.decode_span()
         if meta.decode_workspace is not None:
             k, v = meta.decode_workspace.layer(layer, batch, span)  # [B, Hkv, span, D]

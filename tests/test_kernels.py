@@ -253,9 +253,7 @@ def test_the_row_floor_probe_finds_a_path_that_rounds_some_rows_otherwise(
     for name, fn in (("gemv", gemv_differs), ("rowwise", invariant)):
         # a fresh generator each time: the probe's rows are what they would be at start-up
         gen = torch.Generator().manual_seed(0)
-        floors[name] = workloads._row_floor(
-            fn, cfg, torch.float32, torch.device("cpu"), gen, "qkv"
-        )
+        floors[name] = workloads._row_floor(fn, cfg, torch.float32, torch.device("cpu"), gen, "qkv")
     assert floors == {"gemv": 2, "rowwise": 1}
 
 
@@ -362,28 +360,38 @@ needs_native = pytest.mark.skipif(
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("dtype", "form"),
+    [(torch.float32, "paged"), (torch.bfloat16, "paged"), (torch.bfloat16, "paged-dpbf16")],
+)
 @pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("dim", [64, 48])
 def test_paged_decode_matches_float64_and_ignores_the_batch(
-    dtype: torch.dtype, window: int | None
+    dtype: torch.dtype, form: str, window: int | None, dim: int
 ) -> None:
     """Each row against eager float64 attention over its own keys (GQA, windows, lengths at
-    and around the 256-key partitions and the 16-token pages, scattered pages); then bit for
-    bit the same alone, in the batch, on one thread and from pages with loose rows."""
-    from engine.attention import paged_decode_attention
+    and around the 256-key partitions, the 16-key groups of the dpbf16 scores and the
+    16-token pages, a head_dim whose last 16 elements the dpbf16 scores load masked,
+    scattered pages); then bit for bit the same alone, in the batch, on one
+    thread and from pages with loose rows."""
+    from engine.kernels import candidate
     from engine.kernels.workloads import as_pages
 
+    paged_decode_attention = candidate("decode_attention", form).impl
+    if not paged_decode_attention.available(torch.device("cpu"), dtype):
+        pytest.skip(f"{form} in {dtype}: not on this CPU (AVX512-BF16)")
+
     g = torch.Generator().manual_seed(3)
-    lens = torch.tensor([1, 17, 255, 256, 257, 600, 1040, 513])
+    lens = torch.tensor([1, 17, 255, 256, 257, 600, 1040, 513, 270, 31])
     b, span = len(lens), int(lens.max())
-    q = torch.randn(b, 9, 64, generator=g).to(dtype)
-    k, v = (torch.randn(b, 3, span, 64, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(b, 9, dim, generator=g).to(dtype)
+    k, v = (torch.randn(b, 3, span, dim, generator=g).to(dtype) for _ in range(2))
     (kp, tables), (vp, _) = as_pages(k), as_pages(v)
     perm = torch.randperm(kp.shape[0], generator=g)  # pages anywhere in the cache
     kp, vp = kp[perm].contiguous(), vp[perm].contiguous()
     tables = torch.argsort(perm)[tables]
     out = paged_decode_attention(q, kp, vp, tables, lens, window, 0.125)
-    assert out.shape == (b, 9 * 64) and out.dtype == dtype
+    assert out.shape == (b, 9 * dim) and out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for i, n in enumerate(lens.tolist()):
         lo = 0 if window is None else max(0, n - window)
@@ -404,7 +412,7 @@ def test_paged_decode_matches_float64_and_ignores_the_batch(
         torch.set_num_threads(threads)
     # pages whose token rows are not packed (a row stride beyond the heads) are copied row
     # by row: the same bits
-    kpad, vpad = (torch.zeros(*p.shape[:2], 4, 64, dtype=dtype) for p in (kp, vp))
+    kpad, vpad = (torch.zeros(*p.shape[:2], 4, dim, dtype=dtype) for p in (kp, vp))
     kpad[:, :, :3], vpad[:, :, :3] = kp, vp
     loose = paged_decode_attention(q, kpad[:, :, :3], vpad[:, :, :3], tables, lens, window, 0.125)
     assert torch.equal(loose, out)

@@ -23,6 +23,7 @@ from engine.attention import (
     blocked_prefill_attention,
     matmul_attention,
     paged_decode_attention,
+    paged_decode_dpbf16_attention,
     paged_flash_attention,
     paged_flash_dpbf16_attention,
     paged_flash_f32_attention,
@@ -76,7 +77,12 @@ OPS: dict[str, tuple[Candidate, ...]] = {
         # census found it changing tokens chunked, disaggregated and preempted (prompt 12 of
         # 16, 2026-12-07), and the selection took it whenever load made it tie with `paged`
         Candidate("matmul", matmul_attention, _cpu, "never"),
-        Candidate("paged", paged_decode_attention, PagedDecode.available),
+        Candidate("paged", paged_decode_attention, paged_decode_attention.available),
+        Candidate(
+            "paged-dpbf16",
+            paged_decode_dpbf16_attention,
+            paged_decode_dpbf16_attention.available,
+        ),
     ),
     "prefill_attention": (
         Candidate("sdpa", sdpa_prefill_attention, _anywhere, "never"),
@@ -175,12 +181,17 @@ class KernelSet:
     @property
     def decode_reads_pages(self) -> bool:
         """Decode attention reads the paged cache in place (no workspace, no gather)."""
-        return isinstance(candidate("decode_attention", self.decode_attention).impl, PagedDecode)
+        return self.paged_decode() is not None
 
     @property
     def prefill_reads_pages(self) -> bool:
         """Prefill attention reads the paged cache in place (`PagedPrefill`, one call a step)."""
         return self.paged_prefill() is not None
+
+    def paged_decode(self) -> PagedDecode | None:
+        """The chosen decode kernel when it is a form of the paged decode kernel."""
+        impl = candidate("decode_attention", self.decode_attention).impl
+        return impl if isinstance(impl, PagedDecode) else None
 
     def paged_prefill(self) -> PagedPrefill | None:
         """The chosen prefill kernel when it is a form of the flash kernel on the pages."""

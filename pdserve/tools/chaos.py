@@ -242,9 +242,7 @@ def random_prompt(rng: random.Random, n: int, vocab_size: int) -> list[int]:
     return [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(n)]
 
 
-def request_of(
-    ids: list[int], request_id: str, max_tokens: int, n: int = 1
-) -> gen.GenerateRequest:
+def request_of(ids: list[int], request_id: str, max_tokens: int, n: int = 1) -> gen.GenerateRequest:
     """Greedy; with `n` > 1, n seeded choices (sampled: each its own tokens)."""
     if n > 1:
         return make_request(
@@ -713,9 +711,7 @@ async def aim(rig: Rig, names: Sequence[str], timeout_s: float) -> tuple[str, li
         await asyncio.sleep(0.002)
 
 
-async def _aim_streaming(
-    rig: Rig, names: Sequence[str], timeout_s: float
-) -> tuple[str, list[str]]:
+async def _aim_streaming(rig: Rig, names: Sequence[str], timeout_s: float) -> tuple[str, list[str]]:
     """As `aim`, counting only requests that already streamed a token from their worker."""
     assert rig.router is not None
     deadline = time.monotonic() + timeout_s
@@ -829,9 +825,7 @@ def scenario_freeze(ch: Chaos, role: str) -> ScenarioResult:
             try:
                 while d.now() < fault["at"] + cfg.freeze_s:
                     assert rig.router is not None
-                    decode_down.update(
-                        w.name for w in rig.router.decode.workers if not w.healthy
-                    )
+                    decode_down.update(w.name for w in rig.router.decode.workers if not w.healthy)
                     await asyncio.sleep(0.05)
             finally:
                 os.kill(pids[name], signal.SIGCONT)
@@ -866,9 +860,7 @@ def scenario_freeze(ch: Chaos, role: str) -> ScenarioResult:
 
     after = [let_go(o) - t_freeze for o in on_it]
     during = [
-        o
-        for o in outs
-        if o.status == OK and t_freeze < (o.ended_s or math.inf) < fault["resumed"]
+        o for o in outs if o.status == OK and t_freeze < (o.ended_s or math.inf) < fault["resumed"]
     ]
     res.figures = {
         "on_worker_at_freeze": len(hit),
@@ -955,6 +947,7 @@ def scenario_stall(ch: Chaos) -> ScenarioResult:
     workers = [name for name in cfg.stall_workers if name in ch.rig.actors()]
     for name in workers:
         ch.rig.stall_transfers(name, stall_s, cfg.num_stalled)
+    routing_before = ch.rig.routing_state()
     d = ch.driver()
     try:
         outs = asyncio.run(d.run(ch.shots("stall", cfg.num_stall), 8, "stall"))
@@ -981,6 +974,9 @@ def scenario_stall(ch: Chaos) -> ScenarioResult:
         "max_latency_ok_s": round(
             max((o.latency_s or 0.0 for o in outs if o.status == OK), default=0.0), 3
         ),
+        # where the requests went, and the router's view of the workers before the load
+        "prefilled_by": dict(Counter(o.prefill_worker or "(its decode worker)" for o in outs)),
+        "routing_before": routing_before,
     }
     res.base_checks()
     num_held = sum(held.values())
@@ -1634,6 +1630,7 @@ def scenario_pool(ch: Chaos, op: str) -> ScenarioResult:
                     info["restore"] = await asyncio.to_thread(
                         _admin, ch, lambda: router.admin.flip(name, Role.DECODE)
                     )
+
         outs, _ = await asyncio.gather(d.run(shots, cfg.kill_concurrency, row), inject())
         return outs
 
@@ -1658,8 +1655,8 @@ def scenario_pool(ch: Chaos, op: str) -> ScenarioResult:
         res.recover_s = info.get("recover")
         # Ray restarts the killed actor in its first role; the flip either failed (the
         # worker kept in its pool, down until then) or ran on the restarted actor
-        res.checks["the flip answered (an error, or done on the restarted worker)"] = (
-            isinstance(info["flip"], PoolError | dict)
+        res.checks["the flip answered (an error, or done on the restarted worker)"] = isinstance(
+            info["flip"], PoolError | dict
         )
         res.checks["each completes or ends UNAVAILABLE"] = set(o.status for o in outs) <= {
             OK,
@@ -1671,9 +1668,7 @@ def scenario_pool(ch: Chaos, op: str) -> ScenarioResult:
     else:
         ok = [v for v in answers.values() if isinstance(v, dict)]
         res.checks["every operation succeeded"] = len(ok) == len(answers) == 2
-        res.checks["no request ended by a drain's bound"] = all(
-            v.get("ended", 0) == 0 for v in ok
-        )
+        res.checks["no request ended by a drain's bound"] = all(v.get("ended", 0) == 0 for v in ok)
         res.checks["every request completes"] = all(o.status == OK for o in outs)
     return res
 

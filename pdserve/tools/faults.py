@@ -43,6 +43,7 @@ from pdserve.launch import Deployment
 from pdserve.serve import freeze_startup_heap
 from router.core import Router
 from router.http import HTTPServer, start_http_server
+from router.pools import WorkerLoad
 from router.service import RouterServer, start_server
 
 T = TypeVar("T")
@@ -379,6 +380,18 @@ class Rig:
             if on_decode or (prefilling and act.first_sent_s is None):
                 on.append(rid)
         return on
+
+    def routing_state(self) -> dict[str, str]:
+        """Each worker as the router sees it now: why it takes no new request, or "routable"
+        (for a row's figures: a fault that hit nothing says where the requests went)."""
+        assert self.router is not None
+        state = {}
+        workers: list[WorkerLoad[Any]] = [*self.router.prefill.workers, *self.router.decode.workers]
+        for w in workers:
+            why = [k for k in ("retiring", "draining", "misplaced") if getattr(w, k)]
+            why += [] if w.healthy else ["down"]
+            state[w.name] = ",".join(why) or "routable"
+        return state
 
     def stall_transfers(self, name: str, stall_s: float, num_transfers: int) -> None:
         """Prefill worker `name` holds back the KV of its next transfers for `stall_s`

@@ -11,7 +11,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
                          const c10::optional<at::Tensor>& residual);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pages,
                                   const at::Tensor& v_pages, const at::Tensor& tables,
-                                  const at::Tensor& lens, int64_t window, double scale);
+                                  const at::Tensor& lens, int64_t window, double scale,
+                                  int64_t form);
 at::Tensor paged_flash_attention(const at::Tensor& q, const at::Tensor& k_pages,
                                  const at::Tensor& v_pages, const at::Tensor& tables,
                                  const at::Tensor& q_starts, const at::Tensor& ctx_lens,
@@ -29,13 +30,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pdserve::pack_linear_weight, "[N, K] bf16 -> brgemm panels");
   m.def("packed_linear", &pdserve::packed_linear, "x @ W^T (+ bias) (+ residual), invariant");
   m.def("paged_decode_attention", &pdserve::paged_decode_attention,
-        "one query row per request against its paged keys, invariant");
+        "one query row per request against its paged keys, invariant; form: 0 float32 "
+        "products, 1 the scores on AVX512-BF16 dot products (bf16)");
   m.def("paged_flash_attention", &pdserve::paged_flash_attention,
         "each request's last query rows against its paged keys (prompt chunks and decode "
         "rows alike), causal, invariant; form: 0 brgemm in the input dtype, 1 bf16 inputs with "
         "float32 products, 2 bf16 on AVX512-BF16 dot products");
   m.def("has_dpbf16", &pdserve::has_dpbf16,
-        "whether the flash kernel's AVX512-BF16 dot product tiles were built");
+        "whether the kernels' AVX512-BF16 dot products were built");
   m.def("rms_norm", &pdserve::rms_norm, "RMSNorm in one kernel, HF's rounding, invariant");
   m.def("rope_write", &pdserve::rope_write,
         "RoPE on the query and key heads, the rotated K and V stored at their cache slots");

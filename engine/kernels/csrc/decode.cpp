@@ -10,6 +10,13 @@
 // runs in one order fixed by its own length: alone, in any batch, on any thread count, the
 // same bits.
 //
+// Two forms (`form`), one per machine for every row, so invariance holds the same way in each:
+// - float: both products in float32 (bf16 K and V widened), for any dtype;
+// - dpbf16 (bf16 on a CPU with AVX512-BF16): the scores Q K^T on VDPBF16PS, 16 keys at a time,
+//   each key's dot product reduced by one fixed transposing tree (`scores_dp`), the scale
+//   applied to the float32 score; P V stays in float32. The scores were most of the float
+//   form's time (a horizontal sum per key and head).
+//
 // The memory traffic: one task per (request, partition) first copies the partition's page
 // runs (every KV head: whole contiguous rows) into a thread-local buffer, then reduces each
 // head from it. A page's rows interleave the KV heads, so reading one head's rows in place
@@ -26,6 +33,7 @@
 #include <vector>
 
 #include "common.h"
+#include "dpbf16.h"
 
 namespace pdserve {
 
@@ -93,9 +101,9 @@ constexpr int64_t MAX_G = 8;  // GQA groups up to this take the register-blocked
 // s[g * PART + t - start] = dot(q_g, k_t) for t in [start, end), g < G: the same arithmetic
 // as `dot` (lane-wise fmadd over D in order, then the fixed lane tree), but four keys and all
 // G heads in flight at once, so the FMA chains overlap instead of waiting on each other.
-template <typename T, typename RowOf>
-inline void scores_fast(int64_t G, const float* __restrict__ qf, const T* kp, RowOf row_of,
-                        int64_t start, int64_t end, int64_t D, float* __restrict__ s) {
+template <int G, typename T, typename RowOf>
+inline void scores_g(const float* __restrict__ qf, const T* kp, RowOf row_of, int64_t start,
+                     int64_t end, int64_t D, float* __restrict__ s) {
   using fV = at::vec::Vectorized<float>;
   constexpr int64_t KEYS = 4;
   const auto tree = [](fV& x, fV& y) { return x + y; };
@@ -103,7 +111,7 @@ inline void scores_fast(int64_t G, const float* __restrict__ qf, const T* kp, Ro
     const int64_t kn = std::min(KEYS, end - t);
     const T* rows[KEYS];
     for (int64_t j = 0; j < KEYS; ++j) rows[j] = row_of(kp, t + std::min(j, kn - 1));
-    fV acc[KEYS][MAX_G];
+    fV acc[KEYS][G];
     for (int64_t j = 0; j < KEYS; ++j)
       for (int64_t g = 0; g < G; ++g) acc[j][g] = fV(0.f);
     for (int64_t d = 0; d < D; d += fV::size()) {
@@ -127,39 +135,131 @@ inline void scores_fast(int64_t G, const float* __restrict__ qf, const T* kp, Ro
 }
 
 // out_g[:] += p_g[t] * v_t[:] for t in [start, end) in order, g < G: `axpy`'s arithmetic with
-// each D slice's G accumulators held in registers across the keys.
+// each D slice's G accumulators held in registers across the keys (NS slices of 16 per pass:
+// NS x G independent chains).
+template <int G, int NS, typename T, typename RowOf>
+inline void values_pass(const float* __restrict__ s, const T* vp, RowOf row_of, int64_t start,
+                        int64_t end, int64_t D, int64_t d0, float* __restrict__ out) {
+  using fV = at::vec::Vectorized<float>;
+  fV acc[NS][G];
+  for (int c = 0; c < NS; ++c)
+    for (int g = 0; g < G; ++g) acc[c][g] = fV::loadu(out + g * D + d0 + c * fV::size());
+  for (int64_t t = start; t < end; ++t) {
+    const T* row = row_of(vp, t) + d0;
+    for (int c = 0; c < NS; ++c) {
+      fV v;
+      if constexpr (std::is_same_v<T, float>) {
+        v = fV::loadu(row + c * fV::size());
+      } else {
+        v = std::get<0>(at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(row + c * fV::size(), fV::size())));
+      }
+      for (int g = 0; g < G; ++g)
+        acc[c][g] = at::vec::fmadd(fV(s[g * PART + (t - start)]), v, acc[c][g]);
+    }
+  }
+  for (int c = 0; c < NS; ++c)
+    for (int g = 0; g < G; ++g) acc[c][g].store(out + g * D + d0 + c * fV::size());
+}
+
+template <int G, typename T, typename RowOf>
+inline void values_g(const float* __restrict__ s, const T* vp, RowOf row_of, int64_t start,
+                     int64_t end, int64_t D, float* __restrict__ out) {
+  constexpr int64_t W = at::vec::Vectorized<float>::size();
+  for (int64_t d0 = 0; d0 < D; d0 += 2 * W) {
+    if (D - d0 >= 2 * W) {
+      values_pass<G, 2, T>(s, vp, row_of, start, end, D, d0, out);
+    } else {
+      values_pass<G, 1, T>(s, vp, row_of, start, end, D, d0, out);
+    }
+  }
+}
+
+// The register-blocked paths for a GQA group of G heads, G a compile-time constant (1 to
+// MAX_G) so that the accumulators live in registers: with G a runtime value they lived on the
+// stack, and each FMA waited on the store of the one before. The same arithmetic either way.
+template <typename T, typename RowOf>
+inline void scores_fast(int64_t G, const float* __restrict__ qf, const T* kp, RowOf row_of,
+                        int64_t start, int64_t end, int64_t D, float* __restrict__ s) {
+  switch (G) {
+#define PDSERVE_G(n) case n: return scores_g<n, T>(qf, kp, row_of, start, end, D, s);
+    PDSERVE_G(1) PDSERVE_G(2) PDSERVE_G(3) PDSERVE_G(4)
+    PDSERVE_G(5) PDSERVE_G(6) PDSERVE_G(7) PDSERVE_G(8)
+#undef PDSERVE_G
+    default: TORCH_CHECK(false, "decode: a GQA group of ", G, " heads is over ", MAX_G);
+  }
+}
+
 template <typename T, typename RowOf>
 inline void values_fast(int64_t G, const float* __restrict__ s, const T* vp, RowOf row_of,
                         int64_t start, int64_t end, int64_t D, float* __restrict__ out) {
-  using fV = at::vec::Vectorized<float>;
-  constexpr int64_t SLICES = 2;  // D slices per pass: 2G independent chains
-  for (int64_t d0 = 0; d0 < D; d0 += SLICES * fV::size()) {
-    const int64_t ns = std::min<int64_t>(SLICES, (D - d0) / fV::size());
-    fV acc[SLICES][MAX_G];
-    for (int64_t c = 0; c < ns; ++c)
-      for (int64_t g = 0; g < G; ++g) acc[c][g] = fV::loadu(out + g * D + d0 + c * fV::size());
-    for (int64_t t = start; t < end; ++t) {
-      const T* row = row_of(vp, t) + d0;
-      for (int64_t c = 0; c < ns; ++c) {
-        fV v;
-        if constexpr (std::is_same_v<T, float>) {
-          v = fV::loadu(row + c * fV::size());
-        } else {
-          v = std::get<0>(at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(row + c * fV::size(), fV::size())));
-        }
-        for (int64_t g = 0; g < G; ++g)
-          acc[c][g] = at::vec::fmadd(fV(s[g * PART + (t - start)]), v, acc[c][g]);
-      }
-    }
-    for (int64_t c = 0; c < ns; ++c)
-      for (int64_t g = 0; g < G; ++g) acc[c][g].store(out + g * D + d0 + c * fV::size());
+  switch (G) {
+#define PDSERVE_G(n) case n: return values_g<n, T>(s, vp, row_of, start, end, D, out);
+    PDSERVE_G(1) PDSERVE_G(2) PDSERVE_G(3) PDSERVE_G(4)
+    PDSERVE_G(5) PDSERVE_G(6) PDSERVE_G(7) PDSERVE_G(8)
+#undef PDSERVE_G
+    default: TORCH_CHECK(false, "decode: a GQA group of ", G, " heads is over ", MAX_G);
   }
 }
+
+#if defined(__AVX512BF16__)
+// s[g * PART + t - start] = scale * dot(q_g, k_t) for t in [start, end), g < G, on VDPBF16PS.
+// Per head, 16 keys at a time: key j's products accumulate lane-wise in its own register, in
+// k-pair order (D / 32 instructions), then one fixed tree sums each register's 16 lanes, all
+// 16 registers together (4 levels of shuffles and adds), leaving key j's sum in lane j. A
+// key's bits depend on its own row and q_g only (a short last group repeats its last row).
+// D must be even (a last D % 32 elements are loaded masked).
+template <typename RowOf>
+inline void scores_dp(int64_t G, const c10::BFloat16* q, const c10::BFloat16* kp, RowOf row_of,
+                      int64_t start, int64_t end, int64_t D, float scale, float* __restrict__ s) {
+  constexpr int64_t KEYS = 16;
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t t = start; t < end; t += KEYS) {
+    const int64_t kn = std::min(KEYS, end - t);
+    // slot i holds key 4 * (i % 4) + i / 4: the tree below leaves slot i's sum in lane
+    // 4 * (i % 4) + i / 4, so each key's sum lands in its own lane
+    const c10::BFloat16* rows[KEYS];
+    for (int64_t i = 0; i < KEYS; ++i)
+      rows[i] = row_of(kp, t + std::min<int64_t>(4 * (i % 4) + i / 4, kn - 1));
+    for (int64_t g = 0; g < G; ++g) {
+      const c10::BFloat16* qg = q + g * D;
+      __m512 a[KEYS];
+      for (int64_t i = 0; i < KEYS; ++i) a[i] = _mm512_setzero_ps();
+      int64_t d = 0;
+      for (; d + 32 <= D; d += 32) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + d);
+        for (int64_t i = 0; i < KEYS; ++i)
+          a[i] = _mm512_dpbf16_ps(a[i], qv, (__m512bh)_mm512_loadu_si512(rows[i] + d));
+      }
+      if (d < D) {  // the last D % 32 elements, the rest of the register zero (adds 0 exactly)
+        const __mmask32 m = (__mmask32)((1ull << (D - d)) - 1);
+        const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, qg + d);
+        for (int64_t i = 0; i < KEYS; ++i)
+          a[i] = _mm512_dpbf16_ps(a[i], qv, (__m512bh)_mm512_maskz_loadu_epi16(m, rows[i] + d));
+      }
+      __m512 b[8], c[4], e[2];
+      for (int j = 0; j < 8; ++j)  // 128-bit blocks 0,1: slot 2j's halves summed; 2,3: 2j+1's
+        b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xEE));
+      for (int j = 0; j < 4; ++j)  // block k: slot 4j + k's four partial sums
+        c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0xDD));
+      for (int j = 0; j < 2; ++j)  // block k: two partials of slot 8j + k, two of 8j + 4 + k
+        e[j] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * j], c[2 * j + 1], 0x88),
+                             _mm512_shuffle_ps(c[2 * j], c[2 * j + 1], 0xDD));
+      // block k, lane m: slot 4m + k's sum
+      const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88),
+                                     _mm512_shuffle_ps(e[0], e[1], 0xDD));
+      _mm512_mask_storeu_ps(s + g * PART + (t - start), (__mmask16)((1u << kn) - 1),
+                            _mm512_mul_ps(r, sc));
+    }
+  }
+}
+#endif
 
 template <typename T>
 at::Tensor paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pages,
                              const at::Tensor& v_pages, const at::Tensor& tables,
-                             const at::Tensor& lens, int64_t window, double scale) {
+                             const at::Tensor& lens, int64_t window, double scale, bool dp) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_pages.size(1), HKV = k_pages.size(2), G = H / HKV;
   const int64_t W = tables.size(1);
@@ -236,21 +336,30 @@ at::Tensor paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pages,
         t += run;
       }
       for (int64_t h = 0; h < HKV; ++h) {
-        for (int64_t g = 0; g < G; ++g) {
-          to_float<T>(qp + (b * H + h * G + g) * D, qf.data() + g * D, D);
-          for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= static_cast<float>(scale);
-        }
         const T* kb = kbuf.get();
         const T* vb = vbuf.get();
         const auto row_of = [&](const T* base, int64_t t) { return base + (t - start) * RW + h * D; };
         const bool fast = G <= MAX_G && D % fV::size() == 0;
-        if (fast) {
-          scores_fast<T>(G, qf.data(), kb, row_of, start, end, D, s.data());
+        if (dp) {
+#if defined(__AVX512BF16__)
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {
+            scores_dp(G, qp + (b * H + h * G) * D, kb, row_of, start, end, D,
+                      static_cast<float>(scale), s.data());
+          }
+#endif
         } else {
-          for (int64_t t = start; t < end; ++t) {
-            to_float<T>(row_of(kb, t), kf.data(), D);
-            for (int64_t g = 0; g < G; ++g) {
-              s[g * PART + (t - start)] = dot(qf.data() + g * D, kf.data(), D);
+          for (int64_t g = 0; g < G; ++g) {
+            to_float<T>(qp + (b * H + h * G + g) * D, qf.data() + g * D, D);
+            for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= static_cast<float>(scale);
+          }
+          if (fast) {
+            scores_fast<T>(G, qf.data(), kb, row_of, start, end, D, s.data());
+          } else {
+            for (int64_t t = start; t < end; ++t) {
+              to_float<T>(row_of(kb, t), kf.data(), D);
+              for (int64_t g = 0; g < G; ++g) {
+                s[g * PART + (t - start)] = dot(qf.data() + g * D, kf.data(), D);
+              }
             }
           }
         }
@@ -303,15 +412,23 @@ at::Tensor paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pages,
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pages,
                                   const at::Tensor& v_pages, const at::Tensor& tables,
-                                  const at::Tensor& lens, int64_t window, double scale) {
+                                  const at::Tensor& lens, int64_t window, double scale,
+                                  int64_t form) {
   TORCH_CHECK(q.dim() == 3 && k_pages.dim() == 4 && v_pages.dim() == 4, "decode: shapes");
   TORCH_CHECK(q.scalar_type() == k_pages.scalar_type(), "decode: q and the pages differ in dtype");
   TORCH_CHECK(q.size(1) % k_pages.size(2) == 0, "decode: query heads not a multiple of KV heads");
   TORCH_CHECK(q.size(2) == k_pages.size(3), "decode: head_dim differs");
+  TORCH_CHECK(form == 0 || form == 1, "decode: form 0 (float) or 1 (dpbf16)");
+  const bool dp = form == 1;
+  if (dp) {
+    TORCH_CHECK(kDpBf16, "decode: dpbf16 needs the extension built for AVX512-BF16");
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "decode: dpbf16 is for bf16");
+    TORCH_CHECK(q.size(2) % 2 == 0, "decode: dpbf16 needs an even head_dim");
+  }
   if (q.scalar_type() == at::kBFloat16)
-    return paged_decode_impl<at::BFloat16>(q, k_pages, v_pages, tables, lens, window, scale);
+    return paged_decode_impl<at::BFloat16>(q, k_pages, v_pages, tables, lens, window, scale, dp);
   TORCH_CHECK(q.scalar_type() == at::kFloat, "decode: bf16 or float32");
-  return paged_decode_impl<float>(q, k_pages, v_pages, tables, lens, window, scale);
+  return paged_decode_impl<float>(q, k_pages, v_pages, tables, lens, window, scale, false);
 }
 
 }  // namespace pdserve
