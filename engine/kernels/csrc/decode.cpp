@@ -30,6 +30,7 @@
 #include <cstring>
 #include <memory>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -174,26 +175,14 @@ inline void values_g(const float* __restrict__ s, const T* vp, RowOf row_of, int
   }
 }
 
-// The register-blocked paths for a GQA group of G heads, G a compile-time constant (1 to
-// MAX_G) so that the accumulators live in registers: with G a runtime value they lived on the
+// The register-blocked paths take the GQA group size G as a compile-time constant (1 to MAX_G)
+// so that their accumulators live in registers: with G a run-time value they lived on the
 // stack, and each FMA waited on the store of the one before. The same arithmetic either way.
-template <typename T, typename RowOf>
-inline void scores_fast(int64_t G, const float* __restrict__ qf, const T* kp, RowOf row_of,
-                        int64_t start, int64_t end, int64_t D, float* __restrict__ s) {
+// `with_group(G, f)` calls f(std::integral_constant<int, G>{}).
+template <typename F>
+inline void with_group(int64_t G, F&& f) {
   switch (G) {
-#define PDSERVE_G(n) case n: return scores_g<n, T>(qf, kp, row_of, start, end, D, s);
-    PDSERVE_G(1) PDSERVE_G(2) PDSERVE_G(3) PDSERVE_G(4)
-    PDSERVE_G(5) PDSERVE_G(6) PDSERVE_G(7) PDSERVE_G(8)
-#undef PDSERVE_G
-    default: TORCH_CHECK(false, "decode: a GQA group of ", G, " heads is over ", MAX_G);
-  }
-}
-
-template <typename T, typename RowOf>
-inline void values_fast(int64_t G, const float* __restrict__ s, const T* vp, RowOf row_of,
-                        int64_t start, int64_t end, int64_t D, float* __restrict__ out) {
-  switch (G) {
-#define PDSERVE_G(n) case n: return values_g<n, T>(s, vp, row_of, start, end, D, out);
+#define PDSERVE_G(n) case n: return f(std::integral_constant<int, n>{});
     PDSERVE_G(1) PDSERVE_G(2) PDSERVE_G(3) PDSERVE_G(4)
     PDSERVE_G(5) PDSERVE_G(6) PDSERVE_G(7) PDSERVE_G(8)
 #undef PDSERVE_G
@@ -353,7 +342,9 @@ at::Tensor paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pages,
             for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= static_cast<float>(scale);
           }
           if (fast) {
-            scores_fast<T>(G, qf.data(), kb, row_of, start, end, D, s.data());
+            with_group(G, [&](auto g) {
+              scores_g<decltype(g)::value, T>(qf.data(), kb, row_of, start, end, D, s.data());
+            });
           } else {
             for (int64_t t = start; t < end; ++t) {
               to_float<T>(row_of(kb, t), kf.data(), D);
@@ -374,7 +365,9 @@ at::Tensor paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pages,
           std::fill(at + g * D, at + (g + 1) * D, 0.f);
         }
         if (fast) {
-          values_fast<T>(G, s.data(), vb, row_of, start, end, D, at);
+          with_group(G, [&](auto g) {
+            values_g<decltype(g)::value, T>(s.data(), vb, row_of, start, end, D, at);
+          });
         } else {
           for (int64_t t = start; t < end; ++t) {
             to_float<T>(row_of(vb, t), vf.data(), D);
