@@ -515,22 +515,25 @@ def _token_auth_on_notice(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Token authentication is enabled")
 
 
-def init_ray(**kwargs: Any) -> None:
+def init_ray(worker_niceness: int | None = None, **kwargs: Any) -> None:
     """`ray.init(**kwargs)`, tried a second time, saying so, when a fresh local node does
     not come up ("The current node timed out during startup": its raylet never started,
     seen once in 5 fresh-clone test runs on a 2-core host). Joining a cluster is not retried:
     there a failure is the cluster's to report.
 
-    A fresh local node runs its workers at niceness 0, not Ray's default 15: pdserve's
-    actors are the serving engines, not background tasks to yield to whatever else runs on
-    the host. At 15 any busy process at 0 takes ~30x their CPU share: beside a test module's
-    in-process engines, a restarted worker took over 90 s to load (docs/benchmarks.md). A
-    cluster started by `ray start` sets this itself (`RAY_worker_niceness=0`, docs/deploy.md)."""
+    `worker_niceness` (a fresh local node only; None: Ray's default, 15): pdserve serves with
+    Ray's default, so that on a shared host the router keeps its priority over the workers
+    (at 0, `pdserve chaos`'s overload row saw rejections take 225 ms instead of ~20). The test
+    suite starts its clusters at 0: there the other pytest worker's in-process engines, at 0,
+    took ~30x the CPU of workers at 15, and a restarted worker took over 90 s to load
+    (docs/benchmarks.md)."""
     import ray
 
     if kwargs.get("address") == "local":
         logging.getLogger(_RAY_AUTH_LOGGER).addFilter(_token_auth_on_notice)
-        kwargs["_system_config"] = {"worker_niceness": 0, **kwargs.get("_system_config", {})}
+        if worker_niceness is not None:
+            system = kwargs.get("_system_config", {})
+            kwargs["_system_config"] = {"worker_niceness": worker_niceness, **system}
     # Ray's driver-side lines in pdserve's format: before init, and again after it
     # (ray.init sets its own formatter on the `ray` logger)
     logs.adopt("ray")

@@ -16,12 +16,15 @@ __all__ = ["run_with_workers"]
 
 def start_local_ray() -> None:
     """A fresh local Ray cluster for one test module (any cluster this process had is shut
-    down first; never one found on the host). The workers ask for 0.5 logical CPUs each."""
+    down first; never one found on the host). The workers ask for 0.5 logical CPUs each, and
+    run at niceness 0 (`init_ray`): the other pytest worker, at 0, would otherwise starve
+    them."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
     init_ray(
+        worker_niceness=0,
         address="local",
         num_cpus=4,
         namespace="pdserve",
