@@ -81,14 +81,14 @@ class _Lane:
                 self.channel = connect(self.address)
             return self.channel
 
-    def drop(self, channel: SendChannel | None) -> None:
-        """Close the channel (only if it is still `channel`, when given): rebuilt on next use."""
+    def drop(self, channel: SendChannel) -> None:
+        """Close `channel` if it is still the lane's (another thread may have rebuilt it
+        since): the next use opens a new one."""
         with self._lock:
-            ch = self.channel
-            if ch is None or (channel is not None and ch is not channel):
+            if self.channel is not channel:
                 return
             self.channel = None
-        ch.close()
+        channel.close()
 
     def submit(self, job: Job) -> None:
         self._jobs.put(job)
@@ -174,13 +174,6 @@ class KVSender:
         if out.channel is None:
             out.channel = out.lane.open(self._connect)
         return out.channel
-
-    def drop_channel(self, address: str, channel: SendChannel | None = None) -> None:
-        """Close the receiver's channel (only if it is still `channel`, when given)."""
-        with self._lock:
-            lane = self._lanes.get(address)
-        if lane is not None:
-            lane.drop(channel)
 
     @property
     def num_channels(self) -> int:

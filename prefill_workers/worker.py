@@ -32,7 +32,7 @@ from engine.loop import EngineFailed
 from engine.request import Request, RequestOutput
 from engine.scheduler import SchedulerOutput
 from kv_transfer.sender import DEFAULT_MAX_CHANNELS, KVSender, OutboundTransfer, SenderLeases
-from kv_transfer.wire import TransferError, TransferRejected
+from kv_transfer.wire import TransferError
 from pool_api.config import WorkerConfig
 from pool_api.messages import FirstToken, PrefillResult, PrefillTask, Role, StatKey
 from protos.pdserve.v1 import kv_transfer_pb2 as pb
@@ -162,13 +162,13 @@ class PrefillWorker(WorkerBase):
                     )
                 self.sender.push_async(job.outbound, layer + 1)
             except Exception as e:
-                # Boundary: a broken pair fails its transfers, never the engine step.
+                # Boundary: a ticket this sender cannot serve (or a bug) fails its transfer,
+                # never the engine step. Nothing here touches the network (the receiver's
+                # lane connects and sends, and drops a channel that failed), so no channel
+                # is dropped here.
                 if not isinstance(e, TransferError):
                     log.exception("KV push of %s failed", job.request.request_id)
                 job.error = f"KV push to {job.ticket.channel_address} failed: {e!r}"
-                if not isinstance(e, TransferRejected):  # the pair is suspect: rebuild it
-                    channel = job.outbound.channel if job.outbound is not None else None
-                    self.sender.drop_channel(job.ticket.channel_address, channel)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         """A prompt pass ended: its choices' first tokens (all in this step's outputs, the

@@ -387,10 +387,10 @@ class Rig:
         assert self.router is not None
         state = {}
         workers: list[WorkerLoad[Any]] = [*self.router.prefill.workers, *self.router.decode.workers]
-        for w in workers:
-            why = [k for k in ("retiring", "draining", "misplaced") if getattr(w, k)]
-            why += [] if w.healthy else ["down"]
-            state[w.name] = ",".join(why) or "routable"
+        for w in workers:  # the terms of `WorkerLoad.routable`
+            why = {"down": not w.healthy, "retiring": w.retiring, "draining": w.draining}
+            why["misplaced"] = w.misplaced
+            state[w.name] = ",".join(k for k, on in why.items() if on) or "routable"
         return state
 
     def stall_transfers(self, name: str, stall_s: float, num_transfers: int) -> None:
