@@ -332,6 +332,24 @@ def test_a_busy_hosts_measurement_takes_the_fastest_and_is_provisional(
         assert (selection._read(path, key) is None) == noisy
 
 
+def test_a_busy_host_does_not_hold_up_a_choice_the_noise_cannot_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same swings, but the fast candidate wins beyond them (its median 10 ms, the
+    simple one's 40, each swinging by 20): timing stops at `MIN_ROUNDS` (the budget), the
+    fastest is taken and the choice is not provisional (the suite's workers spent 10 s on
+    a tiny model's clear choices, timed on to the busy-host budget)."""
+    clock = _Clock()
+    monkeypatch.setattr(selection, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(selection, "BUDGET_S", 0.0)
+    fns = {"simple": clock.work("simple", 40.0, 60.0), "fast": clock.work("fast", 10.0, 30.0)}
+    medians, errors = selection._alternate(fns)
+    assert clock.calls == dict.fromkeys(fns, selection.MIN_ROUNDS)
+    order = ["simple", "fast"]
+    assert max(errors.values()) > selection.NOISY * medians["fast"]  # a busy host's swings
+    assert selection._choose(order, medians, errors) == ("fast", False)
+
+
 def test_without_pdserve_kernels_torch_serves_and_says_so(tmp_path: Path) -> None:
     """PDSERVE_NATIVE_KERNELS=0 (as a machine without a compiler): the engine starts on
     torch's kernels, and the startup line says why ours are missing."""

@@ -177,10 +177,11 @@ def test_a_constrained_row_leaves_the_others_in_its_batch_untouched(
 ) -> None:
     """The same four-row batch twice, its last row constrained or not: the first three rows'
     tokens are equal (each run keeps four rows through their 8 tokens, so both compute the
-    same batch shapes), and the constrained row's output validates."""
+    same batch shapes: the free last row runs its 8 tokens whatever it samples), and the
+    constrained row's output validates."""
     ids = [chat_ids(real_dir, p) for p in [*PROMPTS, "Name three primary colors.", PROMPTS[0]]]
     free = SamplingParams(temperature=0.0, max_tokens=8)
-    long_free = replace(free, max_tokens=MAX_TOKENS, ignore_eos=True)
+    long_free = replace(free, ignore_eos=True)
     constrained = replace(
         free, max_tokens=MAX_TOKENS, structured=StructuredOutput("json", json.dumps(SCHEMAS[0]))
     )

@@ -17,11 +17,13 @@ candidates (`engine.kernels.OPS`) run on random inputs of the model's own shapes
   by CPU model and flags, torch version, dtype, device, thread count and shapes: a restart
   reads the file and measures nothing;
 - a measurement taken on a busy host (other processes' load, which the lock cannot keep
-  out) is noisy: an op whose medians' standard error exceeds `NOISY` of the fastest median
-  is timed for longer, and if it stays noisy its fastest median wins (a tie "within the
-  noise" would then hand the op to the simplest candidate, 2-3x slower: the suite's
-  parallel workers cached such choices). A noisy choice is cached for `PROVISIONAL_S`
-  only (the workers of one deployment starting together share it), then measured again.
+  out) is noisy: an op whose medians' standard error exceeds `NOISY` of the fastest median,
+  and whose fastest candidate does not win beyond that noise, is timed for longer, and if
+  it stays so its fastest median wins (a tie "within the noise" would then hand the op to
+  the simplest candidate, 2-3x slower: the suite's parallel workers cached such choices).
+  Such a choice is cached for `PROVISIONAL_S` only (the workers of one deployment starting
+  together share it), then measured again. A fastest candidate that wins beyond the noise
+  is a settled choice, however busy the host.
 
 With batch invariance on (the default), a candidate must also pass an invariance probe
 before it is timed: a row's bits may not depend on the rows computed with it (a batch's
@@ -282,10 +284,11 @@ def _alternate(fns: dict[str, Callable[[], Any]]) -> tuple[dict[str, float], dic
         if r >= MIN_ROUNDS and len(timed) == 1:
             break
         if r >= rounds or (r >= MIN_ROUNDS and time.perf_counter() > start + BUDGET_S):
-            # done, unless the host is busy: then on, to NOISY_BUDGET_S, while it stays so
+            # done, unless a busy host's noise leaves the choice open: then on, to
+            # NOISY_BUDGET_S, while it does
             medians = {n: statistics.median(samples[n]) for n in timed}
-            quiet = not _noisy(medians, {n: median_error(samples[n]) for n in timed})
-            if quiet or time.perf_counter() > start + NOISY_BUDGET_S:
+            settled = not _noisy(list(timed), medians, {n: median_error(samples[n]) for n in timed})
+            if settled or time.perf_counter() > start + NOISY_BUDGET_S:
                 break
         for name, fn in timed.items():
             t = time.perf_counter()
@@ -310,18 +313,24 @@ def _choose(
 ) -> tuple[str, bool]:
     """(the choice, whether the host was busy): the simplest candidate within noise of the
     fastest (`_pick`), or on a busy host (`_noisy`) the fastest median."""
-    if _noisy(medians, errors_ms):
+    if _noisy(order, medians, errors_ms):
         return min(order, key=medians.__getitem__), True
     return _pick(order, medians, errors_ms), False
 
 
-def _noisy(medians: dict[str, float], errors_ms: dict[str, float]) -> bool:
-    """Two or more candidates timed, and some median's standard error beyond `NOISY` of the
-    fastest median: a busy host's measurement, whose ties mean nothing."""
-    if len(medians) < 2:
+def _noisy(order: list[str], medians: dict[str, float], errors_ms: dict[str, float]) -> bool:
+    """Two or more candidates timed, some median's standard error beyond `NOISY` of the
+    fastest median, and that noise is what keeps the fastest from winning (`_pick` would
+    take a simpler one "within the noise"): a busy host's measurement, whose ties mean
+    nothing. A fastest candidate that wins beyond the noise is a settled choice however
+    busy the host (timing it on would only delay the start)."""
+    timed = [n for n in order if n in medians]
+    if len(timed) < 2:
         return False
-    fastest = min(medians.values())
-    return max(errors_ms[n] for n in medians) > NOISY * fastest
+    fastest = min(timed, key=medians.__getitem__)
+    if max(errors_ms[n] for n in timed) <= NOISY * medians[fastest]:
+        return False
+    return _pick(timed, medians, errors_ms) != fastest
 
 
 def _pick(order: list[str], medians: dict[str, float], errors_ms: dict[str, float]) -> str:
