@@ -88,7 +88,15 @@ class PoolConfig:
         "Ray restarts a dead worker this many times (-1: always); the router probes it back",
         ge=-1,
     )
-    num_threads: int = setting(1, "torch intra-op threads per worker (Ray sets 1)", ge=1)
+    num_threads: int = setting(
+        0,
+        "torch intra-op threads per worker; auto: on the local cluster pdserve starts, this "
+        "host's cores shared evenly among the workers it starts (a colocated worker alone "
+        "gets them all, 1P1D on 2 cores one each), on a cluster it joins the worker's Ray "
+        "CPUs (num_cpus, at least 1)",
+        ge=0,
+        zero="auto",
+    )
     cpu_affinity: str = setting(
         "",
         "pin each worker to cores, one set per worker separated by ';' (e.g. '0;1', or "

@@ -291,7 +291,8 @@ class Deployment:
         cfg, pool = self.cfg, self._pool(role)
         sets = cpu_sets(pool.cpu_affinity)
         cpus = sets[i] if i < len(sets) else ()
-        threads = len(cpus) or pool.num_threads  # pinned: a thread per core
+        # pinned: a thread per core; else as set, or auto
+        threads = len(cpus) or pool.num_threads or self._auto_threads(pool)
         return WorkerConfig(
             name=name,
             engine=replace(self._engine, num_threads=threads) if cpus else self._engine,
@@ -306,6 +307,16 @@ class Deployment:
             # ten missed long polls, and never under the default
             stream_idle_timeout_s=max(30.0, 10 * cfg.router.heartbeat_s),
         )
+
+    def _auto_threads(self, pool: PoolConfig) -> int:
+        """`num_threads: 0`: on the cluster pdserve started, this host's cores shared evenly
+        among the workers it starts (torch's threads past the cores would only preempt
+        each other); on a cluster it joined, the worker's Ray CPUs, where Ray places it."""
+        if not self.started_ray:
+            return max(1, int(pool.num_cpus))
+        cfg = self.cfg
+        workers = cfg.decode.num_workers + (0 if cfg.colocated else cfg.prefill.num_workers)
+        return max(1, len(os.sched_getaffinity(0)) // max(1, workers))
 
     def _actor(self, name: str, role: Role, i: int) -> Any:
         import ray

@@ -180,6 +180,35 @@ def test_router_checks_against_the_smallest_worker_cache() -> None:
     assert summary(8).max_concurrency == 2.0  # 8 blocks / (64 tokens / 16)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "started_ray", "threads"),
+    [
+        ({"colocated": True}, True, 8),  # one worker alone: every core, as vLLM takes them
+        ({}, True, 4),  # 1P1D on the host: half each (on 2 cores, one each)
+        ({"prefill": {"num_workers": 2}, "decode": {"num_workers": 2}}, True, 2),
+        ({"prefill": {"num_workers": 9}, "decode": {"num_workers": 9}}, True, 1),
+        ({"decode": {"num_cpus": 3}}, False, 3),  # a cluster it joined: the Ray CPUs
+        ({}, False, 1),  # num_cpus 0.5
+        ({"decode": {"num_threads": 5}}, True, 5),  # as set
+    ],
+)
+def test_worker_threads_default_to_the_cores_they_share(
+    monkeypatch: pytest.MonkeyPatch, overrides: dict[str, Any], started_ray: bool, threads: int
+) -> None:
+    """`num_threads: 0` (auto): a colocated `pdserve serve` used one torch thread of the
+    host's cores (its prompt pass at half speed on 2 cores, 1/16 on 16)."""
+    from engine.engine import EngineConfig
+    from kv_transfer.config import TransferConfig
+    from pdserve.launch import Deployment
+    from pool_api.messages import Role
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    cfg = ServeConfig.load(None, overrides)
+    d = Deployment(cfg, started_ray=started_ray)
+    d._engine, d._transfer = EngineConfig(model="tiny"), TransferConfig()
+    assert d._worker_cfg("pdserve-decode-0", Role.DECODE, 0).num_threads == threads
+
+
 def test_format_bytes() -> None:
     assert format_bytes(100) == "100 B"
     assert format_bytes(3 << 29) == "1.50 GiB"
