@@ -34,6 +34,7 @@ redis:
 # pytest's exit code 5 (no tests collected) is a failure like any other non-zero code.
 test: $(STAMP) redis
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	# mypy runs beside the suite (a minute of one core, taken from the suite's waits); its
 	# report prints after the suite's, and either failing fails the target.
 	# Two workers (pytest-xdist), each taking whole groups: a module, or the modules that
@@ -52,6 +53,7 @@ typecheck: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(MAKE) --no-print-directory typecheck
 
 # MODEL=... (and DTYPE=...) run a benchmark on another model, e.g.

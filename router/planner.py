@@ -116,9 +116,7 @@ class Window(RequestObserver):
         if act.first_sent_s is not None and act.last_sent_s is not None and act.num_sent > 1:
             tpot = (act.last_sent_s - act.first_sent_s) / (act.num_sent - 1)
         uncached = act.num_prompt_tokens - act.cached_tokens
-        self.items.append(
-            Finished(now, ttft, tpot, act.num_prompt_tokens, act.num_sent, uncached)
-        )
+        self.items.append(Finished(now, ttft, tpot, act.num_prompt_tokens, act.num_sent, uncached))
 
     def on_fail(self, act: ActiveRequest, code: grpc.StatusCode, now: float) -> None:
         self.items.append(Finished(now, None, None, act.num_prompt_tokens, act.num_sent))
@@ -382,9 +380,7 @@ class Planner:
     @staticmethod
     def _behind(s: Signals) -> bool:
         """The prefill pool has more uncached prompt tokens queued than it works off soon."""
-        return (s.queued_prefill_tokens or 0) > QUEUED_TOKENS_PER_WORKER * max(
-            s.prefill_workers, 1
-        )
+        return (s.queued_prefill_tokens or 0) > QUEUED_TOKENS_PER_WORKER * max(s.prefill_workers, 1)
 
     def _load(self, role: Role, s: Signals) -> float | None:
         """A role's load: prefill, its workers' busy share; decode, its step time against
@@ -508,4 +504,3 @@ class Planner:
         for task in (self._task, self._op):
             if task is not None:
                 task.cancel()
-

@@ -133,9 +133,7 @@ class Reserver:
         100 + 100 workers (docs/benchmarks.md, "The control plane at 200 workers")."""
         prefill = self.prefill.routable()
         n = act.num_prompt_tokens
-        partner = (
-            [self.prefill.pick_prefill(matches, n, self.block_size)] if prefill else []
-        )
+        partner = [self.prefill.pick_prefill(matches, n, self.block_size)] if prefill else []
         pairs = rank_pairs(
             partner,
             self.decode.routable(),

@@ -361,6 +361,7 @@ class TestRedisIndex:
         while r.hget(KEY + "epochs", P0) in (old_epoch, None):
             assert time.monotonic() < deadline, "the restarted worker never registered"
             time.sleep(0.02)
+
         # at once: the old entries no longer count, and are gone from Redis. (It failed in a
         # fresh clone when the restarted worker, at Ray's niceness 15, was starved by the
         # other pytest worker: the suite's clusters run workers at 0. Each assert says what

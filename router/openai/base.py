@@ -187,5 +187,3 @@ class RequestPart(BaseModel):
             return cls.model_validate(body, context=context or None)
         except ValidationError as e:
             raise from_validation(e) from e
-
-

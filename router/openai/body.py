@@ -21,6 +21,7 @@ def _reject_constant(name: str) -> float:
 
 MAX_JSON_DEPTH = 32  # nesting of a request body (an internal bound, not a setting)
 
+
 @dataclass(frozen=True)
 class BodyLimits:
     """What an HTTP body may be before it is parsed (`router.config`): bytes and nesting."""

@@ -138,9 +138,7 @@ class Choices:
             for i, f in enumerate(self.fmts)
         ]
         out = bodies[0]
-        out["choices"] = [
-            {**b["choices"][0], "index": self.base + i} for i, b in enumerate(bodies)
-        ]
+        out["choices"] = [{**b["choices"][0], "index": self.base + i} for i, b in enumerate(bodies)]
         return out
 
 

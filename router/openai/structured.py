@@ -123,7 +123,6 @@ def _structured_outputs(v: dict[str, Any]) -> gen.StructuredOutput:
     )
 
 
-
 def structured_field(d: dict[str, Any]) -> str:
     """The body's field that constrains its output ("" if none): what the router's errors
     about `structured_output` name on HTTP."""
@@ -132,5 +131,3 @@ def structured_field(d: dict[str, Any]) -> str:
     except HTTPError:
         return ""
     return forms[0][0] if forms else ""
-
-
