@@ -271,30 +271,36 @@ def reference(real_dir: Path, hf: tuple[Any, Any]) -> Reference:
 
 
 MATMUL_PATHS = [
-    pytest.param(dtype, packed, id=f"{'packed' if packed else 'plain'}-{dtype}")
+    pytest.param((dtype, packed), id=f"{'packed' if packed else 'plain'}-{dtype}")
     for dtype in ("float32", "bfloat16")
     for packed in (True, False)
 ]
 
 
-def path_engine(real_dir: Path, dtype: str, packed: bool) -> LLMEngine:
-    """The engine on one matmul path; skips, naming it, where this CPU lacks the path."""
+@dataclass(frozen=True)
+class PathEngine:
+    dtype: str
+    engine: LLMEngine
+
+
+@pytest.fixture(scope="module", params=MATMUL_PATHS)
+def path_engine(request: pytest.FixtureRequest, real_dir: Path) -> Iterator[PathEngine]:
+    """The engine on one matmul path, shared by the tests of that path (pytest runs them
+    together, one engine alive at a time); skips, naming it, where this CPU lacks the path."""
+    dtype, packed = request.param
     name = f"{'packed oneDNN' if packed else 'plain'} {dtype}"
     if packed and not OneDnnProjections.available(torch.device("cpu"), getattr(torch, dtype)):
         pytest.skip(f"{name}: this CPU has no packed oneDNN {dtype} path ({cpu.describe()})")
     kernels = f"projections={'packed' if packed else 'plain'}"
     engine = LLMEngine.from_config(EngineConfig(model=str(real_dir), dtype=dtype, kernels=kernels))
     assert engine.runner.model.matmul_path == name
-    return engine
+    yield PathEngine(dtype, engine)
 
 
-@pytest.mark.parametrize(("dtype", "packed"), MATMUL_PATHS)
-def test_matmul_path_is_as_accurate_as_hf(
-    real_dir: Path, reference: Reference, dtype: str, packed: bool
-) -> None:
+def test_matmul_path_is_as_accurate_as_hf(reference: Reference, path_engine: PathEngine) -> None:
     """Teacher-forced logits of real text against HF float32: float32 paths to float32
     rounding, bfloat16 paths within a bound of HF bfloat16's own error on this CPU."""
-    engine = path_engine(real_dir, dtype, packed)
+    engine, dtype = path_engine.engine, path_engine.dtype
     ref_log_ppl = LogitError.of(reference.logits, reference.logits, reference.ids).log_ppl
     err = LogitError.of(
         _all_position_logits(engine, reference.ids), reference.logits, reference.ids
@@ -319,14 +325,13 @@ def wide_steps(run: HFRun) -> list[int]:
     ]
 
 
-@pytest.mark.parametrize(("dtype", "packed"), MATMUL_PATHS)
 def test_matmul_path_greedy_follows_hf_where_margins_are_wide(
-    real_dir: Path, hf_runs: list[HFRun], dtype: str, packed: bool
+    hf_runs: list[HFRun], path_engine: PathEngine
 ) -> None:
     """float32: the greedy answers equal HF's token for token (`hf_runs` asserted that no
     step is a near-tie). bfloat16: fed HF's greedy tokens, the path's own greedy choice is
     HF's at every step whose margin is wide for bf16; the other steps are near-ties."""
-    engine = path_engine(real_dir, dtype, packed)
+    engine, dtype = path_engine.engine, path_engine.dtype
     assert engine.tokenizer is not None
     if dtype == "float32":
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
