@@ -270,6 +270,7 @@ def reference(real_dir: Path, hf: tuple[Any, Any]) -> Reference:
     return Reference(ids, ref, LogitError.of(hf_bf16, ref, ids))
 
 
+TORCH_KERNELS = "decode_attention=sdpa,prefill_attention=sdpa-aligned,norm=torch,rope_kv=torch"
 MATMUL_PATHS = [
     pytest.param((dtype, packed), id=f"{'packed' if packed else 'plain'}-{dtype}")
     for dtype in ("float32", "bfloat16")
@@ -291,8 +292,12 @@ def path_engine(request: pytest.FixtureRequest, real_dir: Path) -> Iterator[Path
     name = f"{'packed oneDNN' if packed else 'plain'} {dtype}"
     if packed and not OneDnnProjections.available(torch.device("cpu"), getattr(torch, dtype)):
         pytest.skip(f"{name}: this CPU has no packed oneDNN {dtype} path ({cpu.describe()})")
-    kernels = f"projections={'packed' if packed else 'plain'}"
-    engine = LLMEngine.from_config(EngineConfig(model=str(real_dir), dtype=dtype, kernels=kernels))
+    # torch's own kernels for the rest, named and without the invariance probe: nothing to
+    # measure (a selection per path cost 4-5 s of a cold suite), and the matmul path alone
+    # differs from HF's
+    kernels = TORCH_KERNELS + f",projections={'packed' if packed else 'plain'}"
+    cfg = EngineConfig(model=str(real_dir), dtype=dtype, kernels=kernels, batch_invariant=False)
+    engine = LLMEngine.from_config(cfg)
     assert engine.runner.model.matmul_path == name
     yield PathEngine(dtype, engine)
 
