@@ -74,7 +74,7 @@ BUDGET_S = 0.6
 MIN_ROUNDS, MAX_ROUNDS = 7, 25
 DECIDE_ROUNDS, DECISIVE = 3, 1.5
 """After `DECIDE_ROUNDS` rounds, a candidate whose fastest round is `DECISIVE` times another's
-slowest is dropped from the timing (`_beaten`)."""
+median round is dropped from the timing (`_beaten`)."""
 NOISY = 0.10
 """An op whose largest median standard error exceeds this fraction of the fastest median was
 measured on a busy host: its fastest median wins, and the choice is provisional."""
@@ -302,10 +302,12 @@ def _alternate(fns: dict[str, Callable[[], Any]]) -> tuple[dict[str, float], dic
 
 def _beaten(name: str, timed: dict[str, Any], samples: dict[str, list[float]]) -> bool:
     """Whether `name`'s fastest round is more than `DECISIVE` times another timed
-    candidate's slowest: no noise this machine makes turns that around, so more rounds
-    would only spend start-up time."""
+    candidate's median round: no noise this machine makes turns that around, so more
+    rounds would only spend start-up time. (Against the other's slowest round, one round
+    that a busy host stretched kept a 10x slower candidate in the timing to the busy-host
+    budget.)"""
     best = min(samples[name])
-    return any(n != name and best > DECISIVE * max(samples[n]) for n in timed)
+    return any(n != name and best > DECISIVE * statistics.median(samples[n]) for n in timed)
 
 
 def _choose(
