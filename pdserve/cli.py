@@ -171,6 +171,11 @@ def _fill_client(client: argparse.ArgumentParser) -> None:
     client.add_argument(
         "--n", type=int, default=None, help="choices to sample from the prompt (default: 1)"
     )
+    client.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate past end-of-sequence (exactly --max-tokens)",
+    )
     client.add_argument("--json", action="store_true", help="print the final message as JSON")
     client.add_argument(
         "--api-key", default=None, help="sent as `authorization: Bearer KEY` (env PDSERVE_API_KEY)"

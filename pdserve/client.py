@@ -225,7 +225,11 @@ def run_client(args: argparse.Namespace) -> int:
         [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     )
     request = make_request(
-        prompt, max_tokens=args.max_tokens, temperature=args.temperature, n=args.n
+        prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        n=args.n,
+        ignore_eos=args.ignore_eos,
     )
     streamed = not args.json and (args.n or 1) == 1
     out = Completion()

@@ -22,12 +22,11 @@ from typing import Any
 import pytest
 import torch
 
-from engine.engine import LLMEngine
+from engine.engine import EngineConfig, LLMEngine
 from engine.kernels import KernelSet
 from engine.model import LlamaModel
 from pdserve.checkpoint import PRESETS, write_checkpoint
 from pdserve.cli import main
-from pdserve.engine_load import load_engine
 from pdserve.tools import trace, trace_counts
 
 PROMPT = "the prefill worker reads the prompt"
@@ -265,7 +264,12 @@ NOT_LAYER = ("embed", "final_norm", "lm_head")
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_dir: Path) -> LLMEngine:
-    return load_engine(str(tiny_dir), "auto")
+    """With its plain weights kept: the eager model below reads them whatever projections
+    this CPU's selection chose (a packed choice frees them: a fresh clone's `eager` cases
+    failed so)."""
+    return LLMEngine.from_config(
+        EngineConfig(model=str(tiny_dir), dtype="auto", keep_plain_weights=True)
+    )
 
 
 @pytest.fixture(params=["model-default", "eager"])
