@@ -228,6 +228,9 @@ class Outcome:
     seen_stage: str = ""  # where the router had the request at the cut
     released_s: float | None = None  # the router stopped tracking the cut request
     client_stall_s: float = 0.0  # the load generator's own loop stalls while it was out
+    # ... and from its cut until its stream ended, and until the router let go of it
+    end_stall_s: float = 0.0
+    release_stall_s: float = 0.0
 
     @property
     def ttft_s(self) -> float | None:
@@ -335,6 +338,9 @@ class Driver:
         bar.close()
         for o in outs:
             o.client_stall_s = stalls.within(o.sent_s, o.ended_s or o.sent_s)
+            if o.cut_s is not None:
+                o.end_stall_s = stalls.within(o.cut_s, o.ended_s or o.cut_s)
+                o.release_stall_s = stalls.within(o.cut_s, o.released_s or o.cut_s)
         return list(outs)
 
     async def _one(self, stub: gen_grpc.GenerationStub, shot: Shot) -> Outcome:
@@ -665,6 +671,10 @@ def scenario_cancel(ch: Chaos) -> ScenarioResult:
     cut = [o for o in outs if o.cut_s is not None]
     end_after = [(o.ended_s or math.inf) - (o.cut_s or 0.0) for o in cut]
     release_after = [(o.released_s or math.inf) - (o.cut_s or 0.0) for o in cut]
+    # less the load generator's own stalls after each cut (`Stalls`): it notes the end and
+    # the release, and a loop that waited for a core notes them late (the overload row's way)
+    end_less = [t - o.end_stall_s for t, o in zip(end_after, cut, strict=True)]
+    release_less = [t - o.release_stall_s for t, o in zip(release_after, cut, strict=True)]
     in_stage = Counter(
         o.seen_stage for o in cut if o.seen_stage == ROUTER_STAGE.get(o.planned_stage)
     )
@@ -682,6 +692,8 @@ def scenario_cancel(ch: Chaos) -> ScenarioResult:
         "p99_end_after_cut_ms": _ms(percentile(end_after, 99)),
         "max_release_after_cut_ms": _ms(max(release_after, default=0.0)),
         "p99_release_after_cut_ms": _ms(percentile(release_after, 99)),
+        "max_end_less_client_stalls_ms": _ms(max(end_less, default=0.0)),
+        "max_release_less_client_stalls_ms": _ms(max(release_less, default=0.0)),
     }
     res.base_checks()
     stages = dict.fromkeys(ROUTER_STAGE.values())
@@ -689,11 +701,11 @@ def scenario_cancel(ch: Chaos) -> ScenarioResult:
         "cuts in their planned stage: " + ", ".join(f"{k} {in_stage[k]}" for k in stages),
         all(in_stage[k] >= 1 for k in stages),
     )
-    res.checks[f"every cut stream ended within {cfg.cut_bound_s:g} s"] = all(
-        t <= cfg.cut_bound_s for t in end_after
+    res.checks[f"every cut stream ended within {cfg.cut_bound_s:g} s (less client stalls)"] = all(
+        t <= cfg.cut_bound_s for t in end_less
     )
-    res.checks[f"the router let go of each within {cfg.cut_bound_s:g} s"] = all(
-        t <= cfg.cut_bound_s for t in release_after
+    res.checks[f"the router let go of each within {cfg.cut_bound_s:g} s (less client stalls)"] = (
+        all(t <= cfg.cut_bound_s for t in release_less)
     )
     return res
 
