@@ -37,6 +37,7 @@ transformers = pytest.importorskip("transformers")
 
 from engine import cpu  # noqa: E402
 from engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from engine.kernels import KernelSet  # noqa: E402
 from engine.model import AttentionMetadata, OneDnnProjections, PrefillSegment  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from pdserve.cli import main  # noqa: E402
@@ -270,7 +271,6 @@ def reference(real_dir: Path, hf: tuple[Any, Any]) -> Reference:
     return Reference(ids, ref, LogitError.of(hf_bf16, ref, ids))
 
 
-TORCH_KERNELS = "decode_attention=sdpa,prefill_attention=sdpa-aligned,norm=torch,rope_kv=torch"
 MATMUL_PATHS = [
     pytest.param((dtype, packed), id=f"{'packed' if packed else 'plain'}-{dtype}")
     for dtype in ("float32", "bfloat16")
@@ -295,7 +295,8 @@ def path_engine(request: pytest.FixtureRequest, real_dir: Path) -> Iterator[Path
     # torch's own kernels for the rest, named and without the invariance probe: nothing to
     # measure (a selection per path cost 4-5 s of a cold suite), and the matmul path alone
     # differs from HF's
-    kernels = TORCH_KERNELS + f",projections={'packed' if packed else 'plain'}"
+    ops = {**KernelSet.reference().as_dict(), "projections": "packed" if packed else "plain"}
+    kernels = ",".join(f"{op}={kernel}" for op, kernel in ops.items())
     cfg = EngineConfig(model=str(real_dir), dtype=dtype, kernels=kernels, batch_invariant=False)
     engine = LLMEngine.from_config(cfg)
     assert engine.runner.model.matmul_path == name
