@@ -16,6 +16,10 @@ router, with Ray's driver threads, as in `pdserve serve`):
 * **load**: `--requests` requests at `--concurrency`, each `--prompt-len` tokens in and
   `--max-tokens` out; the router's CPU per request (its CPU during the load less the idle
   rate over the same time), the end-to-end latency, and every request's outcome;
+* **the router's overhead per request**, under that load and then with `--alone-requests`
+  sent one at a time: the part of each request's latency that no worker spent
+  (`mock_workers.router_overhead_s`, from the mocks' marks of when each call reached them
+  and when they answered);
 * **the planner** (advisory, so it changes nothing): its tick times over the run.
 
 Issue 41's targets: the router's overhead per request <= 1 ms at the median, every planner
@@ -39,7 +43,13 @@ sys.path.insert(0, str(ROOT))
 from tqdm import tqdm  # noqa: E402
 
 from engine.cpu import identity  # noqa: E402
-from pdserve.tools.mock_workers import drive, mock_router, start_hosts  # noqa: E402
+from pdserve.tools.mock_workers import (  # noqa: E402
+    Driven,
+    drive,
+    mock_router,
+    router_overhead_s,
+    start_hosts,
+)
 
 RESULTS = ROOT / "benchmarks" / "results" / "pool-mock-latest.json"
 PROFILE = ROOT / "benchmarks" / "results" / "plan" / "profile.json"
@@ -53,7 +63,6 @@ def step_model(profile: Path) -> dict[str, float]:
 
 
 async def measure(n: int, hosts: list[Any], args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
-    from protos.pdserve.v1 import generation_pb2 as gen
     from router.config import PlannerSettings
 
     placed: dict[str, Any] = {}
@@ -82,31 +91,14 @@ async def measure(n: int, hosts: list[Any], args: argparse.Namespace, bar: tqdm)
         idle_cpu_per_s = (time.process_time() - c0) / (time.perf_counter() - t0)
 
         bar.set_postfix_str(f"{n} workers: load")
-        latencies: list[float] = []
-        outcomes: dict[str, int] = {}
-        queue: asyncio.Queue[int] = asyncio.Queue()
-        for i in range(args.requests):
-            queue.put_nowait(i)
-
-        async def one(i: int) -> None:
-            ids = [(i * 7 + j) % 40000 + 100 for j in range(args.prompt_len)]
-            sampling = gen.SamplingParams(
-                max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True
-            )
-            req = gen.GenerateRequest(token_ids=gen.TokenIds(ids=ids), sampling=sampling)
-            d = await drive(router, req, args.max_tokens)
-            latencies.append(d.end - d.sent)
-            outcomes[d.outcome] = outcomes.get(d.outcome, 0) + 1
-
-        async def client() -> None:
-            while not queue.empty():
-                await one(queue.get_nowait())
-
         c0, t0 = time.process_time(), time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(args.concurrency)))
+        driven = await load(router, args.requests, args.concurrency, args)
         wall = time.perf_counter() - t0
         cpu = time.process_time() - c0
         per_request_ms = (cpu - idle_cpu_per_s * wall) / args.requests * 1e3
+        bar.set_postfix_str(f"{n} workers: one at a time")
+        alone = await load(router, args.alone_requests, 1, args, offset=args.requests)
+        marks = await take_marks(hosts)
         await asyncio.sleep(1.5)
         held = [w.stats for p in (prefill, decode) for w in p.workers if w.stats is not None]
         stuck = sum(1 for st in held if st.num_running or st.num_reserved)
@@ -114,6 +106,10 @@ async def measure(n: int, hosts: list[Any], args: argparse.Namespace, bar: tqdm)
         watcher.cancel()
         await router.drain(0.0)
         await asyncio.gather(*(placed[w].remove.remote(w) for w in placed))
+    latencies = [d.end - d.sent for d in driven]
+    outcomes: dict[str, int] = {}
+    for d in driven + alone:
+        outcomes[d.outcome] = outcomes.get(d.outcome, 0) + 1
     return {
         "workers": n,
         "idle_router_cpu_per_s": idle_cpu_per_s,
@@ -123,6 +119,8 @@ async def measure(n: int, hosts: list[Any], args: argparse.Namespace, bar: tqdm)
         "requests_per_s": args.requests / wall,
         "latency_ms_p50": statistics.median(latencies) * 1e3,
         "latency_ms_p90": statistics.quantiles(latencies, n=10)[-1] * 1e3,
+        "router_overhead_ms": overhead(driven, marks),
+        "router_overhead_ms_alone": overhead(alone, marks),
         "outcomes": outcomes,
         "workers_holding_requests_after": stuck,
         "planner_ticks": len(ticks),
@@ -131,6 +129,49 @@ async def measure(n: int, hosts: list[Any], args: argparse.Namespace, bar: tqdm)
         "planner_last": planner.last.line() if planner.last else "",
         "ray_actor_processes": len(hosts),
     }
+
+
+async def load(
+    router: Any, count: int, concurrency: int, args: argparse.Namespace, offset: int = 0
+) -> list[Driven]:
+    """`count` requests through the router, `concurrency` in flight."""
+    from protos.pdserve.v1 import generation_pb2 as gen
+
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(offset, offset + count):
+        queue.put_nowait(i)
+    driven: list[Driven] = []
+    sampling = gen.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def client() -> None:
+        while not queue.empty():
+            i = queue.get_nowait()
+            ids = [(i * 7 + j) % 40000 + 100 for j in range(args.prompt_len)]
+            req = gen.GenerateRequest(token_ids=gen.TokenIds(ids=ids), sampling=sampling)
+            driven.append(await drive(router, req, args.max_tokens))
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return driven
+
+
+async def take_marks(hosts: list[Any]) -> dict[str, dict[str, float]]:
+    """The mock workers' per-request marks, from every host, merged by request."""
+    marks: dict[str, dict[str, float]] = {}
+    for got in await asyncio.gather(*(h.take_marks.remote() for h in hosts)):
+        for rid, m in got.items():
+            marks.setdefault(rid, {}).update(m)
+    return marks
+
+
+def overhead(driven: list[Driven], marks: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The router's overhead per request (`router_overhead_s`): median, p90, and how many
+    requests it was measured on."""
+    each = (router_overhead_s(d, marks.get(d.request_id, {})) for d in driven)
+    got = [o for o in each if o is not None]
+    if not got:
+        return {"n": 0, "p50": None, "p90": None}
+    p90 = statistics.quantiles(got, n=10)[-1] if len(got) > 1 else got[0]
+    return {"n": len(got), "p50": statistics.median(got) * 1e3, "p90": p90 * 1e3}
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -152,17 +193,24 @@ def report(result: dict[str, Any]) -> list[str]:
     lines = [
         f"CPU: {result['cpu']}",
         "| workers (P + D) | router CPU idle, % of a core | router CPU per request, ms | "
-        "req/s | latency p50 / p90, ms | outcomes | planner tick p50 / max, ms |",
-        "|---|---|---|---|---|---|---|",
+        "req/s | latency p50 / p90, ms | router overhead p50 / p90, ms | the same, one at "
+        "a time | outcomes | planner tick p50 / max, ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['workers']} | {r['idle_router_cpu_per_s'] * 100:.1f} | "
             f"{r['router_cpu_ms_per_request']:.2f} | {r['requests_per_s']:.1f} | "
-            f"{r['latency_ms_p50']:.0f} / {r['latency_ms_p90']:.0f} | {r['outcomes']} | "
+            f"{r['latency_ms_p50']:.0f} / {r['latency_ms_p90']:.0f} | "
+            f"{_pair(r['router_overhead_ms'])} | {_pair(r['router_overhead_ms_alone'])} | "
+            f"{r['outcomes']} | "
             f"{r['planner_tick_ms_p50']:.2f} / {r['planner_tick_ms_max']:.2f} |"
         )
     return lines
+
+
+def _pair(o: dict[str, Any]) -> str:
+    return "-" if o["p50"] is None else f"{o['p50']:.2f} / {o['p90']:.2f} (n={o['n']})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", type=int, default=4, help="Ray actor processes hosting the mocks")
     p.add_argument("--requests", type=int, default=400, help="requests per pool size")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight")
+    p.add_argument(
+        "--alone-requests", type=int, default=50, help="then requests sent one at a time"
+    )
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
     p.add_argument("--max-tokens", type=int, default=16, help="output tokens")
     p.add_argument("--idle-s", type=float, default=5.0, help="the idle measurement")

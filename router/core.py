@@ -45,10 +45,10 @@ from router.validation import ModelLimits, prepare
 log = logging.getLogger(__name__)
 # How often worker load is pulled for routing (an internal, not a setting).
 STATS_REFRESH_S = 0.2
-# The most stats calls a second the refresh makes: past STATS_REFRESH_S x this many workers
-# (50) the interval grows with the pools. Each call costs the router's process about 0.3 ms
-# of CPU in Ray; every 0.2 s at 200 workers the idle router spent 44 % of a core on them
-# (benchmarks/pool_mock.py).
+# The most calls a second the refresh makes (each worker's stats, and its index pull with
+# the in-memory index): past STATS_REFRESH_S x this many calls the interval grows with the
+# pools. Each call costs the router's process about 0.3 ms of CPU in Ray; every 0.2 s at
+# 200 workers the idle router spent 44 % of a core on them (benchmarks/pool_mock.py).
 REFRESH_CALLS_PER_S = 250.0
 # After a drain ends what is in flight, how long their last responses get to go out.
 _STOP_ANSWER_S = 2.0
@@ -149,17 +149,29 @@ class Router:
     def refresh_interval_s(self) -> float:
         """`stats_refresh_s`, or longer for large pools (`REFRESH_CALLS_PER_S`)."""
         workers = len(self.prefill.workers) + len(self.decode.workers)
-        return max(self.stats_refresh_s, workers / REFRESH_CALLS_PER_S)
+        calls = workers * (2 if isinstance(self.index, MemoryPrefixIndex) else 1)
+        return max(self.stats_refresh_s, calls / REFRESH_CALLS_PER_S)
 
-    async def refresh(self) -> None:
-        """Worker stats (load, health), serving state, and the in-memory index."""
+    async def refresh(self, spread: bool = False) -> None:
+        """Worker stats (load, health), serving state, and the in-memory index. `spread`
+        (the refresh loop): each worker's calls start evenly over the interval, each
+        worker's index pull once its stats arrived, rather than all at once (a burst of
+        them delays the requests' own calls: `Pool.refresh`)."""
         interval = self.refresh_interval_s()
         # a stats call's bound stays the base interval's (2 s) at any pool size: a silent
         # worker is still found after two missed calls, later only by the longer interval
         timeout = max(2.0, 10 * self.stats_refresh_s)
-        await asyncio.gather(
-            self.prefill.refresh(interval, timeout), self.decode.refresh(interval, timeout)
-        )
+        if spread:
+            self._index_sync.begin()
+            pull = self._index_sync.pull_from
+            await asyncio.gather(
+                self.prefill.refresh(interval, timeout, interval, pull),
+                self.decode.refresh(interval, timeout, interval, pull),
+            )
+        else:
+            await asyncio.gather(
+                self.prefill.refresh(interval, timeout), self.decode.refresh(interval, timeout)
+            )
         self._last_refresh_s = time.monotonic()
         self.admin.reconcile()
         serving = self.serviceable()
@@ -168,7 +180,8 @@ class Router:
             log.warning("router %s", "serving again" if serving else f"cannot serve: {why}")
             await self.on_serving_change(serving)
         self._serving = serving
-        await self._index_sync.pull(self.prefill.workers + self.decode.workers)
+        if not spread:
+            await self._index_sync.pull(self.prefill.workers + self.decode.workers)
 
     def serviceable(self) -> bool:
         """Requests can succeed: not draining, a decode worker is up, and a prefill worker
@@ -204,9 +217,13 @@ class Router:
         return out
 
     async def _refresh_loop(self) -> None:
+        """A spread refresh every interval: it spends most of the interval on its calls,
+        so the loop sleeps what is left (a round that ran long is followed at once)."""
+        began = time.monotonic()  # `start` ran the first round
         while True:
-            await asyncio.sleep(self.refresh_interval_s())
-            await self.refresh()
+            await asyncio.sleep(max(0.0, self.refresh_interval_s() - (time.monotonic() - began)))
+            began = time.monotonic()
+            await self.refresh(spread=True)
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new requests; wait up to `grace_s` for in-flight ones to finish; then end

@@ -29,6 +29,7 @@ class IndexSync:
     def __init__(self, index: PrefixIndex) -> None:
         self.index = index
         self._num_pulls = 0
+        self._with_held = False
         # At most one pull per worker in flight, so its events apply in order (the refresh
         # loop and GetServerInfo both pull).
         self._inflight: dict[str, asyncio.Task[None]] = {}
@@ -40,19 +41,28 @@ class IndexSync:
         seconds) answers late: its pull finishes in the background, is not asked again
         until then, and holds up neither this call past `_PULL_WAIT_S` nor the stats
         refresh that calls it (which must keep seeing the other workers' load)."""
-        if not isinstance(self.index, MemoryPrefixIndex):
-            return
-        self._num_pulls += 1
-        with_held = self._num_pulls % _HELD_EVERY_N_REFRESHES == 0
-        started = []
-        for w in workers:
-            if w.healthy and w.name not in self._inflight:
-                task = asyncio.create_task(self._pull_one(w, with_held))
-                self._inflight[w.name] = task
-                task.add_done_callback(functools.partial(self._pulled, w.name))
-                started.append(task)
+        self.begin()
+        started = [t for w in workers if (t := self.pull_from(w)) is not None]
         if started:
             await asyncio.wait(started, timeout=_PULL_WAIT_S)
+
+    def begin(self) -> None:
+        """A new round of pulls (every `_HELD_EVERY_N_REFRESHES`th also re-asserts the
+        blocks each worker holds)."""
+        self._num_pulls += 1
+        self._with_held = self._num_pulls % _HELD_EVERY_N_REFRESHES == 0
+
+    def pull_from(self, w: WorkerLoad[Any]) -> asyncio.Task[None] | None:
+        """Start pulling `w`'s events in the background, unless it is down, the index is
+        not in memory, or its last pull still runs (its events apply in order)."""
+        if not isinstance(self.index, MemoryPrefixIndex):
+            return None
+        if not w.healthy or w.name in self._inflight:
+            return None
+        task = asyncio.create_task(self._pull_one(w, self._with_held))
+        self._inflight[w.name] = task
+        task.add_done_callback(functools.partial(self._pulled, w.name))
+        return task
 
     def _pulled(self, name: str, _: asyncio.Task[None]) -> None:
         self._inflight.pop(name, None)

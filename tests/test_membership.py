@@ -11,6 +11,7 @@ request served before any change) or a clear status, and every KV block comes ba
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -297,9 +298,9 @@ def _app(router: Any) -> Any:
 
 
 def test_the_refresh_slows_down_for_large_pools() -> None:
-    """Up to STATS_REFRESH_S x REFRESH_CALLS_PER_S workers (50) stats are pulled every
-    STATS_REFRESH_S; past that at most REFRESH_CALLS_PER_S calls a second, workers added at
-    run time included."""
+    """Up to STATS_REFRESH_S x REFRESH_CALLS_PER_S calls (50: 25 workers' stats and index
+    pulls) every STATS_REFRESH_S; past that at most REFRESH_CALLS_PER_S calls a second,
+    workers added at run time included."""
     from router.clients import DecodeClient
     from router.config import RouterConfig
     from router.core import REFRESH_CALLS_PER_S, STATS_REFRESH_S
@@ -310,5 +311,45 @@ def test_the_refresh_slows_down_for_large_pools() -> None:
     never_called: Any = None
     for i in range(1, 199):
         router.decode.add(DecodeClient(f"pdserve-decode-{i}", never_called))
-    assert router.refresh_interval_s() == pytest.approx(200 / REFRESH_CALLS_PER_S)
-    assert 200 / REFRESH_CALLS_PER_S > STATS_REFRESH_S
+    # the in-memory index: each worker's stats and its index pull
+    assert router.refresh_interval_s() == pytest.approx(2 * 200 / REFRESH_CALLS_PER_S)
+    assert 2 * 200 / REFRESH_CALLS_PER_S > STATS_REFRESH_S
+
+
+def test_a_spread_refresh_calls_its_workers_in_groups_over_the_interval() -> None:
+    """The refresh loop's calls start in SPREAD_SLOTS groups over the interval, not in one
+    burst that a request's own calls would queue behind; each worker's follow-up (the
+    index pull) runs once its stats arrived; a worker that fails gets none."""
+    from pool_api.messages import Role, WorkerStats
+    from router.clients import DecodeClient, WorkerUnavailable
+    from router.pools import SPREAD_SLOTS, Pool
+
+    started: dict[str, float] = {}
+
+    class Api:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        async def stats(self) -> WorkerStats:
+            started[self.name] = time.monotonic()
+            if self.name == "w-5":
+                raise WorkerUnavailable("gone")
+            return WorkerStats(self.name, Role.DECODE, 8, 8, 0, 0, 0, 0, 0, 0)
+
+    n, spread = 32, 0.4
+    pool: Pool[Any] = Pool(Role.DECODE, [DecodeClient(f"w-{i}", Api(f"w-{i}")) for i in range(n)])
+    followed: list[str] = []
+
+    async def run() -> float:
+        t0 = time.monotonic()
+        await pool.refresh(0.2, 2.0, spread, lambda w: followed.append(w.name))
+        return t0
+
+    t0 = asyncio.run(run())
+    # a sleep never ends early (so this holds on any host, however loaded): worker i's
+    # call starts no sooner than its group's share of the interval
+    for i in range(n):
+        slot = i * SPREAD_SLOTS // n
+        assert started[f"w-{i}"] - t0 >= spread * slot / SPREAD_SLOTS - 0.005, (i, started)
+    assert max(started.values()) - t0 >= spread * (SPREAD_SLOTS - 1) / SPREAD_SLOTS - 0.005
+    assert sorted(followed) == sorted(f"w-{i}" for i in range(n) if i != 5)

@@ -16,7 +16,13 @@ from typing import Any
 
 import pytest
 
-from pdserve.tools.mock_workers import MockLauncher, drive, mock_router, start_hosts
+from pdserve.tools.mock_workers import (
+    MockLauncher,
+    drive,
+    mock_router,
+    router_overhead_s,
+    start_hosts,
+)
 from pool_api.messages import Role
 from protos.pdserve.v1 import generation_pb2 as gen
 from tests.in_process import start_local_ray
@@ -67,3 +73,32 @@ def test_requests_drains_and_flips_through_mock_workers_lose_nothing(hosts: list
     assert outcomes == ["ok"] * 40, outcomes
     assert ops["drain"] and ops["flip"], ops
     assert all(s.num_running == 0 and s.num_free_blocks == s.num_total_blocks for s in stats), stats
+
+
+def test_the_router_overhead_is_measured_on_every_request(hosts: list[Any]) -> None:
+    """`router_overhead_s`, what `make bench-pool` reports per request, has its marks on
+    every request, disaggregated and colocated, and is a share of its latency: the time
+    between the mocks' answers and their next call, not the workers' own."""
+
+    async def run() -> list[tuple[Any, float | None]]:
+        placed: dict[str, Any] = {}
+        router = await mock_router(1, 1, hosts, placed)
+        await router.start()
+        try:
+            split = [await drive(router, _request(200 + i), MAX_TOKENS) for i in range(4)]
+            router.flow.colocated = True  # the decode worker runs both phases
+            local = [await drive(router, _request(300 + i), MAX_TOKENS) for i in range(4)]
+            marks: dict[str, dict[str, float]] = {}
+            for got in await asyncio.gather(*(h.take_marks.remote() for h in hosts)):
+                for rid, m in got.items():
+                    marks.setdefault(rid, {}).update(m)
+            return [(d, router_overhead_s(d, marks.get(d.request_id, {}))) for d in split + local]
+        finally:
+            await router.drain(0.0)
+
+    got = asyncio.run(run())
+    assert [d.outcome for d, _ in got] == ["ok"] * 8, got
+    for d, overhead in got:
+        assert overhead is not None, d
+        # each mock request spends at least one 10 ms step on a worker
+        assert 0.0 < overhead < (d.end - d.sent) - 0.01, (d, overhead)

@@ -84,6 +84,12 @@ class MockWorker:
     _prefill_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _loop_task: asyncio.Task[None] | None = None
     _sinks: dict[str, SinkConnection] = field(default_factory=dict)
+    # per request, when each call reached this worker and when it answered (perf_counter,
+    # one clock for every process on the host): what `router_overhead_s` subtracts
+    marks: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def _mark(self, request_id: str, what: str) -> None:
+        self.marks.setdefault(request_id, {})[what] = time.perf_counter()
 
     def __post_init__(self) -> None:
         self.free = self.num_blocks
@@ -138,6 +144,7 @@ class MockWorker:
     async def prefill(self, task: PrefillTask) -> PrefillResult:
         self._refuse_when_draining()
         req = task.request
+        self._mark(req.request_id, "prefill_in")
         n = len(req.prompt_token_ids)
         self.requests_total += 1
         self.prompt_queue += n
@@ -151,6 +158,7 @@ class MockWorker:
             self.prompt_queue -= n
         done = req.params.max_tokens <= 1
         first = FirstToken(TOKEN_ID, "", None, FinishReason.LENGTH if done else None)
+        self._mark(req.request_id, "prefill_out")
         return PrefillResult(
             req.request_id,
             (first,) * req.params.n,
@@ -182,6 +190,7 @@ class MockWorker:
             self.free += held[1]
 
     async def start(self, start: DecodeStart) -> None:
+        self._mark(start.request_id, "start_in")
         held = self.reserved.pop(start.request_id, None)
         if held is None:
             raise NotServing(f"{self.name}: no reservation for {start.request_id}")
@@ -191,6 +200,7 @@ class MockWorker:
     async def submit(self, request: WorkerRequest, sink: TokenSink) -> None:
         """The colocated path: the prompt pass here, then decode."""
         self._refuse_when_draining()
+        self._mark(request.request_id, "submit_in")
         blocks = _blocks(len(request.prompt_token_ids) + request.params.max_tokens)
         if blocks > self.free:
             raise NotServing(f"{self.name} is full")
@@ -252,6 +262,8 @@ class MockWorker:
         if conn is None or conn.closed:
             conn = SinkConnection(run.sink, self.name, self._lost)
             self._sinks[run.sink.address] = conn
+        if reason is not None:
+            self._mark(run.request_id, "last_out")
         conn.send(frame([delta(batch)]))
 
     def _lost(self, sink: TokenSink, why: str) -> None:
@@ -288,6 +300,16 @@ class MockHost:
 
     async def remove(self, name: str) -> None:
         self.workers.pop(name, None)
+
+    async def take_marks(self) -> dict[str, dict[str, float]]:
+        """Every worker's per-request marks (`MockWorker.marks`), merged by request, and
+        forgotten here."""
+        out: dict[str, dict[str, float]] = {}
+        for w in self.workers.values():
+            for rid, m in w.marks.items():
+                out.setdefault(rid, {}).update(m)
+            w.marks.clear()
+        return out
 
     async def call(self, name: str, method: str, *args: Any) -> Any:
         w = self.workers.get(name)
@@ -416,6 +438,7 @@ class Driven:
     """One request through the router, as a client saw it (perf_counter times)."""
 
     outcome: str  # "ok", "short (N tokens)", or what it raised
+    request_id: str  # "" if it was not admitted
     sent: float
     first: float | None  # its first token
     end: float
@@ -424,9 +447,10 @@ class Driven:
 
 async def drive(router: Any, req: Any, max_tokens: int) -> Driven:
     """`req` through a started Router, as its gRPC face drives one; never raises."""
-    sent, first, tokens = time.perf_counter(), None, 0
+    sent, first, tokens, rid = time.perf_counter(), None, 0, ""
     try:
         act = await router.admit(req)
+        rid = act.request_id
         try:
             async for resp in router.run(act):
                 if first is None and resp.chunk.token_ids:
@@ -437,4 +461,23 @@ async def drive(router: Any, req: Any, max_tokens: int) -> Driven:
         outcome = "ok" if tokens == max_tokens else f"short ({tokens} tokens)"
     except Exception as e:  # an outcome to count, not a crash of the benchmark
         outcome = f"{type(e).__name__}: {e}"[:80]
-    return Driven(outcome, sent, first, time.perf_counter(), tokens)
+    return Driven(outcome, rid, sent, first, time.perf_counter(), tokens)
+
+
+def router_overhead_s(d: Driven, marks: dict[str, float]) -> float | None:
+    """The part of a request's latency its workers did not spend: from the client's send to
+    the call that reached its first worker (admission, the index lookup, placement, the
+    reservation's round trip, the Ray hop), from the prompt pass's answer to the decode
+    worker's start (disaggregated), and from its last token leaving the worker to the client
+    holding it (the token sink, the relay). None: a mark is missing (it failed, or a
+    worker's marks were not taken)."""
+    m = marks
+    if "start_in" in m and {"prefill_in", "prefill_out", "last_out"} <= m.keys():
+        return (
+            (m["prefill_in"] - d.sent)
+            + (m["start_in"] - m["prefill_out"])
+            + (d.end - m["last_out"])
+        )
+    if {"submit_in", "last_out"} <= m.keys():
+        return (m["submit_in"] - d.sent) + (d.end - m["last_out"])
+    return None
