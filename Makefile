@@ -98,13 +98,16 @@ bench-kernels: $(STAMP)
 # tick at 20-200 workers (benchmarks/pool_scale.py), and the real router and planner
 # against 20-200 mock workers on Ray (benchmarks/pool_mock.py), and the planner acting on
 # mock workers under a 3x load step (benchmarks/planner_step_mock.py), reactive alone and
-# with the forecast floor; ~9 min.
+# with the forecast floor, then advising only (with the floor); each run beside the
+# simulator's prediction of the planner acting on the same arrivals and on 20 other draws
+# of the load (pdserve.plan.elastic); ~16 min.
 bench-pool: $(STAMP)
 	$(BIN)/python benchmarks/pool_ops.py
 	$(BIN)/python benchmarks/pool_scale.py
 	$(BIN)/python benchmarks/pool_mock.py
-	$(BIN)/python benchmarks/planner_step_mock.py
-	$(BIN)/python benchmarks/planner_step_mock.py --floor --out benchmarks/results/planner-step-mock-floor.json
+	$(BIN)/python benchmarks/planner_step_mock.py --predict
+	$(BIN)/python benchmarks/planner_step_mock.py --predict --floor --out benchmarks/results/planner-step-mock-floor.json
+	$(BIN)/python benchmarks/planner_step_mock.py --predict --floor --mode advisory --out benchmarks/results/planner-step-mock-advisory.json
 
 bench-determinism: $(STAMP)
 	$(BIN)/python -m pdserve.tools.determinism

@@ -126,7 +126,11 @@ def sample(url: str, t: float, rate: float) -> dict[str, Any]:
     }
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(
+    rows: list[dict[str, Any]], path: Path, predicted: list[dict[str, Any]] | None = None
+) -> None:
+    """Offered rate, workers per role and attainment over time; `predicted` (the same keys
+    but the rate) dashed beside them: what `pdserve.plan.elastic` predicted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,9 +142,17 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     a.set_ylabel("offered req/s")
     b.step(t, [r["prefill"] for r in rows], label="prefill", where="post")
     b.step(t, [r["decode"] for r in rows], label="decode", where="post")
+    c.plot(t, [r["attainment"] for r in rows], label="measured")
+    if predicted:
+        tp = [r["t"] for r in predicted]
+        b.step(
+            tp, [r["prefill"] for r in predicted], "--", label="prefill, predicted", where="post"
+        )
+        b.step(tp, [r["decode"] for r in predicted], "--", label="decode, predicted", where="post")
+        c.plot(tp, [r["attainment"] for r in predicted], "--", label="predicted")
+        c.legend()
     b.set_ylabel("workers serving")
     b.legend()
-    c.plot(t, [r["attainment"] for r in rows])
     c.axhline(0.9, linestyle=":", color="grey")
     c.set_ylabel("attainment (window)")
     c.set_xlabel("s")

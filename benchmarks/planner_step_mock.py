@@ -39,6 +39,7 @@ from planner_step import plot  # noqa: E402
 from pool_mock import PROFILE, drive, mock_router, start_hosts, step_model  # noqa: E402
 
 from engine.cpu import identity  # noqa: E402
+from pdserve.plan.elastic import recovered_after  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "planner-step-mock-latest.json"
 
@@ -87,13 +88,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             tpot = (d.end - d.first) * 1e3 / max(1, d.tokens - 1)
             met = ttft <= args.ttft_ms and tpot <= args.tpot_ms
         done.append(
-            {"end": d.end, "outcome": d.outcome, "ttft_ms": ttft, "tpot_ms": tpot, "met": met}
-        )
+            {"sent": d.sent - t_start, "first": None if d.first is None else d.first - t_start,
+             "end": d.end, "outcome": d.outcome, "ttft_ms": ttft, "tpot_ms": tpot, "met": met,
+             "tokens": d.tokens}
+        )  # fmt: skip
 
     def sample(now: float) -> dict[str, Any]:
         """Offered rate, pool sizes, and attainment: ours (the last window_s) and the planner's."""
         recent = [d for d in done if d["end"] >= now - args.window_s]
         signals = planner.last_signals
+        last = planner.last
+        fresh = not decided or decided[-1][1] is not last
+        if last is not None and last.action != "hold" and fresh:
+            decided.append((now - t_start, last))
         return {
             "t": now - t_start,
             "rate": rate,
@@ -106,6 +113,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         }
 
     rows: list[dict[str, Any]] = []
+    decided: list[tuple[float, Any]] = []  # (when a sample first saw it, the decision)
     tasks: list[asyncio.Task[None]] = []
     t_start = time.perf_counter()
     phases = [(args.rate, args.phase_s), (3 * args.rate, args.phase_s), (args.rate, args.phase_s)]
@@ -133,12 +141,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     ray.shutdown()
     # back above 90 %, to stay until the step ends (None: not within the step)
     step_at, step_end = args.phase_s, 2 * args.phase_s
-    during = [r for r in rows if step_at <= r["t"] < step_end and r["attainment"] is not None]
-    recovered = None
-    for k, r in enumerate(during):
-        if r["t"] > step_at + args.window_s and all(x["attainment"] >= 0.9 for x in during[k:]):
-            recovered = r["t"] - step_at
-            break
+    series = [(r["t"], r["attainment"]) for r in rows]
+    recovered = recovered_after(series, step_at, step_end, args.window_s)
     outcomes: dict[str, int] = {}
     for d in done:
         outcomes[d["outcome"]] = outcomes.get(d["outcome"], 0) + 1
@@ -148,7 +152,70 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "requests": len(done),
         "outcomes": outcomes,
         "decisions": decisions,
+        "decided": [f"t={t:.0f} s: {d.line()}" for t, d in decided],
         "recovered_s_after_step": recovered,
+        "rows": rows,
+        "predicted": predict(args, settings, done, t_start) if args.predict else None,
+    }
+
+
+def poisson_steps(args: argparse.Namespace, rng: random.Random) -> list[float]:
+    """Arrival times of the step load (`--rate`, three times it, `--rate` again)."""
+    out, t = [], 0.0
+    for k, rate in enumerate((args.rate, 3 * args.rate, args.rate)):
+        end = (k + 1) * args.phase_s
+        while (t := t + rng.expovariate(rate)) < end:
+            out.append(t)
+        t = end
+    return out
+
+
+def predict(
+    args: argparse.Namespace, settings: Any, done: list[dict[str, Any]], t_start: float
+) -> dict[str, Any]:
+    """The same arrivals through `pdserve.plan.elastic`: the simulator's pools (1P1D, the
+    profile's 1-thread model, as the mocks step by; no transfer and no served costs, which
+    the mocks do not model) under the planner acting on simulated time."""
+    import dataclasses
+
+    from pdserve.plan.elastic import ElasticSimulator, attainment_series
+    from pdserve.plan.plan import Profile, forecast_floor, sim_config
+    from pdserve.plan.sim import Overheads, PoolShape, Transfer
+    from pdserve.plan.workload import WorkloadRequest
+    from pdserve.tools.mock_workers import BLOCK_SIZE
+
+    cfg = dataclasses.replace(
+        sim_config(Profile.read(args.profile), PoolShape(prefill=1, decode=1)),
+        block_size=BLOCK_SIZE, pool_blocks=4096, transfer=Transfer(), overheads=Overheads(),
+    )  # fmt: skip
+    forecast = forecast_floor(args.profile, 1, args.tpot_ms) if args.floor else None
+    acting = dataclasses.replace(settings, mode="act")
+    ttft_s, tpot_s = args.ttft_ms / 1e3, args.tpot_ms / 1e3
+    step_at, step_end = args.phase_s, 2 * args.phase_s
+
+    def simulate(arrivals: list[float]) -> tuple[Any, dict[float, float | None]]:
+        workload = [WorkloadRequest(t, args.prompt_len, args.max_tokens) for t in arrivals]
+        run = ElasticSimulator(cfg, acting, forecast, args.start_s).run_elastic(workload)
+        return run, dict(attainment_series(run.outcomes, ttft_s, tpot_s, args.window_s))
+
+    run, series = simulate(sorted(d["sent"] for d in done))
+    # the same load, other Poisson draws: how much the recovery owes to this run's draw
+    others = []
+    for seed in range(1, args.realizations + 1):
+        _, s = simulate(poisson_steps(args, random.Random(seed)))
+        others.append(recovered_after(list(s.items()), step_at, step_end, args.window_s))
+    pools = {round(s.t): (s.prefill, s.decode) for s in run.samples}
+    rows, last = [], (1, 1)
+    for t in sorted(series):
+        last = pools.get(round(t), last)
+        rows.append({"t": t, "prefill": last[0], "decode": last[1], "attainment": series[t]})
+    return {
+        "recovered_s_after_step": recovered_after(
+            list(series.items()), step_at, step_end, args.window_s
+        ),
+        "other_draws_recovered_s": others,
+        "decisions": [f"t={t:.0f} s: {line}" for t, line in run.decisions],
+        "failed": sum(1 for o in run.outcomes if o.failed),
         "rows": rows,
     }
 
@@ -171,6 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--floor", action="store_true", help="the planner's forecast floor from --profile too"
     )
+    p.add_argument(
+        "--predict",
+        action="store_true",
+        help="also the planner acting on the same arrivals in the simulator (pdserve.plan.elastic)",
+    )
+    p.add_argument(
+        "--realizations", type=int, default=20, help="--predict: other draws of the load too"
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     result = asyncio.run(run(args))
@@ -178,13 +253,27 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     rows = [dict(r, attainment=r["attainment"] if r["attainment"] is not None else 1.0)
             for r in result["rows"]]  # fmt: skip
-    plot(rows, args.out.with_suffix(".png"))
+    pred = result["predicted"]
+    predicted = [dict(r, attainment=r["attainment"] if r["attainment"] is not None else 1.0)
+                 for r in pred["rows"]] if pred else None  # fmt: skip
+    plot(rows, args.out.with_suffix(".png"), predicted)
     print(f"CPU: {result['cpu']}")
     print(f"{result['requests']} requests: {result['outcomes']}")
     print(f"planner decisions: {result['decisions']}")
+    for line in result["decided"]:
+        print(f"  {line}")
     print(
         f"attainment back above 90 % to stay: {result['recovered_s_after_step']} s after the step"
     )
+    if pred:
+        print("predicted (pdserve.plan.elastic, the planner acting on the same arrivals):")
+        for line in pred["decisions"]:
+            print(f"  {line}")
+        print(f"  back above 90 % to stay: {pred['recovered_s_after_step']} s after the step")
+        others = pred["other_draws_recovered_s"]
+        within = sum(1 for r in others if r is not None and r <= 30)
+        print(f"  on {len(others)} other Poisson draws of the load: within 30 s in {within}: "
+              f"{others}")  # fmt: skip
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     lost = sum(n for k, n in result["outcomes"].items() if k != "ok")
     return 1 if lost else 0

@@ -111,15 +111,31 @@ class Window(RequestObserver):
     def on_complete(self, act: ActiveRequest, reason: FinishReason, now: float) -> None:
         if reason is FinishReason.ABORT:
             return  # its client left: no verdict on the service
-        ttft = act.first_sent_s - act.arrival_s if act.first_sent_s is not None else None
-        tpot = None
-        if act.first_sent_s is not None and act.last_sent_s is not None and act.num_sent > 1:
-            tpot = (act.last_sent_s - act.first_sent_s) / (act.num_sent - 1)
-        uncached = act.num_prompt_tokens - act.cached_tokens
-        self.items.append(Finished(now, ttft, tpot, act.num_prompt_tokens, act.num_sent, uncached))
+        self.note(
+            now, act.arrival_s, act.first_sent_s, act.last_sent_s, act.num_sent,
+            act.num_prompt_tokens, act.num_prompt_tokens - act.cached_tokens,
+        )  # fmt: skip
 
     def on_fail(self, act: ActiveRequest, code: grpc.StatusCode, now: float) -> None:
         self.items.append(Finished(now, None, None, act.num_prompt_tokens, act.num_sent))
+
+    def note(
+        self,
+        now: float,
+        arrival_s: float,
+        first_s: float | None,
+        last_s: float | None,
+        num_sent: int,
+        prompt_tokens: int,
+        uncached_tokens: int,
+    ) -> None:
+        """A request that ended at `now` with its tokens sent at these times (the router's
+        requests, or `pdserve.plan.elastic`'s simulated ones)."""
+        ttft = first_s - arrival_s if first_s is not None else None
+        tpot = None
+        if first_s is not None and last_s is not None and num_sent > 1:
+            tpot = (last_s - first_s) / (num_sent - 1)
+        self.items.append(Finished(now, ttft, tpot, prompt_tokens, num_sent, uncached_tokens))
 
     def recent(self, now: float) -> list[Finished]:
         while self.items and self.items[0].at_s < now - self.window_s:
@@ -455,17 +471,21 @@ class Planner:
         return Decision("hold", f"{why}: within the SLO")
 
     # ---- the loop ------------------------------------------------------------------------
-    async def tick(self) -> Decision:
-        """Read the signals and decide, every tick: while an operation it started runs (a
-        new worker loads for seconds), the signals stay fresh and it holds."""
-        t0 = time.perf_counter()
-        s = self.read(time.perf_counter())
-        if self._op is not None and not self._op.done():
-            d = Decision("hold", "an operation is under way")
-        else:
-            d = self.decide(s)
+    def step(self, now: float, busy: bool) -> Decision:
+        """Read the signals at `now` and decide; `busy`: an operation it started still runs
+        (a new worker loads for seconds), so the signals stay fresh and it holds. What one
+        tick does apart from carrying the decision out: `pdserve.plan.elastic` runs it on
+        simulated time."""
+        s = self.read(now)
+        d = Decision("hold", "an operation is under way") if busy else self.decide(s)
         self.last, self.last_signals = d, s
         self.decisions[(d.action, self.cfg.mode)] += 1
+        return d
+
+    async def tick(self) -> Decision:
+        """`step`, then log the decision and, in `act` mode, carry it out."""
+        t0 = time.perf_counter()
+        d = self.step(t0, self._op is not None and not self._op.done())
         self.tick_s = time.perf_counter() - t0
         if d.action == "hold":
             log.info("planner (%s): %s", self.cfg.mode, d.line())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +22,15 @@ from pdserve.checkpoint import write_checkpoint
 from pdserve.cli import main
 from pdserve.plan import plan as planner
 from pdserve.plan.attainment import goodput, parse_slo
+from pdserve.plan.elastic import ElasticSimulator, attainment_series, recovered_after
 from pdserve.plan.profile import transports_to_time
 from pdserve.plan.sim import Overheads, PoolShape, SimConfig, Simulator, Transfer, simulate
 from pdserve.plan.stepmodel import TERMS, StepModel, StepShape, fit, mape
 from pdserve.plan.transfer import fit_transfer
 from pdserve.plan.workload import WorkloadRequest, built_in, dump, load, token_ids
+from pool_api.messages import Role
+from router.config import PlannerSettings
+from router.planner import Decision
 
 MODEL = StepModel((0.010, 0.002, 60e-6, 2e-9, 5e-9, 0.0004, 2e-7))
 KV_BLOCK = 368_640
@@ -377,3 +382,69 @@ def test_plan_on_devices_is_copies_of_one_node(
         cpu = _synthetic_profile(tmp_path / "cpu.json") if message == "CPU" else prof
         rc = main(["plan", "--profile", str(cpu), "--slo", "ttft=1,tpot=1", *args])
         assert rc == 2 and message in capsys.readouterr().err
+
+
+# ---- the planner on simulated time (pdserve.plan.elastic) ----------------------------------
+def _step_load(rates: tuple[float, ...], phase_s: float, prompt: int) -> list[WorkloadRequest]:
+    """Poisson arrivals at each rate in turn for `phase_s`, a fixed seed."""
+    rng, out, t = random.Random(0), [], 0.0
+    for k, rate in enumerate(rates):
+        while (t := t + rng.expovariate(rate)) < (k + 1) * phase_s:
+            out.append(WorkloadRequest(t, prompt, 16))
+        t = (k + 1) * phase_s
+    return out
+
+
+def _acting(**kw: object) -> PlannerSettings:
+    return PlannerSettings(
+        enabled=True, mode="act", interval_s=2, ttft_ms=1000, tpot_ms=100, window_s=10,
+        patience=2, max_prefill=4, max_decode=4, **kw,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def test_the_planner_on_simulated_time_grows_the_pools_under_a_step_and_shrinks_after() -> None:
+    """A 3x step of long prompts on 1P1D: the planner's own decisions, carried out on
+    simulated time, add prefill workers in the step, bring attainment back before it ends
+    (where the fixed pools stay at 0), and give a worker back after; nothing fails."""
+    cfg = SimConfig(PoolShape(prefill=1, decode=1), MODEL, MODEL, 16, KV_BLOCK, 8192)
+    load = _step_load((3, 9, 3), 30.0, 2048)
+    run = ElasticSimulator(cfg, _acting(), start_s=5.0).run_elastic(load)
+    assert not [o for o in run.outcomes if o.failed or o.last_token_s is None]
+    adds = [t for t, line in run.decisions if line.startswith("add a prefill worker")]
+    assert adds and 30 < adds[0] < 60, run.decisions
+    assert any(t > 60 and line.startswith("drain") for t, line in run.decisions), run.decisions
+    elastic = attainment_series(run.outcomes, 1.0, 0.1, 10)
+    fixed = attainment_series(Simulator(cfg).run(load), 1.0, 0.1, 10)
+    after = [a for t, a in elastic if 62 <= t <= 75]
+    assert after and all(a is not None and a >= 0.9 for a in after), elastic
+    assert all(a is not None and a < 0.5 for t, a in fixed if 50 <= t <= 75), fixed
+    back = recovered_after(elastic, 30, 90, 10)  # seconds after the step began, to stay
+    assert back is not None and back < 35, elastic
+    late = recovered_after(fixed, 30, 90, 10)
+    assert late is None or late > 50, fixed
+
+
+def test_a_simulated_flip_drains_the_worker_then_it_joins_the_other_role() -> None:
+    """A flip takes the worker out of routing at once, moves it once it holds nothing
+    (its prompt passes done, its blocks freed), and it serves the other role `flip_s`
+    later; the operation holds the planner until then."""
+    cfg = SimConfig(PoolShape(prefill=2, decode=1), MODEL, MODEL, 16, KV_BLOCK, 1024)
+    sim = ElasticSimulator(cfg, _acting(), flip_s=0.5)
+    load = [WorkloadRequest(0.01 * i, 512, 4) for i in range(6)]
+    sim.clock.at(0.02, lambda: sim._carry_out(Decision("flip", "test", Role.DECODE, "prefill-1")))
+    seen: list[tuple[float, list[str], list[str], bool]] = []
+    for t in (0.03, 1.0, 3.0):
+        sim.clock.at(t, lambda: seen.append(_pools(sim)))
+    outcomes = sim.run(load)
+    assert not [o for o in outcomes if o.failed or o.last_token_s is None]
+    at_flip = seen[0]
+    assert at_flip[1] == ["prefill-0"] and at_flip[3], seen  # out of routing, op running
+    final = seen[-1]
+    assert final[1] == ["prefill-0"] and sorted(final[2]) == ["decode-0", "prefill-1"], seen
+    assert not final[3], seen  # the operation ended when it joined
+
+
+def _pools(sim: ElasticSimulator) -> tuple[float, list[str], list[str], bool]:
+    routable = [w.client.name for w in sim.prefill_pool.routable()]
+    return (sim.clock.now, routable, [w.client.name for w in sim.decode_pool.routable()],
+            sim.op_running)  # fmt: skip

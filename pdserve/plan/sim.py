@@ -43,7 +43,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.plan.stepmodel import StepCost, StepShape
 from pdserve.plan.workload import WorkloadRequest, token_ids
-from pool_api.messages import Role, WorkerStats
+from pool_api.messages import Role, StatKey, WorkerStats
 from router.pools import Pool, WorkerLoad, rank_pairs
 
 _SEED = namespace_seed("pdserve-plan", "")
@@ -165,6 +165,11 @@ class _Clock:
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn))
 
+    @property
+    def pending(self) -> bool:
+        """Events are still to happen."""
+        return bool(self._events)
+
     def run(self) -> None:
         while self._events:
             self.now, _, fn = heapq.heappop(self._events)
@@ -204,6 +209,8 @@ class SimWorker:
         self.load: WorkerLoad[Any] = WorkerLoad(_Client(name, role))
         self.live: dict[str, _Live] = {}
         self.busy = False
+        self.steps_total = 0  # its engine's step counters, as a worker reports them
+        self.step_seconds_total = 0.0
         self.max_len = sched.max_model_len or 1 << 30
         self.refresh()
 
@@ -215,6 +222,8 @@ class SimWorker:
             len(s.running), len(s.waiting), 0,
             sum(r.prefill_end - r.num_computed_tokens for r in s.waiting), 0,
             s.num_preemptions, kv_bytes_per_block=self.kv_bytes_per_block,
+            extra={StatKey.ENGINE_STEPS_TOTAL.value: float(self.steps_total),
+                   StatKey.ENGINE_STEP_SECONDS_TOTAL.value: self.step_seconds_total},
         )  # fmt: skip
         self.load.pending_blocks = 0
 
@@ -238,6 +247,8 @@ class SimWorker:
         over = self.sim.cfg.overheads
         rows = len(out.decode) + sum(c.completes_prompt for c in out.prefill)
         dt = max(self.model.predict(shape), 1e-6) * self.sim.scale + over.step_s + over.row_s * rows
+        self.steps_total += 1
+        self.step_seconds_total += dt
         self.sim.clock.at(start + dt, lambda: self._step_done(out))
 
     def _step_done(self, out: SchedulerOutput) -> None:
@@ -300,26 +311,20 @@ class Simulator:
         self.cfg = cfg
         self.clock = _Clock()
         self.scale = cfg.overheads.step_scale  # set per run (`run`)
-        sched = SchedulerConfig(
+        self.sched = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.shape.budget,
             max_model_len=cfg.max_model_len,
         )
-
-        def workers(role: Role, n: int, model: StepCost, prefix: str) -> list[SimWorker]:
-            return [
-                SimWorker(f"{prefix}-{i}", role, model, cfg.pool_blocks, cfg.block_size,
-                          cfg.kv_bytes_per_block, sched, self)
-                for i in range(n)
-            ]  # fmt: skip
-
         s = cfg.shape
         if s.colocated:
-            self.decode = workers(Role.DECODE, s.colocated, cfg.prefill_model, "colocated")
+            self.decode = [
+                self.new_worker(Role.DECODE, f"colocated-{i}") for i in range(s.colocated)
+            ]
             self.prefill: list[SimWorker] = []
         else:
-            self.prefill = workers(Role.PREFILL, s.prefill, cfg.prefill_model, "prefill")
-            self.decode = workers(Role.DECODE, s.decode, cfg.decode_model, "decode")
+            self.prefill = [self.new_worker(Role.PREFILL, f"prefill-{i}") for i in range(s.prefill)]
+            self.decode = [self.new_worker(Role.DECODE, f"decode-{i}") for i in range(s.decode)]
         self.prefill_pool: Pool[Any] = Pool(Role.PREFILL, [])
         self.prefill_pool.workers = [w.load for w in self.prefill]
         self.decode_pool: Pool[Any] = Pool(Role.DECODE, [])
@@ -327,6 +332,15 @@ class Simulator:
         self.by_load = {id(w.load): w for w in self.prefill + self.decode}
         self.waiting: deque[tuple[_Live, float]] = deque()  # for KV room, with their deadline
         self.outcomes: list[Outcome] = []
+
+    def new_worker(self, role: Role, name: str) -> SimWorker:
+        """An empty worker of `role` (a colocated one prefills with the prefill model)."""
+        cfg = self.cfg
+        model = cfg.decode_model if role is Role.DECODE and not cfg.shape.colocated else None
+        return SimWorker(
+            name, role, model or cfg.prefill_model, cfg.pool_blocks, cfg.block_size,
+            cfg.kv_bytes_per_block, self.sched, self,
+        )  # fmt: skip
 
     # ---- the router ------------------------------------------------------------------------
     def _matches(self, hashes: Sequence[int]) -> dict[str, int]:
@@ -379,6 +393,7 @@ class Simulator:
             if self.clock.now > deadline:
                 self.waiting.popleft()
                 live.outcome.failed = "queue timeout"
+                self.timed_out(live)
                 continue
             before = len(self.waiting)
             self.waiting.popleft()
@@ -427,6 +442,9 @@ class Simulator:
     def finished(self, live: _Live, worker: SimWorker) -> None:
         worker.refresh()
         self._retry_waiting()
+
+    def timed_out(self, live: _Live) -> None:
+        """A request waited for KV room past the router's queue timeout (a subclass hook)."""
 
     # ---- a run -----------------------------------------------------------------------------
     def run(self, requests: Sequence[WorkloadRequest], seed: int = 0) -> list[Outcome]:
