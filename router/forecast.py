@@ -7,16 +7,20 @@ router: `pdserve.plan.plan.forecast_floor`) and the window's load
 (arrival rate, prompt tokens not served from the prefix cache, output tokens):
 
 - a prefill worker runs one prompt pass per step in the worst case, so its busy share is
-  rate x the mean pass time; the floor keeps it at `UTILIZATION` at most;
+  rate x the mean pass time; the floor keeps it at `UTILIZATION` at most, with the prompt
+  tokens already queued worked off within `BACKLOG_S` on top (after a load step the queue
+  it built must drain, not only stop growing);
 - a decode worker holds the largest batch whose step, at the mean context, stays within the
   TPOT bound; it then emits batch / step tokens a second, and the floor keeps the tokens
   asked for (rate x mean output) at `UTILIZATION` of that.
 
 What must hold: the floor never exceeds a role's `max_*` nor falls below its `min_*` (the
-planner clamps it), and it is advisory as much as the planner is: it only ever asks for one
-operation at a time through the same decision path. It is a steady-state model: it has no
-queueing delay and no burst term (the reactive loop covers both), and it says so in its
-reason. Where no profile is given the planner runs the reactive loop alone.
+planner clamps it), and it is advisory as much as the planner is: it asks through the same
+decision path, one decision at a time (a decision may start several workers at once). Its
+rate is the window's arrivals, not its completions, which lag a step by the queue it
+builds. It is a steady-state model apart from the backlog term: no burst term (the
+reactive loop covers it), and it says so in its reason. Where no profile is given the
+planner runs the reactive loop alone.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ UTILIZATION = 0.7
 """The busy share the floor sizes each role for: headroom for bursts and queueing."""
 MAX_BATCH = 512
 """The largest decode batch the floor considers."""
+BACKLOG_S = 10.0
+"""The prompt tokens queued now are worked off within this long, on top of the arrivals."""
 
 
 @dataclass(frozen=True)
@@ -64,25 +70,35 @@ class ForecastFloor:
     threads: int
 
     def floor(
-        self, rate_rps: float, uncached_prompts: Sequence[int], outputs: Sequence[int]
+        self,
+        rate_rps: float,
+        uncached_prompts: Sequence[int],
+        outputs: Sequence[int],
+        queued_tokens: int | None = None,
     ) -> Floor:
         """Workers per role for `rate_rps` requests a second of these lengths (the window's
-        requests: their uncached prompt tokens and output tokens)."""
+        requests: their uncached prompt tokens and output tokens), and `queued_tokens`
+        prompt tokens waiting for a prefill worker now."""
         if rate_rps <= 0 or not outputs:
             return Floor(0, 0, rate_rps, "no load")
         passes = [self.times.prefill_s(max(n, 1)) for n in uncached_prompts]
         pass_s = sum(passes) / len(passes) if passes else 0.0
-        prefill = math.ceil(rate_rps * pass_s / UTILIZATION)
         mean_prompt = sum(uncached_prompts) / max(len(uncached_prompts), 1)
+        queued = (queued_tokens or 0) / max(mean_prompt, 1.0)  # prompts waiting, about
+        backlog_s = queued * pass_s
+        prefill = math.ceil((rate_rps * pass_s + backlog_s / BACKLOG_S) / UTILIZATION)
         mean_out = sum(outputs) / len(outputs)
         ctx = max(1, round(mean_prompt + mean_out / 2))
         batch, step_s = self._batch_within(ctx)
         tokens_per_s = batch / step_s
-        decode = math.ceil(rate_rps * mean_out / tokens_per_s / UTILIZATION)
+        # the queued prompts reach decode as the backlog is worked off: on top of the rate
+        decode_rps = rate_rps + queued / BACKLOG_S
+        decode = math.ceil(decode_rps * mean_out / tokens_per_s / UTILIZATION)
+        backlog = f", {backlog_s:.1f} s of prompts queued" if backlog_s > 0 else ""
         reason = (
-            f"{rate_rps:.2f} req/s: prompt pass {pass_s * 1e3:.0f} ms, decode batch {batch} "
-            f"in {step_s * 1e3:.0f} ms steps at {ctx} tokens of context ({self.threads}-thread "
-            f"workers at {UTILIZATION:.0%}, steady state)"
+            f"{rate_rps:.2f} req/s{backlog}: prompt pass {pass_s * 1e3:.0f} ms, decode "
+            f"batch {batch} in {step_s * 1e3:.0f} ms steps at {ctx} tokens of context "
+            f"({self.threads}-thread workers at {UTILIZATION:.0%}, steady state)"
         )
         return Floor(prefill, decode, rate_rps, reason)
 

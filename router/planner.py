@@ -102,11 +102,24 @@ class Finished:
 
 
 class Window(RequestObserver):
-    """The finished requests of the last `window_s` (a router observer)."""
+    """The finished requests of the last `window_s`, and when the requests of that window
+    arrived (a router observer)."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
         self.items: deque[Finished] = deque()
+        self.arrivals: deque[float] = deque()
+
+    def on_admit(self, act: ActiveRequest) -> None:
+        self.arrivals.append(act.arrival_s)
+
+    def arrival_rate(self, now: float, span_s: float) -> float:
+        """Requests admitted per second over the last `span_s` (at most the window): the
+        load offered now. Completions lag it by the requests' latency, longest when
+        prompts queue, which is when the floor must move."""
+        while self.arrivals and self.arrivals[0] < now - self.window_s:
+            self.arrivals.popleft()
+        return sum(1 for t in self.arrivals if t >= now - span_s) / span_s
 
     def on_complete(self, act: ActiveRequest, reason: FinishReason, now: float) -> None:
         if reason is FinishReason.ABORT:
@@ -190,13 +203,25 @@ class Decision:
     reason: str
     role: Role | None = None  # flip/add: the role that gains a worker; drain: loses one
     worker: str | None = None  # flip/drain: which
+    # add: the workers to start at once, per role (empty: one of `role`); the forecast
+    # floor's shortfall, every role's in one decision, since each add takes a cold start
+    adds: tuple[tuple[Role, int], ...] = ()
+
+    @property
+    def to_add(self) -> tuple[tuple[Role, int], ...]:
+        if self.adds:
+            return self.adds
+        return ((self.role, 1),) if self.action == "add" and self.role is not None else ()
 
     def line(self) -> str:
         what = self.action
         if self.action == "flip":
             what = f"flip {self.worker} to {self.role.value if self.role else '?'}"
-        elif self.action == "add" and self.role is not None:
-            what = f"add a {self.role.value} worker"
+        elif self.action == "add" and self.to_add:
+            what = "add " + " and ".join(
+                f"a {r.value} worker" if n == 1 else f"{n} {r.value} workers"
+                for r, n in self.to_add
+            )
         elif self.action == "drain":
             what = f"drain {self.worker}"
         return f"{what}: {self.reason}"
@@ -283,7 +308,7 @@ class Planner:
         prefill_busy = None if self.colocated else self._since_last(prefill_up, now).busy
         prompts = [f.prompt_tokens for f in recent]
         outputs = [f.output_tokens for f in recent]
-        floor = self._floor(recent, now)
+        floor = self._floor(recent, now, queued)
         return Signals(
             prefill_workers=len(self.prefill.routable()),
             decode_workers=len(self.decode.routable()),
@@ -307,14 +332,20 @@ class Planner:
             missing=tuple(missing),
         )
 
-    def _floor(self, recent: Sequence[Finished], now: float) -> Floor | None:
-        """The forecast floor at the window's load (None: no profile, or nothing finished)."""
+    def _floor(
+        self, recent: Sequence[Finished], now: float, queued_tokens: int | None
+    ) -> Floor | None:
+        """The forecast floor at the window's load and the prompt tokens queued now (None:
+        no profile, or nothing finished)."""
         if self.forecast is None or not recent:
             return None
-        # arrivals ~ completions over the window (or the time since the planner started)
+        # the window's arrivals (or those since the planner started); the lengths of the
+        # requests it finished
         span = min(self.cfg.window_s, max(now - self.started_s, self.cfg.interval_s))
+        rate = self.window.arrival_rate(now, span)
         uncached = [f.uncached_tokens for f in recent]
-        return self.forecast.floor(len(recent) / span, uncached, [f.output_tokens for f in recent])
+        outputs = [f.output_tokens for f in recent]
+        return self.forecast.floor(rate, uncached, outputs, queued_tokens)
 
     def _clamp(self, role: Role, n: int) -> int:
         c = self.cfg
@@ -348,7 +379,11 @@ class Planner:
             return Decision("hold", f"signal missing: {', '.join(s.missing)}")
         if self.cooldown > 0:
             self.cooldown -= 1
-            return Decision("hold", f"settling after a change ({self.cooldown + 1} ticks left)")
+            # the floor's shortfall is the load's, not the pools' answer to the last change:
+            # it need not wait for them to settle
+            floor = None if self.colocated else self._below_floor(s)
+            if floor is None or floor.action != "add":
+                return Decision("hold", f"settling after a change ({self.cooldown + 1} ticks left)")
         want = self._want(s)
         if want.action == "hold":
             self.streak.clear()
@@ -407,8 +442,11 @@ class Planner:
         return None if s.decode_step_ms is None else s.decode_step_ms / self.cfg.tpot_ms
 
     def _below_floor(self, s: Signals) -> Decision | None:
-        """Grow the role furthest below its forecast floor, if any: by a flip from the other
-        role where that stays at or above its own floor (and has the slack, `_grow`)."""
+        """Grow the roles below their forecast floor, if any: the one furthest below by a
+        flip from the other role where that stays above its own floor (and has the slack,
+        `_grow`); else every short role by its whole shortfall at once (a cold start takes
+        seconds: one worker per decision, each after the last had joined, was the slowest
+        part of the recovery from a load step; `pdserve.plan.elastic` measured it)."""
         if s.floor_prefill is None or s.floor_decode is None:
             return None
         short_p = s.floor_prefill - s.prefill_workers
@@ -419,7 +457,16 @@ class Planner:
         donor_spare = (short_d if role is Role.PREFILL else short_p) < 0
         floor = s.floor_prefill if role is Role.PREFILL else s.floor_decode
         why = f"forecast floor: {role.value} needs {floor} ({s.floor_reason})"
-        return self._grow(role, s, why, donor_ok=donor_spare)
+        d = self._grow(role, s, why, donor_ok=donor_spare)
+        if d.action != "add":
+            return d
+        short = {Role.PREFILL: short_p, Role.DECODE: short_d}
+        other = Role.DECODE if role is Role.PREFILL else Role.PREFILL
+        adds = tuple((r, short[r]) for r in (role, other) if short[r] > 0)  # furthest first
+        floors = {Role.PREFILL: s.floor_prefill, Role.DECODE: s.floor_decode}
+        needs = ", ".join(f"{r.value} needs {floors[r]}" for r, _ in adds)
+        why = f"forecast floor: {needs} ({s.floor_reason})"
+        return Decision("add", why, adds[0][0], adds=adds)
 
     def _grow(self, role: Role, s: Signals, why: str, donor_ok: bool) -> Decision:
         c = self.cfg
@@ -501,8 +548,11 @@ class Planner:
         try:
             if d.action == "flip" and d.worker and d.role:
                 await self.admin.flip(d.worker, d.role)
-            elif d.action == "add" and d.role:
-                await self.admin.add(d.role)
+            elif d.action == "add":
+                adds = [self.admin.add(r) for r, n in d.to_add for _ in range(n)]
+                for got in await asyncio.gather(*adds, return_exceptions=True):
+                    if isinstance(got, BaseException):
+                        raise got
             elif d.action == "drain" and d.worker:
                 await self.admin.drain(d.worker)
         except PoolError as e:

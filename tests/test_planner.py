@@ -21,7 +21,7 @@ from pool_api.messages import Role, StatKey, WorkerStats
 from router.clients import DecodeClient, PrefillClient
 from router.config import PlannerSettings
 from router.membership import PoolAdmin
-from router.planner import Planner, Signals
+from router.planner import Decision, Planner, Signals
 from router.pools import Pool
 from tests.in_process import local_config, run_with_workers
 
@@ -209,14 +209,18 @@ def test_the_planner_grows_to_its_forecast_floor_and_never_drains_below_it(
                  profile=str(_profile(tmp_path)), max_decode=8)  # fmt: skip
     now = time.perf_counter()
     p.started_s = now - p.cfg.window_s
-    for i in range(int(20 * p.cfg.window_s)):  # 20 req/s over the window
+    n = int(20 * p.cfg.window_s)  # 20 req/s over the window, arrived and finished
+    for i in range(n):
         p.window.items.append(Finished(now - i / 20, 0.1, 0.01, 600, 100, 500))
+    p.window.arrivals.extend(now - (n - i) / 20 for i in range(n))
     s = p.read(now)
     assert (s.floor_prefill, s.floor_decode) == (2, 7), s
     assert "20.00 req/s" in s.floor_reason, s.floor_reason
     short = _signals(p, floor_prefill=2, floor_decode=7, floor_reason="test")
-    d = p.decide(short)  # decode is 5 short, prefill 1: decode first; no donor to spare
+    d = p.decide(short)  # decode is 5 short, prefill 1; no donor to spare: both at once
     assert (d.action, d.role) == ("add", Role.DECODE) and "forecast floor" in d.reason, d
+    assert d.to_add == ((Role.DECODE, 5), (Role.PREFILL, 1)), d
+    assert d.line().startswith("add 5 decode workers and a prefill worker: forecast floor"), d
     q = _planner(num_prefill=1, num_decode=2, patience=1)
     d = q.decide(_signals(q, floor_prefill=2, floor_decode=1, floor_reason="test"))
     assert (d.action, d.role, d.worker) == ("flip", Role.PREFILL, "pdserve-decode-0"), d
@@ -225,6 +229,78 @@ def test_the_planner_grows_to_its_forecast_floor_and_never_drains_below_it(
     at_floor = [r.decide(replace(idle, floor_prefill=1, floor_decode=2)) for _ in range(4)]
     assert all(d.action == "hold" for d in at_floor), at_floor
     assert [r.decide(idle) for _ in range(3)][-1].action == "drain"  # no floor: it drains
+
+
+def test_the_floor_works_off_the_queued_prompts_on_top_of_the_rate(tmp_path: Path) -> None:
+    """Prompt tokens queued now count as that many more prompts arriving over BACKLOG_S,
+    for prefill (they must be computed) and for decode (they reach it as they are): after
+    a load step the queue it built must drain, not only stop growing."""
+    from pdserve.plan.plan import forecast_floor
+    from router.forecast import BACKLOG_S
+
+    f = forecast_floor(_profile(tmp_path), threads=1, tpot_ms=100.0)
+    prompts, outputs = [500] * 10, [100] * 10
+    queued = int(500 * 20 * BACKLOG_S)  # 20 req/s more, over BACKLOG_S
+    with_backlog = f.floor(20.0, prompts, outputs, queued_tokens=queued)
+    doubled = f.floor(40.0, prompts, outputs)
+    plain = f.floor(20.0, prompts, outputs)
+    assert (with_backlog.prefill, with_backlog.decode) == (doubled.prefill, doubled.decode)
+    assert with_backlog.prefill > plain.prefill and with_backlog.decode > plain.decode
+    assert "s of prompts queued" in with_backlog.reason, with_backlog.reason
+
+
+def test_the_window_rate_is_its_arrivals_not_its_completions() -> None:
+    """Admissions, counted over the span asked for and forgotten past the window: the load
+    offered now, which completions lag while prompts queue."""
+    from router.planner import Window
+
+    w = Window(10.0)
+    for t in range(30):  # one a second for 30 s, then four a second for 5 s
+        w.arrivals.append(float(t))
+    for k in range(20):
+        w.arrivals.append(30.0 + k / 4)
+    assert w.arrival_rate(35.0, 5.0) == pytest.approx(4.0)
+    assert w.arrival_rate(35.0, 10.0) == pytest.approx((5 + 20) / 10)
+    assert min(w.arrivals) >= 25.0  # past the window: forgotten
+
+
+def test_a_floor_add_is_not_held_by_the_settling_after_a_change(tmp_path: Path) -> None:
+    """After a change the reactive loop waits `patience` ticks for the pools to settle; a
+    shortfall of the forecast floor is the load's, not the pools' answer, and goes ahead."""
+    p = _planner(num_prefill=1, num_decode=1, patience=1)
+    p.cooldown = 2
+    d = p.decide(_signals(p, floor_prefill=3, floor_decode=1, floor_reason="test"))
+    assert d.to_add == ((Role.PREFILL, 2),), d
+    q = _planner(num_prefill=1, num_decode=1, patience=1)
+    q.cooldown = 2
+    d = q.decide(_signals(q, ttft_attainment=0.5, attainment=0.5))  # reactive: it settles
+    assert d.action == "hold" and "settling" in d.reason, d
+
+
+def test_one_decision_starts_every_worker_it_adds_at_once() -> None:
+    """act mode carries an add of several workers out as that many adds, concurrently (a
+    cold start each: one after the other would take their sum)."""
+
+    class Admin:
+        def __init__(self) -> None:
+            self.calls: list[Role] = []
+            self.running = 0
+            self.most = 0
+
+        async def add(self, role: Role) -> dict[str, Any]:
+            self.calls.append(role)
+            self.running += 1
+            self.most = max(self.most, self.running)
+            await asyncio.sleep(0.05)
+            self.running -= 1
+            return {}
+
+    p = _planner()
+    admin = Admin()
+    p.admin = admin  # type: ignore[assignment]
+    d = Decision("add", "test", Role.DECODE, adds=((Role.DECODE, 2), (Role.PREFILL, 1)))
+    asyncio.run(p._act(d))
+    assert admin.calls == [Role.DECODE, Role.DECODE, Role.PREFILL] and admin.most == 3
 
 
 @pytest.fixture(scope="module")
@@ -255,10 +331,17 @@ def test_an_unmet_slo_grows_the_prefill_pool_in_act_mode_only(tiny_dir: Path, mo
             assert asyncio.get_running_loop().time() < deadline, planner.last
             await asyncio.sleep(0.05)
         if mode == "act":  # added once, then held at the bound (max_prefill=2)
-            while len(router.prefill.workers) < 2 or planner.last.action != "hold":
+            op = planner._op  # the add, until its worker joined and reported its stats
+            while len(router.prefill.workers) < 2 or op is None or not op.done():
                 assert asyncio.get_running_loop().time() < deadline, planner.last
                 await asyncio.sleep(0.05)
-            await asyncio.sleep(0.3)  # several more ticks
+                op = planner._op
+            # several more ticks (counted, not slept: a loaded host ticks late), past the
+            # settling after the add
+            ticks = sum(planner.decisions.values())
+            while sum(planner.decisions.values()) < ticks + 3:
+                assert asyncio.get_running_loop().time() < deadline, planner.last
+                await asyncio.sleep(0.05)
             assert "at its bound" in planner.last.reason, planner.last
         assert len(router.prefill.workers) == (2 if mode == "act" else 1)
         assert planner.last_signals is not None and planner.last_signals.ttft_attainment == 0.0

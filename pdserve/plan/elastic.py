@@ -73,6 +73,7 @@ class ElasticSimulator(Simulator):
         self.planner.started_s = 0.0
         self.start_s, self.flip_s = start_s, flip_s
         self.op_running = False
+        self.joining = 0  # workers started and not joined yet
         self.leaving: dict[str, Role | None] = {}  # draining -> the role it rejoins (a flip)
         self.samples: list[Sample] = []
         self.decisions: list[tuple[float, str]] = []
@@ -97,10 +98,13 @@ class ElasticSimulator(Simulator):
             self.clock.at(now + self.planner.cfg.interval_s, self._tick)
 
     def _carry_out(self, d: Decision) -> None:
-        if d.action == "add" and d.role is not None:
-            self.op_running = True
-            name = f"{d.role.value}-new{next(self._names)}"
-            self.clock.at(self.clock.now + self.start_s, partial(self._join, d.role, name))
+        if d.action == "add":
+            for role, n in d.to_add:
+                for _ in range(n):
+                    self.joining += 1
+                    name = f"{role.value}-new{next(self._names)}"
+                    self.clock.at(self.clock.now + self.start_s, partial(self._join, role, name))
+            self.op_running = self.joining > 0
         elif d.action in ("drain", "flip") and d.worker is not None:
             worker = self._worker(d.worker)
             if worker is None:
@@ -109,6 +113,10 @@ class ElasticSimulator(Simulator):
             worker.load.draining = True
             self.leaving[d.worker] = d.role if d.action == "flip" else None
             self._settle()
+
+    def _arrive(self, live: _Live) -> None:
+        self.planner.window.arrivals.append(self.clock.now)
+        super()._arrive(live)
 
     # ---- pool membership -------------------------------------------------------------------
     def _worker(self, name: str) -> SimWorker | None:
@@ -121,7 +129,8 @@ class ElasticSimulator(Simulator):
         pool = self.prefill_pool if role is Role.PREFILL else self.decode_pool
         pool.workers.append(w.load)
         self.by_load[id(w.load)] = w
-        self.op_running = False
+        self.joining = max(0, self.joining - 1)
+        self.op_running = self.joining > 0
         self._retry_waiting()
 
     def _settle(self) -> None:
