@@ -184,6 +184,9 @@ class Signals:
     floor_decode: int | None = None
     floor_reason: str = ""
     missing: tuple[str, ...] = ()
+    # workers an add of the planner's is starting, not serving yet (the floor counts them)
+    starting_prefill: int = 0
+    starting_decode: int = 0
 
     def gauges(self) -> dict[str, float]:
         """The signals present, as `pdserve:planner_signal{signal=...}` reports them."""
@@ -268,7 +271,9 @@ class Planner:
         # worker -> (engine steps, their seconds, when read): the counters at the last read
         self._marks: dict[str, tuple[float, float, float]] = {}
         self._task: asyncio.Task[None] | None = None
-        self._op: asyncio.Task[None] | None = None  # the operation `act` mode started
+        self._op: asyncio.Task[None] | None = None  # the last operation `act` mode started
+        self._ops: set[asyncio.Task[None]] = set()  # those still running
+        self.starting: Counter[Role] = Counter()  # workers its adds are starting, per role
         self.started_s = time.perf_counter()
         self.forecast = None if colocated else forecast
 
@@ -330,6 +335,8 @@ class Planner:
             floor_decode=None if floor is None else self._clamp(Role.DECODE, floor.decode),
             floor_reason="" if floor is None else floor.reason,
             missing=tuple(missing),
+            starting_prefill=self.starting[Role.PREFILL],
+            starting_decode=self.starting[Role.DECODE],
         )
 
     def _floor(
@@ -372,19 +379,25 @@ class Planner:
         return Stepped(steps, secs, wall)
 
     # ---- the decision --------------------------------------------------------------------
-    def decide(self, s: Signals) -> Decision:
-        """One tick's decision (module docstring); counts the streaks it needs."""
+    def decide(self, s: Signals, busy: bool = False) -> Decision:
+        """One tick's decision (module docstring); counts the streaks it needs. `busy`: an
+        operation it started still runs."""
         if s.missing:
             self.streak.clear()
             return Decision("hold", f"signal missing: {', '.join(s.missing)}")
-        if self.cooldown > 0:
-            self.cooldown -= 1
+        if busy or self.cooldown > 0:
             # the floor's shortfall is the load's, not the pools' answer to the last change:
-            # it need not wait for them to settle
+            # it waits neither for them to settle nor for the workers being started (which
+            # it counts), since each add is a cold start of seconds
             floor = None if self.colocated else self._below_floor(s)
             if floor is None or floor.action != "add":
+                if busy:
+                    return Decision("hold", "an operation is under way")
+                self.cooldown -= 1
                 return Decision("hold", f"settling after a change ({self.cooldown + 1} ticks left)")
-        want = self._want(s)
+            want = floor
+        else:
+            want = self._want(s)
         if want.action == "hold":
             self.streak.clear()
             return want
@@ -449,8 +462,8 @@ class Planner:
         part of the recovery from a load step; `pdserve.plan.elastic` measured it)."""
         if s.floor_prefill is None or s.floor_decode is None:
             return None
-        short_p = s.floor_prefill - s.prefill_workers
-        short_d = s.floor_decode - s.decode_workers
+        short_p = s.floor_prefill - s.prefill_workers - s.starting_prefill
+        short_d = s.floor_decode - s.decode_workers - s.starting_decode
         if max(short_p, short_d) <= 0:
             return None
         role = Role.PREFILL if short_p >= short_d else Role.DECODE
@@ -524,7 +537,7 @@ class Planner:
         tick does apart from carrying the decision out: `pdserve.plan.elastic` runs it on
         simulated time."""
         s = self.read(now)
-        d = Decision("hold", "an operation is under way") if busy else self.decide(s)
+        d = self.decide(s, busy)
         self.last, self.last_signals = d, s
         self.decisions[(d.action, self.cfg.mode)] += 1
         return d
@@ -532,7 +545,7 @@ class Planner:
     async def tick(self) -> Decision:
         """`step`, then log the decision and, in `act` mode, carry it out."""
         t0 = time.perf_counter()
-        d = self.step(t0, self._op is not None and not self._op.done())
+        d = self.step(t0, any(not op.done() for op in self._ops))
         self.tick_s = time.perf_counter() - t0
         if d.action == "hold":
             log.info("planner (%s): %s", self.cfg.mode, d.line())
@@ -540,6 +553,8 @@ class Planner:
         log.warning("planner (%s): %s", self.cfg.mode, d.line())
         if self.cfg.mode == "act":
             self._op = asyncio.create_task(self._act(d))
+            self._ops.add(self._op)
+            self._op.add_done_callback(self._ops.discard)
         return d
 
     async def _act(self, d: Decision) -> None:
@@ -549,7 +564,7 @@ class Planner:
             if d.action == "flip" and d.worker and d.role:
                 await self.admin.flip(d.worker, d.role)
             elif d.action == "add":
-                adds = [self.admin.add(r) for r, n in d.to_add for _ in range(n)]
+                adds = [self._add(r) for r, n in d.to_add for _ in range(n)]
                 for got in await asyncio.gather(*adds, return_exceptions=True):
                     if isinstance(got, BaseException):
                         raise got
@@ -557,6 +572,15 @@ class Planner:
                 await self.admin.drain(d.worker)
         except PoolError as e:
             log.warning("planner: %s did not happen: %s", d.line(), e.message)
+
+    async def _add(self, role: Role) -> None:
+        """One worker added, counted as starting (`Signals.starting_*`) until it joined or
+        failed."""
+        self.starting[role] += 1
+        try:
+            await self.admin.add(role)
+        finally:
+            self.starting[role] -= 1
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -571,6 +595,6 @@ class Planner:
                 log.exception("planner tick failed")
 
     def stop(self) -> None:
-        for task in (self._task, self._op):
+        for task in (self._task, *self._ops):
             if task is not None:
                 task.cancel()

@@ -277,6 +277,22 @@ def test_a_floor_add_is_not_held_by_the_settling_after_a_change(tmp_path: Path) 
     assert d.action == "hold" and "settling" in d.reason, d
 
 
+def test_while_its_adds_start_the_floor_adds_only_what_they_do_not_cover() -> None:
+    """An operation under way holds the planner, except for the forecast floor's shortfall
+    beyond the workers already starting: the load can outgrow an add that was sized while
+    the window still held the quiet phase, and a second cold start need not wait for the
+    first."""
+    p = _planner(num_prefill=1, num_decode=1, patience=1)
+    short = _signals(p, floor_prefill=3, floor_decode=1, floor_reason="test", starting_prefill=1)
+    d = p.decide(short, busy=True)
+    assert d.to_add == ((Role.PREFILL, 1),), d
+    covered = replace(short, starting_prefill=2)
+    d = p.decide(covered, busy=True)
+    assert (d.action, d.reason) == ("hold", "an operation is under way"), d
+    d = p.decide(_signals(p, ttft_attainment=0.5, attainment=0.5), busy=True)  # reactive
+    assert (d.action, d.reason) == ("hold", "an operation is under way"), d
+
+
 def test_one_decision_starts_every_worker_it_adds_at_once() -> None:
     """act mode carries an add of several workers out as that many adds, concurrently (a
     cold start each: one after the other would take their sum)."""

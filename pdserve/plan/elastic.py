@@ -72,8 +72,7 @@ class ElasticSimulator(Simulator):
         )
         self.planner.started_s = 0.0
         self.start_s, self.flip_s = start_s, flip_s
-        self.op_running = False
-        self.joining = 0  # workers started and not joined yet
+        self.flipping = 0  # flipped workers drained and not rejoined yet
         self.leaving: dict[str, Role | None] = {}  # draining -> the role it rejoins (a flip)
         self.samples: list[Sample] = []
         self.decisions: list[tuple[float, str]] = []
@@ -101,15 +100,14 @@ class ElasticSimulator(Simulator):
         if d.action == "add":
             for role, n in d.to_add:
                 for _ in range(n):
-                    self.joining += 1
+                    self.planner.starting[role] += 1
                     name = f"{role.value}-new{next(self._names)}"
-                    self.clock.at(self.clock.now + self.start_s, partial(self._join, role, name))
-            self.op_running = self.joining > 0
+                    join = partial(self._join, role, name, True)
+                    self.clock.at(self.clock.now + self.start_s, join)
         elif d.action in ("drain", "flip") and d.worker is not None:
             worker = self._worker(d.worker)
             if worker is None:
                 return
-            self.op_running = True
             worker.load.draining = True
             self.leaving[d.worker] = d.role if d.action == "flip" else None
             self._settle()
@@ -118,19 +116,26 @@ class ElasticSimulator(Simulator):
         self.planner.window.arrivals.append(self.clock.now)
         super()._arrive(live)
 
+    @property
+    def op_running(self) -> bool:
+        """An add, drain or flip it carried out has not ended (as the planner's `_ops`)."""
+        return bool(self.leaving) or self.flipping > 0 or sum(self.planner.starting.values()) > 0
+
     # ---- pool membership -------------------------------------------------------------------
     def _worker(self, name: str) -> SimWorker | None:
         return next((w for w in self.prefill + self.decode if w.name == name), None)
 
-    def _join(self, role: Role | None, name: str) -> None:
-        assert role is not None
+    def _join(self, role: Role, name: str, added: bool) -> None:
+        """`name` joins `role`: a new worker (`added`), or a flipped one."""
         w = self.new_worker(role, name)
         (self.prefill if role is Role.PREFILL else self.decode).append(w)
         pool = self.prefill_pool if role is Role.PREFILL else self.decode_pool
         pool.workers.append(w.load)
         self.by_load[id(w.load)] = w
-        self.joining = max(0, self.joining - 1)
-        self.op_running = self.joining > 0
+        if added:
+            self.planner.starting[role] -= 1
+        else:
+            self.flipping -= 1
         self._retry_waiting()
 
     def _settle(self) -> None:
@@ -144,10 +149,9 @@ class ElasticSimulator(Simulator):
             pool = self.prefill_pool if w.role is Role.PREFILL else self.decode_pool
             pool.workers.remove(w.load)
             del self.by_load[id(w.load)]
-            if to is None:
-                self.op_running = False
-            else:
-                self.clock.at(self.clock.now + self.flip_s, partial(self._join, to, name))
+            if to is not None:
+                self.flipping += 1
+                self.clock.at(self.clock.now + self.flip_s, partial(self._join, to, name, False))
 
     # ---- what the planner's window sees ----------------------------------------------------
     def finished(self, live: _Live, worker: SimWorker) -> None:
