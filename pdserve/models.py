@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import DTYPE_NAMES
+from engine.host_lock import host_lock
 
 log = logging.getLogger(__name__)
 
@@ -190,17 +191,26 @@ def fetch_named(name: str, out: Path | None = None, dtype: str = "float32") -> P
         raise ModelError(f"--dtype {dtype!r}: a named model is stored as float32 or bfloat16")
     spec = NAMED_MODELS[name]
     target = out or pdserve_home() / "models" / f"{name}-{dtype}"
-    if _complete(target) and _source(target) == _source_record(name, spec, dtype):
+    if _fetched(target, name, spec, dtype):
         return target  # fetched and converted before
-    gguf = _fetch_gguf(name, spec)
-    _say(f"converting {gguf.name} to an HF checkpoint ({dtype}) in {target}")
-    with tempfile.TemporaryDirectory(dir=_mkdir(target.parent), prefix=".tmp-") as tmp:
-        work = Path(tmp) / "model"
-        convert_gguf(gguf, work, dtype)
-        with open(work / "pdserve_source.json", "w") as f:
-            json.dump(_source_record(name, spec, dtype), f, indent=2)
-        _publish(work, target, replace=True)
+    # one fetch at a time on this host: a second process waits for the first's result
+    # (its own download and conversion would race it for the same files, on the same cores)
+    with host_lock(pdserve_home() / ".fetch.lock"):
+        if _fetched(target, name, spec, dtype):
+            return target  # while this one waited
+        gguf = _fetch_gguf(name, spec)
+        _say(f"converting {gguf.name} to an HF checkpoint ({dtype}) in {target}")
+        with tempfile.TemporaryDirectory(dir=_mkdir(target.parent), prefix=".tmp-") as tmp:
+            work = Path(tmp) / "model"
+            convert_gguf(gguf, work, dtype)
+            with open(work / "pdserve_source.json", "w") as f:
+                json.dump(_source_record(name, spec, dtype), f, indent=2)
+            _publish(work, target, replace=True)
     return target
+
+
+def _fetched(target: Path, name: str, spec: NamedModel, dtype: str) -> bool:
+    return _complete(target) and _source(target) == _source_record(name, spec, dtype)
 
 
 def _source_record(name: str, spec: NamedModel, dtype: str) -> dict[str, str]:

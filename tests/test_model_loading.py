@@ -394,3 +394,47 @@ def test_generate_a_bf16_checkpoint_on_this_cpu(
     assert main([*args, "hello world"]) == 0
     (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(record["token_ids"]) >= 1
+
+
+def test_two_fetches_of_one_named_model_download_and_convert_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes (here threads: each holds its own lock file handle) fetching the same
+    named model at once: the second waits for the first's result instead of downloading
+    and converting beside it (a fresh clone's suite had two pytest workers write one
+    `.part` file, and one renamed it from under the other)."""
+    import threading
+    import time as _time
+
+    import pdserve.models as models
+
+    monkeypatch.setenv("PDSERVE_HOME", str(tmp_path))
+    calls: list[str] = []
+
+    def fake_fetch(name: str, spec: Any) -> Path:  # the download: slow, counted
+        calls.append("fetch")
+        _time.sleep(0.3)
+        gguf = tmp_path / "downloads" / "model.gguf"
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        gguf.write_bytes(b"gguf")
+        return gguf
+
+    def fake_convert(gguf: Path, work: Path, dtype: str) -> None:
+        calls.append("convert")
+        work.mkdir(parents=True)
+        (work / "config.json").write_text("{}")
+        (work / "tokenizer.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_fetch_gguf", fake_fetch)
+    monkeypatch.setattr(models, "convert_gguf", fake_convert)
+    got: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: got.append(models.fetch_named(models.DEFAULT_MODEL)))
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["fetch", "convert"], calls
+    assert len(got) == 2 and got[0] == got[1] and (got[0] / "config.json").is_file()

@@ -40,8 +40,6 @@ single applicable candidate is taken without timing (a GPU has one of each today
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -49,7 +47,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +56,7 @@ import torch
 
 from engine import kernel_spec
 from engine.config import ModelConfig
+from engine.host_lock import host_lock
 from engine.kernels import OPS, Candidate, KernelSet, candidate, candidates
 from engine.kernels.workloads import BENCHES, Bench
 from engine.model_weights import ModelWeights
@@ -188,7 +187,7 @@ def select(
     path = (cache_dir or default_cache_dir()) / f"{_digest(key)}.json"
     cached = _read(path, key)
     if cached is None:
-        with _host_lock(path.parent):
+        with host_lock(path.parent / ".lock"):
             cached = _read(path, key)  # another worker may have measured while we waited
             if cached is None:
                 cached = _measure(cfg, weights, pools, invariant)
@@ -439,20 +438,3 @@ def _write(path: Path, key: dict[str, Any], sel: Selection) -> None:
         tmp.replace(path)  # atomic: a reader sees the old file or the whole new one
     except OSError as e:  # a read-only home measures again next time; it still serves
         log.warning("kernels: could not cache the choice in %s (%s)", path, e)
-
-
-@contextlib.contextmanager
-def _host_lock(directory: Path) -> Iterator[None]:
-    """One measurement at a time on this host (every worker sharing `directory`)."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        f = open(directory / ".lock", "a+")  # noqa: SIM115 (held across the yield)
-    except OSError:
-        yield  # nowhere to lock: measure anyway
-        return
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
