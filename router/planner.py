@@ -21,9 +21,12 @@ that is all it does; in `act` mode it carries the decision out through the pool 
 
 With a profile (`planner.profile`), a second loop sets a floor under the reactive one
 (`router.forecast`): the workers per role that the profile's step model says the window's
-load needs. A role below its floor grows first (flipping a worker from a role above its own
-floor, else adding one), and no role is drained below it. Not built: asking a cluster
-autoscaler for nodes (Ray places the workers it starts; KubeRay adds nodes for them).
+arrivals and the queued prompts need. Roles below their floor grow first (flipping a worker
+from a role above its own floor, else adding every short role's whole shortfall at once),
+and no role is drained below it. A floor add goes ahead while the pools settle and while an
+add runs (counting the workers it starts): each add is a cold start of seconds. Not built:
+asking a cluster autoscaler for nodes (Ray places the workers it starts; KubeRay adds nodes
+for them).
 """
 
 from __future__ import annotations
