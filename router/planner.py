@@ -21,12 +21,9 @@ that is all it does; in `act` mode it carries the decision out through the pool 
 
 With a profile (`planner.profile`), a second loop sets a floor under the reactive one
 (`router.forecast`): the workers per role that the profile's step model says the window's
-arrivals and the queued prompts need. Roles below their floor grow first (flipping a worker
-from a role above its own floor, else adding every short role's whole shortfall at once),
-and no role is drained below it. A floor add goes ahead while the pools settle and while an
-add runs (counting the workers it starts): each add is a cold start of seconds. Not built:
-asking a cluster autoscaler for nodes (Ray places the workers it starts; KubeRay adds nodes
-for them).
+arrivals and queued prompts need. Roles below it grow first (a flip, else every shortfall
+at once, even while an add runs), and none is drained below it (router.forecast). Not
+built: asking a cluster autoscaler for nodes (KubeRay adds nodes for Ray's workers).
 """
 
 from __future__ import annotations
