@@ -49,6 +49,7 @@ from pdserve.tools.mock_workers import (  # noqa: E402
     mock_router,
     router_overhead_s,
     start_hosts,
+    take_marks,
 )
 
 RESULTS = ROOT / "benchmarks" / "results" / "pool-mock-latest.json"
@@ -152,15 +153,6 @@ async def load(
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return driven
-
-
-async def take_marks(hosts: list[Any]) -> dict[str, dict[str, float]]:
-    """The mock workers' per-request marks, from every host, merged by request."""
-    marks: dict[str, dict[str, float]] = {}
-    for got in await asyncio.gather(*(h.take_marks.remote() for h in hosts)):
-        for rid, m in got.items():
-            marks.setdefault(rid, {}).update(m)
-    return marks
 
 
 def overhead(driven: list[Driven], marks: dict[str, dict[str, float]]) -> dict[str, Any]:

@@ -34,9 +34,9 @@ TRANSFER_FAILURES_DOWN = 3
 
 
 SILENT_AFTER = 2
-# A spread refresh (`Pool.refresh`) starts its calls in this many groups over the interval.
-SPREAD_SLOTS = 8
 """Stats calls in a row that time out before an up worker counts as silent."""
+SPREAD_SLOTS = 8
+"""A spread refresh (`Pool.refresh`) starts its calls in this many groups over the interval."""
 _TRACKED = itertools.count(1)  # `WorkerLoad.last_track`'s sequence
 
 

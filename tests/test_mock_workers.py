@@ -22,6 +22,7 @@ from pdserve.tools.mock_workers import (
     mock_router,
     router_overhead_s,
     start_hosts,
+    take_marks,
 )
 from pool_api.messages import Role
 from protos.pdserve.v1 import generation_pb2 as gen
@@ -88,10 +89,7 @@ def test_the_router_overhead_is_measured_on_every_request(hosts: list[Any]) -> N
             split = [await drive(router, _request(200 + i), MAX_TOKENS) for i in range(4)]
             router.flow.colocated = True  # the decode worker runs both phases
             local = [await drive(router, _request(300 + i), MAX_TOKENS) for i in range(4)]
-            marks: dict[str, dict[str, float]] = {}
-            for got in await asyncio.gather(*(h.take_marks.remote() for h in hosts)):
-                for rid, m in got.items():
-                    marks.setdefault(rid, {}).update(m)
+            marks = await take_marks(hosts)
             return [(d, router_overhead_s(d, marks.get(d.request_id, {}))) for d in split + local]
         finally:
             await router.drain(0.0)

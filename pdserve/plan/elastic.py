@@ -12,9 +12,10 @@ placement is the router's), and carries each decision out there as `act` mode wo
   no block: its transfers landed);
 - a flip: a drain, then the worker joins the other role `flip_s` later, its cache empty.
 
-While an operation runs the planner holds, as its `tick` does. The planner reads what it
-reads from the router (each worker's stats and step counters, the window of finished
-requests) from the simulated workers, exact at every tick.
+While an operation runs the planner holds, as its `tick` does (the forecast floor's adds
+excepted). The planner reads what it reads from the router (each worker's stats and step
+counters, the window of admitted and finished requests) from the simulated workers, exact
+at every tick.
 
 What must hold: the planner's decision code is not described a second time here; a change
 to it changes the prediction.
@@ -125,11 +126,17 @@ class ElasticSimulator(Simulator):
     def _worker(self, name: str) -> SimWorker | None:
         return next((w for w in self.prefill + self.decode if w.name == name), None)
 
+    def _role(self, role: Role) -> tuple[list[SimWorker], Any]:
+        """A role's simulated workers and the router's pool of them."""
+        if role is Role.PREFILL:
+            return self.prefill, self.prefill_pool
+        return self.decode, self.decode_pool
+
     def _join(self, role: Role, name: str, added: bool) -> None:
         """`name` joins `role`: a new worker (`added`), or a flipped one."""
         w = self.new_worker(role, name)
-        (self.prefill if role is Role.PREFILL else self.decode).append(w)
-        pool = self.prefill_pool if role is Role.PREFILL else self.decode_pool
+        workers, pool = self._role(role)
+        workers.append(w)
         pool.workers.append(w.load)
         self.by_load[id(w.load)] = w
         if added:
@@ -145,8 +152,8 @@ class ElasticSimulator(Simulator):
             if w is None or w.live or w.busy or w.blocks.num_used_blocks:
                 continue
             del self.leaving[name]
-            (self.prefill if w.role is Role.PREFILL else self.decode).remove(w)
-            pool = self.prefill_pool if w.role is Role.PREFILL else self.decode_pool
+            workers, pool = self._role(w.role)
+            workers.remove(w)
             pool.workers.remove(w.load)
             del self.by_load[id(w.load)]
             if to is not None:

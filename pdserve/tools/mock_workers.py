@@ -337,6 +337,16 @@ class _Named:
         return _Method(self._host, self._name, method)
 
 
+async def take_marks(hosts: list[Any]) -> dict[str, dict[str, float]]:
+    """The mock workers' per-request marks (`MockWorker.marks`), from every host, merged by
+    request (a disaggregated request's marks lie on two workers, maybe two hosts)."""
+    marks: dict[str, dict[str, float]] = {}
+    for got in await asyncio.gather(*(h.take_marks.remote() for h in hosts)):
+        for rid, m in got.items():
+            marks.setdefault(rid, {}).update(m)
+    return marks
+
+
 def named_handle(host: Any, name: str) -> Any:
     """A Ray handle of `host` that calls its mock worker `name` (`MockHost.call`)."""
     return _Named(host, name)
