@@ -271,8 +271,7 @@ class Planner:
         # worker -> (engine steps, their seconds, when read): the counters at the last read
         self._marks: dict[str, tuple[float, float, float]] = {}
         self._task: asyncio.Task[None] | None = None
-        self._op: asyncio.Task[None] | None = None  # the last operation `act` mode started
-        self._ops: set[asyncio.Task[None]] = set()  # those still running
+        self._ops: set[asyncio.Task[None]] = set()  # the operations `act` mode runs now
         self.starting: Counter[Role] = Counter()  # workers its adds are starting, per role
         self.started_s = time.perf_counter()
         self.forecast = None if colocated else forecast
@@ -552,9 +551,9 @@ class Planner:
             return d
         log.warning("planner (%s): %s", self.cfg.mode, d.line())
         if self.cfg.mode == "act":
-            self._op = asyncio.create_task(self._act(d))
-            self._ops.add(self._op)
-            self._op.add_done_callback(self._ops.discard)
+            op = asyncio.create_task(self._act(d))
+            self._ops.add(op)
+            op.add_done_callback(self._ops.discard)
         return d
 
     async def _act(self, d: Decision) -> None:

@@ -347,11 +347,10 @@ def test_an_unmet_slo_grows_the_prefill_pool_in_act_mode_only(tiny_dir: Path, mo
             assert asyncio.get_running_loop().time() < deadline, planner.last
             await asyncio.sleep(0.05)
         if mode == "act":  # added once, then held at the bound (max_prefill=2)
-            op = planner._op  # the add, until its worker joined and reported its stats
-            while len(router.prefill.workers) < 2 or op is None or not op.done():
+            # the add runs until its worker joined and reported its stats
+            while len(router.prefill.workers) < 2 or planner._ops:
                 assert asyncio.get_running_loop().time() < deadline, planner.last
                 await asyncio.sleep(0.05)
-                op = planner._op
             # several more ticks (counted, not slept: a loaded host ticks late), past the
             # settling after the add
             ticks = sum(planner.decisions.values())
