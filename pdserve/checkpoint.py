@@ -251,14 +251,17 @@ def init_weights(p: Preset, seed: int) -> dict[str, torch.Tensor]:
 
 
 def write_checkpoint(
-    preset: str, out_dir: str | Path, seed: int = 0, dtype: str = "float32"
+    preset: str | Preset, out_dir: str | Path, seed: int = 0, dtype: str = "float32"
 ) -> Path:
-    """Write config, weights, tokenizer and generation config to `out_dir`; returns it."""
-    if preset not in PRESETS:
+    """Write config, weights, tokenizer and generation config to `out_dir`; returns it.
+
+    `preset` names one of `PRESETS`, or is a `Preset` of its own (a test that needs other
+    sizes than the named ones)."""
+    if isinstance(preset, str) and preset not in PRESETS:
         raise ValueError(f"--preset {preset!r}: choose from {sorted(PRESETS)}")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"--dtype {dtype!r}: choose float32 or bfloat16")
-    p = PRESETS[preset]
+    p = PRESETS[preset] if isinstance(preset, str) else preset
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     weights = {
@@ -285,7 +288,7 @@ def write_checkpoint(
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
         "torch_dtype": dtype,
-        "pdserve_preset": preset,
+        "pdserve_preset": preset if isinstance(preset, str) else "custom",
         "pdserve_seed": seed,
     }
     _write_json(root / "config.json", config)
