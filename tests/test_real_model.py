@@ -43,6 +43,7 @@ from engine.sampling import SamplingParams  # noqa: E402
 from pdserve.cli import main  # noqa: E402
 from pdserve.models import DEFAULT_MODEL, NAMED_MODELS, pdserve_home, resolve_model  # noqa: E402
 from tests.serve_proc import ServeProcess, shared_server  # noqa: E402
+from tests.test_gguf import assert_same_fields  # noqa: E402
 
 CHAT_PROMPTS = (
     "What is the capital of France?",
@@ -216,6 +217,11 @@ def test_perplexity_equals_hf(real_dir: Path, hf: tuple[Any, Any]) -> None:
     ppl, hf_ppl = math.exp(nll), math.exp(hf_nll)
     assert 1.5 < hf_ppl < 100, f"HF perplexity {hf_ppl:.2f}: not an English model?"
     assert abs(ppl - hf_ppl) / hf_ppl < 1e-4, (ppl, hf_ppl)
+
+
+def test_the_faster_reader_reads_the_real_files_fields(real_dir: Path) -> None:
+    """pdserve's GGUF reader against the stock one on the real file (tests/test_gguf.py)."""
+    assert_same_fields(pdserve_home() / "downloads" / Path(NAMED_MODELS[DEFAULT_MODEL].member).name)
 
 
 def test_gguf_file_gives_the_converted_directory_tokens(real_dir: Path) -> None:
