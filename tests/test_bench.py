@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import re
 import socket
 import threading
@@ -638,3 +639,24 @@ def test_stalls_measure_a_blocked_loop_and_leave_the_rest() -> None:
     assert stalls.within(longest[0] - 1.0, longest[1] + 1.0) >= 0.07
     assert stalls.within(longest[1] + 0.5, longest[1] + 1.0) == 0.0
     assert stalls.within(longest[0], longest[0] + 0.01) == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_closed_loops_rate_is_its_steady_requests_by_littles_law(seed: int) -> None:
+    """`pdserve chaos`'s capacity: a closed loop of 48 in flight at 50 requests/s (each
+    steady request 0.96 s from send to end), whose first and last 48 ran faster with fewer
+    in flight and whose last ones end in one burst, is measured at 50 requests/s: the ramp
+    and the tail are left out, and no burst's place decides it."""
+    from pdserve.tools.chaos import OK, Outcome, steady_throughput
+
+    rng = random.Random(seed)
+    outs = []
+    for i in range(768):
+        sent = i / 50.0 + rng.uniform(0.0, 0.01)
+        steady = 48 <= i < 768 - 48
+        latency = 0.96 * rng.uniform(0.8, 1.2) if steady else 0.3
+        end = min(sent + latency, 768 / 50.0) if i >= 768 - 48 else sent + latency
+        outs.append(Outcome(f"r{i}", sent_s=sent, status=OK, ended_s=end))
+    rng.shuffle(outs)
+    assert steady_throughput(outs, 48) == pytest.approx(50.0, rel=0.05)
+    assert steady_throughput(outs[:90], 48) == 0.0  # no steady part: no rate
