@@ -261,7 +261,7 @@ def write_checkpoint(
         raise ValueError(f"--preset {preset!r}: choose from {sorted(PRESETS)}")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"--dtype {dtype!r}: choose float32 or bfloat16")
-    p = PRESETS[preset] if isinstance(preset, str) else preset
+    p, name = (PRESETS[preset], preset) if isinstance(preset, str) else (preset, "custom")
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     weights = {
@@ -288,7 +288,7 @@ def write_checkpoint(
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
         "torch_dtype": dtype,
-        "pdserve_preset": preset if isinstance(preset, str) else "custom",
+        "pdserve_preset": name,
         "pdserve_seed": seed,
     }
     _write_json(root / "config.json", config)

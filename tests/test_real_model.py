@@ -219,13 +219,18 @@ def test_perplexity_equals_hf(real_dir: Path, hf: tuple[Any, Any]) -> None:
     assert abs(ppl - hf_ppl) / hf_ppl < 1e-4, (ppl, hf_ppl)
 
 
+def _fetched_gguf() -> Path:
+    """The default model's GGUF, as its fetch keeps it."""
+    return pdserve_home() / "downloads" / Path(NAMED_MODELS[DEFAULT_MODEL].member).name
+
+
 def test_the_faster_reader_reads_the_real_files_fields(real_dir: Path) -> None:
     """pdserve's GGUF reader against the stock one on the real file (tests/test_gguf.py)."""
-    assert_same_fields(pdserve_home() / "downloads" / Path(NAMED_MODELS[DEFAULT_MODEL].member).name)
+    assert_same_fields(_fetched_gguf())
 
 
 def test_gguf_file_gives_the_converted_directory_tokens(real_dir: Path) -> None:
-    gguf = pdserve_home() / "downloads" / Path(NAMED_MODELS[DEFAULT_MODEL].member).name
+    gguf = _fetched_gguf()
     assert gguf.is_file(), "the fetch keeps the GGUF"
     view = resolve_model(str(gguf))
     assert (view / "model.gguf").resolve() == gguf.resolve()

@@ -292,9 +292,8 @@ def wide_engine(tmp_path_factory: pytest.TempPathFactory, tiny_engine: LLMEngine
     """On the kernels this CPU chose for the tiny preset, named (and probed at these sizes):
     measuring the choice afresh at the wide sizes took 27 s of a cold suite."""
     chosen = tiny_engine.kernel_selection.kernels
-    spec = ",".join(f"{op}={name}" for op, name in chosen.as_dict().items())
     wide = write_checkpoint(WIDE, tmp_path_factory.mktemp("wide"))
-    return _engine(wide, spec, chosen.batch_invariant)
+    return _engine(wide, chosen.text(), chosen.batch_invariant)
 
 
 @pytest.fixture(params=["model-default", "eager"])

@@ -1455,10 +1455,8 @@ def steady_throughput(outs: Sequence[Outcome], concurrency: int) -> float:
     and once 87.2 where the run before measured 42.5 (`make chaos` then ran its 0.8x phase
     above capacity). A mean over every steady request's latency is not moved by where its
     ends fall."""
-    ok = sorted(
-        (o for o in outs if o.status == OK and o.ended_s is not None), key=lambda o: o.sent_s
-    )
-    steady = [o.ended_s - o.sent_s for o in ok[concurrency:-concurrency] if o.ended_s is not None]
+    done = sorted((o.sent_s, o.ended_s) for o in outs if o.status == OK and o.ended_s is not None)
+    steady = [end - sent for sent, end in done[concurrency:-concurrency]]
     if not steady or sum(steady) <= 0:
         return 0.0
     return concurrency / (sum(steady) / len(steady))
